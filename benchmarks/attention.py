@@ -1,0 +1,210 @@
+"""Attention speed and accuracy: INT8 modes against SDPA cuDNN / flash fp16, timed in one run.
+
+    python benchmarks/attention.py --out bench_out/attention.json [--sweep] [--shapes flux,sdxl]
+
+Times are medians of ``triton.testing.do_bench`` (warm-up, L2 flushed between runs). The INT8 times
+include quantization and K smoothing; the quantization kernels are also timed on their own line.
+TFLOPS count 4·B·H·Sq·Sk·D. Accuracy is cosine / relative L1 against float32 attention on 2 heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from inputs import realistic_qkv  # noqa: E402
+
+from diffusion_int8.kernels import attention as kattn  # noqa: E402
+from diffusion_int8.kernels import quantize as tq  # noqa: E402
+from diffusion_int8.kernels.config import PV, TileConfig, tile_config  # noqa: E402
+from diffusion_int8.kernels.reference import attention_ref, k_mean, v_channel_amax  # noqa: E402
+
+SHAPES = {  # name: (B, H, N, D), from ../shared/ANCHORS.md
+    "flux": (2, 24, 4608, 128),
+    "long": (1, 16, 16384, 128),
+    "cogvideox": (1, 24, 17550, 64),
+    "sdxl": (2, 10, 4096, 64),
+    "dit": (4, 16, 1024, 72),
+    "sd15": (2, 8, 4096, 40),
+    "short": (8, 16, 1024, 64),
+}
+
+
+def bench(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph: replays time the GPU work without Python and launch overhead."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
+def accuracy(out, ref):
+    out, ref = out.double().flatten(), ref.double().flatten()
+    cos = F.cosine_similarity(out, ref, 0).item()
+    return cos, ((out - ref).abs().sum() / ref.abs().sum()).item()
+
+
+def run_shape(name, shape, dtype, sweep):
+    B, H, N, D = shape
+    q, k, v = realistic_qkv(B, H, N, N, D, dtype=dtype, device="cuda")
+    flops = 4 * B * H * N * N * D
+    ref = attention_ref(q[:, :2], k[:, :2], v[:, :2], dtype=torch.float32)
+    rows = {}
+
+    def add(label, fn, acc=True):
+        try:
+            ms = bench(fn)
+        except Exception as exc:  # a baseline that rejects the shape is reported, not fatal
+            rows[label] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+            return
+        row = {"ms": ms, "tflops": flops / ms / 1e9}
+        if acc:
+            out = fn()
+            row["cos"], row["rel_l1"] = accuracy(out[:, :2], ref)
+        rows[label] = row
+
+    for label, backend in (("sdpa_cudnn_fp16", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash_fp16", SDPBackend.FLASH_ATTENTION)):
+        def sdpa(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v)
+        add(label, sdpa)
+
+    scale = D**-0.5
+    for label, pv in (("int8_fp16v", PV.FP16), ("int8 (fp8 P·V)", PV.FP8), ("int8 (int8 P·V)", PV.INT8)):
+        add(label, lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale))
+
+    def quant_only(pv=PV.FP8):
+        cfg = tile_config(D, pv)
+        tq.quantize_q(q, scale)
+        tq.quantize_k(k, cfg.block_n, k_mean(k))
+        tq.quantize_v(v, pv, v_channel_amax(v))
+    add("quantization only (Q, K+mean, V+amax, fp8)", quant_only, acc=False)
+    q_amax = q.float().abs().amax((2, 3))
+    k_amax = (k.float() - k_mean(k)[:, :, None]).abs().amax((2, 3))
+    v_amax = v.float().abs().amax(2)
+    add("int8 (fp8 P·V), static ranges", lambda: kattn.triton_attention(
+        q, k, v, layout="BHSD", pv=PV.FP8, sm_scale=scale, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax))
+
+    # the same calls replayed from CUDA graphs (as under torch.compile mode="reduce-overhead")
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v)
+    add("[graph] sdpa_cudnn_fp16", graphed(cudnn), acc=False)
+    for label, pv in (("[graph] int8_fp16v", PV.FP16), ("[graph] int8 (fp8 P·V)", PV.FP8)):
+        add(label, graphed(lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale)), acc=False)
+
+    try:
+        from sageattention import sageattn
+
+        add("sageattention 1.0.6", lambda: sageattn(q, k, v, tensor_layout="HND", is_causal=False))
+    except ImportError:
+        pass
+
+    base = rows["sdpa_cudnn_fp16"].get("ms")
+    base_graph = rows["[graph] sdpa_cudnn_fp16"].get("ms")
+    flash = rows["sdpa_flash_fp16"].get("ms")
+    for label, row in rows.items():
+        if "ms" in row:
+            ref_ms = base_graph if label.startswith("[graph]") else base  # graph rows vs graphed cuDNN
+            row["vs_cudnn"] = ref_ms / row["ms"] if ref_ms else None
+            row["vs_flash"] = flash / row["ms"] if flash else None
+
+    result = {"shape": dict(B=B, H=H, N=N, D=D), "rows": rows}
+    if sweep:
+        result["sweep"] = sweep_tiles(q, k, v, D, scale)
+    return result
+
+
+def sweep_tiles(q, k, v, D, scale):
+    """Time every tile config for each P·V precision; the best go into ``config.tile_config``."""
+    found = {}
+    original = kattn.tile_config
+    try:
+        for pv in (PV.FP16, PV.FP8):
+            timings = []
+            for bm, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
+                cfg = TileConfig(bm, bn, warps, stages)
+                kattn.tile_config = lambda *_ , cfg=cfg: cfg
+                try:
+                    ms = bench(lambda: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale))
+                except Exception as exc:
+                    timings.append({"cfg": asdict(cfg), "error": type(exc).__name__})
+                    continue
+                timings.append({"cfg": asdict(cfg), "ms": ms})
+            ok = sorted((t for t in timings if "ms" in t), key=lambda t: t["ms"])
+            found[pv.value] = ok[:5]
+    finally:
+        kattn.tile_config = original
+    return found
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--sweep", action="store_true", help="also time every tile config")
+    ap.add_argument("--out", default="bench_out/attention.json", help="JSON file to write")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/attention.py needs a CUDA GPU")
+
+    dtype = getattr(torch, args.dtype)
+    meta = {
+        "device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
+        "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+        "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype,
+    }
+    import triton
+
+    meta["triton"] = triton.__version__
+    results = {}
+    for name in args.shapes.split(","):
+        results[name] = run_shape(name, SHAPES[name], dtype, args.sweep)
+        torch.cuda.empty_cache()
+        print_shape(name, results[name])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print(f"\n{meta}\nwrote {args.out}")
+
+
+def print_shape(name, res):
+    """Markdown table; *[graph] rows are compared with cuDNN replayed from a graph too."""
+    s = res["shape"]
+    print(f"\n## {name} (B={s['B']}, H={s['H']}, N={s['N']}, D={s['D']})")
+    print(f"| {'kernel':44s} | ms | TFLOPS | vs cuDNN* | vs flash | cos | rel L1 |")
+    print("|---|---|---|---|---|---|---|")
+    for label, r in res["rows"].items():
+        if "error" in r:
+            print(f"| {label:44s} | {r['error']} |")
+            continue
+        acc = f"{r['cos']:.5f} | {r['rel_l1']:.4f}" if "cos" in r else "— | —"
+        print(f"| {label:44s} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['vs_cudnn']:.2f} | {r['vs_flash']:.2f} | {acc} |")
+    for pv, best in res.get("sweep", {}).items():
+        print(f"  best tiles {pv}: " + "; ".join(f"{t['cfg']} {t['ms']:.3f}ms" for t in best[:3]))
+
+
+if __name__ == "__main__":
+    main()

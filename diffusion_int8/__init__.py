@@ -1,0 +1,7 @@
+"""diffusion-int8: fused INT8 attention for diffusers pipelines."""
+
+from .kernels import Mode, int8_attention, kernel_info
+
+__version__ = "0.1.0"
+
+__all__ = ["int8_attention", "kernel_info", "Mode", "__version__"]

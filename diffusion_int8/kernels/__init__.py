@@ -1,0 +1,16 @@
+"""Fused INT8 attention kernels (Triton), their PyTorch emulation and an upcast reference."""
+
+from .api import int8_attention, kernel_info
+from .config import PV, Backend, Mode, tile_config
+from .reference import attention_ref, emulate_attention
+
+__all__ = [
+    "int8_attention",
+    "kernel_info",
+    "attention_ref",
+    "emulate_attention",
+    "Mode",
+    "PV",
+    "Backend",
+    "tile_config",
+]

@@ -1,0 +1,169 @@
+"""The public attention entry point: validation and dispatch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import MAX_HEAD_DIM, Backend, Mode, pv_for_mode, select_backend
+from .ops import quantized_attention
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_LAYOUTS = ("BHSD", "BSHD")
+
+
+def int8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mode: str | Mode = "int8_fp16v",
+    layout: str = "BHSD",
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    smooth_k: bool = True,
+    q_amax: torch.Tensor | None = None,
+    k_amax: torch.Tensor | None = None,
+    v_amax: torch.Tensor | None = None,
+    check_finite: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention with Q·Kᵀ on INT8 tensor cores.
+
+    Args:
+        q: (B, Hq, Sq, D) for ``layout="BHSD"`` or (B, Sq, Hq, D) for ``"BSHD"``; fp16 or bf16.
+            Read through its strides: transposed views need no copy.
+        k, v: (B, Hkv, Sk, D) or (B, Sk, Hkv, D), same dtype and device as ``q``. ``Hq`` must be a
+            multiple of ``Hkv`` (GQA/MQA). Any Sq, Sk >= 1; any D from 1 to 256 (padded inside).
+        mode: ``"int8_fp16v"`` (Q·Kᵀ INT8, P·V in the input's 16-bit type), ``"int8"`` (Q·Kᵀ INT8,
+            P·V in FP8 e4m3 on sm89+ and INT8 before that) or ``"fp16"`` (exact, through
+            ``torch.nn.functional.scaled_dot_product_attention``).
+        attn_mask: bool (True = attend) or additive float mask, broadcastable to (B, Hq, Sq, Sk),
+            e.g. a key-padding mask of shape (B, 1, 1, Sk). Rows with every key masked give 0.
+        scale: softmax scale; default ``D ** -0.5``.
+        smooth_k: subtract K's token mean per (batch, head) before quantizing (softmax is invariant
+            to it; it removes the channel bias that breaks naive INT8 K).
+        q_amax, k_amax: static quantization ranges broadcastable to (B, Hq) / (B, Hkv), e.g. per-head
+            calibrated 99th percentiles (``k_amax`` is of the smoothed K). Values beyond are clipped.
+        v_amax: static per-channel range of V, broadcastable to (B, Hkv, D).
+        check_finite: raise ``ValueError`` on NaN/Inf inputs. This costs a host synchronization, so it
+            is off by default; then a NaN/Inf in a row of Q makes that output row NaN, and one in K or V
+            makes the rows that attend to its quantization block NaN. Non-finite values are never
+            silently replaced.
+
+    Returns:
+        Attention output shaped like ``q`` (contiguous in ``layout``), in ``q``'s dtype.
+    """
+    mode = Mode.parse(mode)
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+    _check_qkv(q, k, v, layout)
+    if check_finite:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} contains NaN or Inf")
+    s_ax = 2 if layout == "BHSD" else 1
+    B, Hq, Sq, D = q.shape[0], q.shape[3 - s_ax], q.shape[s_ax], q.shape[3]
+    Hkv, Sk = k.shape[3 - s_ax], k.shape[s_ax]
+    if attn_mask is not None:
+        _check_mask(attn_mask, q, (B, Hq, Sq, Sk))
+    if scale is None:
+        scale = D**-0.5
+    elif not scale > 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+
+    if mode is Mode.FP16:
+        if q_amax is not None or k_amax is not None or v_amax is not None:
+            raise ValueError("static quantization ranges (q_amax/k_amax/v_amax) do not apply to mode 'fp16'")
+        qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=attn_mask, scale=scale, enable_gqa=Hq != Hkv
+        )
+        return out if layout == "BHSD" else out.transpose(1, 2)
+
+    _check_amax("q_amax", q_amax, q, (B, Hq))
+    _check_amax("k_amax", k_amax, q, (B, Hkv))
+    _check_amax("v_amax", v_amax, q, (B, Hkv, D))
+    backend = select_backend(q.device)
+    pv = pv_for_mode(mode, q.device)
+    return quantized_attention(
+        q, k, v, attn_mask, q_amax, k_amax, v_amax, layout, pv.value, float(scale), smooth_k, backend.value
+    )
+
+
+def kernel_info(device: torch.device | str, mode: str | Mode = "int8") -> dict:
+    """Which implementation ``int8_attention`` runs on ``device`` for ``mode``, without running it."""
+    device = torch.device(device)
+    mode = Mode.parse(mode)
+    if mode is Mode.FP16:
+        return {"mode": mode.value, "backend": "sdpa", "pv": None}
+    return {"mode": mode.value, "backend": select_backend(device).value, "pv": pv_for_mode(mode, device).value}
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; accepted: torch.float16, torch.bfloat16")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D ({'B, H, S, D' if layout == 'BHSD' else 'B, S, H, D'} for layout "
+                f"{layout!r}), got shape {tuple(t.shape)}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    s_ax = 2 if layout == "BHSD" else 1
+    h_ax = 3 - s_ax
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"head dims differ: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    D = q.shape[3]
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {D} is not supported; accepted: 1 to {MAX_HEAD_DIM}")
+    hq, hkv = q.shape[h_ax], k.shape[h_ax]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"q has {hq} heads and k/v have {hkv}: the query heads must be a multiple of the key/value "
+            f"heads (check the layout: {layout!r} puts heads on dim {h_ax})"
+        )
+    if q.shape[s_ax] == 0 or k.shape[s_ax] == 0:
+        raise ValueError(f"sequence lengths must be >= 1, got q {q.shape[s_ax]} and k {k.shape[s_ax]}")
+
+
+def _check_mask(mask: torch.Tensor, q: torch.Tensor, full: tuple[int, int, int, int]) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attn_mask has dtype {mask.dtype}; accepted: torch.bool (True = attend) or a float dtype (additive)")
+    if mask.device != q.device:
+        raise ValueError(f"attn_mask is on {mask.device}, q on {q.device}")
+    try:
+        torch.broadcast_shapes(mask.shape, full)
+        ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, full) == torch.Size(full)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Sq, Sk) = {full}; "
+            f"a key-padding mask is (B, 1, 1, Sk)"
+        )
+
+
+def _check_amax(name: str, amax: torch.Tensor | None, q: torch.Tensor, full: tuple[int, ...]) -> None:
+    if amax is None:
+        return
+    if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor broadcastable to {full}")
+    if amax.device != q.device:
+        raise ValueError(f"{name} is on {amax.device}, q on {q.device}")
+    try:
+        ok = torch.broadcast_shapes(amax.shape, full) == torch.Size(full)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} of shape {tuple(amax.shape)} does not broadcast to {full}")

@@ -1,0 +1,209 @@
+"""The fused INT8 attention kernel (Triton) and its launcher.
+
+One program computes ``BLOCK_M`` query rows of one (batch, head): an INT8 Q·Kᵀ per K tile, scores
+dequantized with one multiply (per-token Q scale × per-tile K scale, softmax scale and log2(e)
+already folded in), online softmax in FP32 with exp2, and P·V in the precision chosen by ``PV``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import quantize as tq
+from .quantize import _rdiv
+from .config import FP8_P_SCALE, INT8_MAX, LOG2E, PV, tile_config
+from .reference import P_FLOOR, k_mean, padded_len, to_bhsd, v_channel_amax
+
+_PV_CODE = {PV.FP16: 0, PV.FP8: 1, PV.INT8: 2}
+# Compiled kernels may only read globals that are constexpr.
+_LOG2E = tl.constexpr(LOG2E)
+_INT8_MAX = tl.constexpr(INT8_MAX)
+_P_FLOOR = tl.constexpr(P_FLOOR)
+_FP8_P_SCALE = tl.constexpr(FP8_P_SCALE)
+_MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
+
+
+@triton.jit
+def _attn_block(
+    acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, start_n, offs_m, offs_n, offs_d,
+    SQ, SK, D,
+    stride_vs, stride_mn,
+    BLOCK_N: tl.constexpr, DP: tl.constexpr, PV: tl.constexpr, MASK: tl.constexpr, TAIL: tl.constexpr,
+):
+    # -- S = Q·Kᵀ on INT8 tensor cores, dequantized into base-2 logits --
+    k = tl.load(k_ptrs)
+    qk = tl.dot(q, k)
+    s = qk.to(tl.float32) * (qs * tl.load(ks_ptr))[:, None]
+    cols = start_n + offs_n
+    if TAIL:
+        s = tl.where(cols[None, :] < SK, s, float("-inf"))
+    if MASK != 0:
+        mvalid = (offs_m[:, None] < SQ) & (cols[None, :] < SK)
+        if MASK == 1:
+            keep = tl.load(mask_ptrs, mask=mvalid, other=0)
+            s = tl.where(keep != 0, s, float("-inf"))
+        else:
+            s = s + tl.load(mask_ptrs, mask=mvalid, other=0.0).to(tl.float32) * _LOG2E
+
+    # -- update running max and sum --
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASK != 0:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with every key masked so far
+    else:
+        m_safe = m_new
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    # -- P·V, accumulated in FP32 outside the MMA --
+    if PV == 0:
+        if TAIL:
+            v = tl.load(v_ptrs, mask=(cols[:, None] < SK) & (offs_d[None, :] < D), other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < D, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    elif PV == 1:
+        v = tl.load(v_ptrs)
+        p8 = (p * _FP8_P_SCALE).to(tl.float8e4nv)
+        acc = acc * alpha[:, None] + tl.dot(p8, v)
+    else:
+        v = tl.load(v_ptrs)
+        p_max = tl.maximum(tl.max(p, 1), _P_FLOOR)
+        y = tl.minimum(p * _rdiv(_INT8_MAX, p_max)[:, None], _INT8_MAX)
+        p8 = ((y + 12582912.0) - 12582912.0).to(tl.int8)
+        if DP > 128:
+            # Triton 3.6 miscompiles this INT8 dot at N=256 on sm_90 (columns past 128 are wrong).
+            # Small integers are exact in fp16 and every fp32 partial sum stays below 2^24, so the
+            # fp16 MMA gives the same result.
+            pv = tl.dot(p8.to(tl.float16), v.to(tl.float16))
+        else:
+            pv = tl.dot(p8, v).to(tl.float32)
+        acc = acc * alpha[:, None] + pv * tl.math.div_rn(p_max, p_max * 0.0 + _INT8_MAX)[:, None]
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q8, QS, K8, KS, V, VS, MASK_PTR, O,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_os, stride_od,
+    H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_FULL,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
+    PV: tl.constexpr, MASK: tl.constexpr,
+):
+    tl.static_assert(BLOCK_N % 16 == 0)
+    tl.static_assert(DP >= 32)
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    off_kv = (b * H_KV + h // (H // H_KV)).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, DP)
+
+    # Quantized buffers are padded to whole tiles: no load masks.
+    q = tl.load(Q8 + off_bh.to(tl.int64) * SQ_PAD * DP + offs_m[:, None] * DP + offs_d[None, :])
+    qs = tl.load(QS + off_bh.to(tl.int64) * SQ_PAD + offs_m)
+    k_ptrs = K8 + off_kv * SK_PAD * DP + offs_n[None, :] * DP + offs_d[:, None]  # Kᵀ tile (DP, BLOCK_N)
+    ks_ptr = KS + off_kv * (SK_PAD // BLOCK_N)
+    if PV == 0:
+        v_ptrs = (V + b.to(tl.int64) * stride_vb + (h // (H // H_KV)).to(tl.int64) * stride_vh
+                  + offs_n[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd)
+        v_step = BLOCK_N * stride_vs
+    elif PV == 1:
+        v_ptrs = V + off_kv * DP * SK_PAD + offs_d[None, :] * SK_PAD + offs_n[:, None]  # from (DP, SK_PAD)
+        v_step = BLOCK_N
+    else:
+        v_ptrs = V + off_kv * SK_PAD * DP + offs_n[:, None] * DP + offs_d[None, :]
+        v_step = BLOCK_N * DP
+    mask_ptrs = (MASK_PTR + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+                 + offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :] * stride_mn)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
+    for start_n in range(0, N_FULL, BLOCK_N):
+        acc, m_i, l_i = _attn_block(
+            acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, start_n, offs_m, offs_n, offs_d,
+            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False,
+        )
+        k_ptrs += BLOCK_N * DP
+        v_ptrs += v_step
+        ks_ptr += 1
+        mask_ptrs += BLOCK_N * stride_mn
+    if N_FULL < SK:
+        acc, m_i, l_i = _attn_block(
+            acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, N_FULL, offs_m, offs_n, offs_d,
+            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True,
+        )
+
+    # -- normalize; rows with every key masked give 0 --
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc * _rdiv(1.0, l_safe)[:, None]
+    if PV == 1:
+        out = out * (tl.load(VS + off_kv * DP + offs_d) * (1.0 / _FP8_P_SCALE))[None, :]
+    elif PV == 2:
+        out = out * tl.load(VS + off_kv * DP + offs_d)[None, :]
+    o_ptrs = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+              + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
+
+
+def triton_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str,
+    pv: PV,
+    sm_scale: float,
+    smooth_k: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    q_amax: torch.Tensor | None = None,
+    k_amax: torch.Tensor | None = None,
+    v_amax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
+
+    Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype). No host
+    synchronization.
+    """
+    qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
+    B, H, Sq, D = qb.shape
+    H_kv, Sk = kb.shape[1], kb.shape[2]
+    cfg = tile_config(D, pv)
+    q8, qs = tq.quantize_q(qb, sm_scale, q_amax)
+    k8, ks = tq.quantize_k(kb, cfg.block_n, k_mean(kb) if smooth_k else None, k_amax)
+    if pv is PV.FP16:
+        vk, vs = vb, qs  # V read in place; vs unused
+    else:
+        vk, vs = tq.quantize_v(vb, pv, v_channel_amax(vb, v_amax))
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ob = to_bhsd(out, layout)
+
+    if attn_mask is None:
+        mask, mask_kind, mstride = qs, _MASK_NONE, (0, 0, 0, 0)
+    else:
+        mask = attn_mask.expand(B, H, Sq, Sk)
+        if mask.dtype == torch.bool:
+            mask, mask_kind = mask.view(torch.uint8), _MASK_BOOL
+        else:
+            mask_kind = _MASK_ADD
+        mstride = mask.stride()
+
+    grid = (triton.cdiv(Sq, cfg.block_m), B * H)
+    _attn_fwd_kernel[grid](
+        q8, qs, k8, ks, vk, vs, mask, ob,
+        *vb.stride(), *mstride, *ob.stride(),
+        H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=q8.shape[-1],
+        PV=_PV_CODE[pv], MASK=mask_kind,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,165 @@
+"""Precisions, tile configuration and backend selection for the attention kernels.
+
+Everything here is decided once per device and cached; nothing on the hot path reads global
+mutable state.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+LOG2E = 1.4426950408889634
+INT8_MAX = 127.0
+# P is multiplied by a power of two before the FP8 cast, so undoing it is exact.
+FP8_P_SCALE = 256.0
+FP8_MAX = 448.0
+# Lower bound on a quantization range, so an all-zero block gets a finite scale.
+AMAX_FLOOR = 1e-12
+# Quantized Q/K/V buffers are padded to a multiple of this many tokens, so the attention
+# kernel loads whole tiles without masks.
+SEQ_PAD = 128
+MAX_HEAD_DIM = 256
+
+ENV_BACKEND = "DIFFUSION_INT8_BACKEND"
+ENV_PV8 = "DIFFUSION_INT8_PV8"
+
+
+class Mode(str, enum.Enum):
+    """Precision of one attention call."""
+
+    INT8 = "int8"  # Q·Kᵀ INT8, P·V 8-bit (FP8 e4m3 on sm89+, INT8 elsewhere)
+    INT8_FP16V = "int8_fp16v"  # Q·Kᵀ INT8, P·V in the input's 16-bit type
+    FP16 = "fp16"  # exact: torch SDPA
+
+    @classmethod
+    def parse(cls, value: "str | Mode") -> "Mode":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"mode must be one of {[m.value for m in cls]}, got {value!r}"
+            ) from None
+
+
+class PV(str, enum.Enum):
+    """Operand precision of the P·V product inside the kernel."""
+
+    FP16 = "fp16"  # P cast to V's 16-bit type (fp16 or bf16), FP32 accumulation
+    FP8 = "fp8"  # P·256 and per-channel-scaled V in e4m3, FP32 accumulation across blocks
+    INT8 = "int8"  # P per row and block in INT8, per-channel-scaled V in INT8
+
+
+class Backend(str, enum.Enum):
+    TRITON = "triton"
+    EMULATION = "emulation"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int  # also the K quantization block: one K scale per tile
+    num_warps: int
+    num_stages: int
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dim the kernels compute with: the next power of two, at least 32 (INT8 MMA K-width)."""
+    return max(32, 1 << (head_dim - 1).bit_length())
+
+
+def tile_config(head_dim: int, pv: PV) -> TileConfig:
+    """Tiles for one head dim and P·V precision.
+
+    The table is fixed (not autotuned) because ``block_n`` is also the K quantization block, which the
+    emulation must reproduce; the entries come from the sweep in ``benchmarks/attention.py``.
+    """
+    dp = padded_head_dim(head_dim)
+    if dp <= 64:
+        return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if dp == 128:
+        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_support(device_type: str, index: int | None, interpret: bool) -> str | None:
+    """None when the Triton kernels can run on this device, else the reason they cannot."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - triton ships with Linux torch
+        return f"Triton is not importable ({exc})"
+    if interpret:
+        return None if device_type == "cpu" else "TRITON_INTERPRET=1 runs kernels on CPU tensors only"
+    if device_type != "cuda":
+        return f"the Triton kernels need a CUDA GPU, got a {device_type} tensor"
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 8:
+        name = torch.cuda.get_device_name(index)
+        return f"{name} is sm_{major}{minor}; the INT8 kernels need sm_80 or newer"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(
+        f"diffusion_int8: {reason}; using the PyTorch emulation of the INT8 kernel (same numerics, "
+        f"much slower). Set {ENV_BACKEND}=emulation to silence this.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def select_backend(device: torch.device) -> Backend:
+    """The backend that runs INT8 modes on ``device``.
+
+    ``DIFFUSION_INT8_BACKEND`` = ``triton`` | ``emulation`` | ``auto`` (default) overrides the choice.
+    Asking for ``triton`` where it cannot run raises, naming the device and what is missing.
+    """
+    requested = os.environ.get(ENV_BACKEND, "auto").lower()
+    if requested not in ("auto", "triton", "emulation"):
+        raise ValueError(f"{ENV_BACKEND} must be auto, triton or emulation, got {requested!r}")
+    if requested == "emulation":
+        return Backend.EMULATION
+    reason = _triton_support(device.type, device.index, interpreting())
+    if reason is None:
+        return Backend.TRITON
+    if requested == "triton":
+        raise RuntimeError(f"{ENV_BACKEND}=triton, but {reason}")
+    _warn_fallback(reason)
+    return Backend.EMULATION
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8(device_type: str, index: int | None) -> bool:
+    return device_type != "cuda" or torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def default_pv8(device: torch.device) -> PV:
+    """The 8-bit P·V format of mode ``int8``: FP8 e4m3 on sm89+ (and on CPU), INT8 before that.
+
+    ``DIFFUSION_INT8_PV8`` = ``fp8`` | ``int8`` overrides it.
+    """
+    forced = os.environ.get(ENV_PV8)
+    if forced:
+        if forced not in ("fp8", "int8"):
+            raise ValueError(f"{ENV_PV8} must be fp8 or int8, got {forced!r}")
+        return PV(forced)
+    return PV.FP8 if _has_fp8(device.type, device.index) else PV.INT8
+
+
+def pv_for_mode(mode: Mode, device: torch.device) -> PV:
+    if mode is Mode.INT8_FP16V:
+        return PV.FP16
+    if mode is Mode.INT8:
+        return default_pv8(device)
+    raise ValueError(f"{mode} has no quantized P·V")

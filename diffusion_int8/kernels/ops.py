@@ -1,0 +1,42 @@
+"""PyTorch custom op around the kernels, so ``torch.compile`` and CUDA graphs see one opaque node."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .config import PV, Backend
+from .reference import emulate_attention
+
+
+@torch.library.custom_op("diffusion_int8::quantized_attention", mutates_args=())
+def quantized_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    q_amax: Optional[torch.Tensor],
+    k_amax: Optional[torch.Tensor],
+    v_amax: Optional[torch.Tensor],
+    layout: str,
+    pv: str,
+    sm_scale: float,
+    smooth_k: bool,
+    backend: str,
+) -> torch.Tensor:
+    """INT8 Q·Kᵀ attention on validated inputs; ``backend`` is a ``Backend`` value, ``pv`` a ``PV`` value."""
+    kwargs = dict(
+        layout=layout, pv=PV(pv), sm_scale=sm_scale, smooth_k=smooth_k,
+        attn_mask=attn_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax,
+    )
+    if backend == Backend.TRITON.value:
+        from .attention import triton_attention  # imports triton lazily: CPU-only installs never need it
+
+        return triton_attention(q, k, v, **kwargs)
+    return emulate_attention(q, k, v, **kwargs)
+
+
+@quantized_attention.register_fake
+def _(q, k, v, attn_mask, q_amax, k_amax, v_amax, layout, pv, sm_scale, smooth_k, backend):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,0 +1,176 @@
+"""Triton kernels that quantize Q, K and V for the attention kernel.
+
+They produce bit for bit what ``reference.quantize_q/k/v`` produce (see that module for the
+numerics). Inputs are read through their strides, so (B, S, H, D) views need no copy; outputs are
+contiguous, padded to ``SEQ_PAD`` tokens and a power-of-two head dim, so the attention kernel loads
+whole tiles without masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import AMAX_FLOOR, FP8_MAX, INT8_MAX, LOG2E, PV, padded_head_dim
+from .reference import padded_len
+
+_ROW_BLOCK = 64  # tokens per program when the scale is per token
+# Compiled kernels may only read globals that are constexpr.
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_INT8_MAX = tl.constexpr(INT8_MAX)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def _rdiv(c, x):
+    """c / x with one IEEE rounding (tl.math.div_rn), for a constant c and a tensor or scalar x."""
+    return tl.math.div_rn(x * 0.0 + c, x)
+
+
+@triton.jit
+def _round_half_even(y):
+    # y is clamped to |y| <= 448, so adding 1.5·2²³ leaves no fractional bits: the fp32 add rounds
+    # half to even. The clamp before it keeps the compiler from fusing the scale multiply into an FMA.
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _quant_qk_kernel(
+    X, MEAN, AMAX, OUT, SCALE,
+    stride_xb, stride_xh, stride_xs, stride_xd,
+    stride_ab, stride_ah,
+    H, S, D, S_PAD, N_SCALES, scale_mult,
+    BLOCK: tl.constexpr, DP: tl.constexpr,
+    PER_TOKEN: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_s = pid_s * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, DP)
+    valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
+    x_ptrs = (X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+              + offs_s[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd)
+    x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
+    if SMOOTH:
+        mean = tl.load(MEAN + pid_bh * D + offs_d, mask=offs_d < D, other=0.0)
+        x = tl.where(valid, x - mean[None, :], 0.0)
+
+    # -- range per token (Q) or per block (K); x·0 sums to NaN iff the block holds a NaN/Inf --
+    poison = x * 0.0
+    if PER_TOKEN:
+        nonfinite = tl.sum(poison, axis=1)
+        amax = tl.max(tl.abs(x), axis=1)
+    else:
+        nonfinite = tl.sum(tl.sum(poison, axis=1), axis=0)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    if STATIC:
+        amax = tl.load(AMAX + b * stride_ab + h * stride_ah) + nonfinite * 0.0
+    amax = tl.maximum(amax, _AMAX_FLOOR) + nonfinite
+
+    # -- symmetric INT8 --
+    inv = _rdiv(_INT8_MAX, amax)
+    if PER_TOKEN:
+        y = x * inv[:, None]
+    else:
+        y = x * inv
+    y = tl.minimum(tl.maximum(y, -_INT8_MAX), _INT8_MAX)
+    out_ptrs = OUT + pid_bh.to(tl.int64) * S_PAD * DP + offs_s[:, None] * DP + offs_d[None, :]
+    tl.store(out_ptrs, _round_half_even(y).to(tl.int8))
+
+    scale = tl.math.div_rn(amax, amax * 0.0 + _INT8_MAX) * scale_mult
+    if PER_TOKEN:
+        tl.store(SCALE + pid_bh * N_SCALES + offs_s, scale)
+    else:
+        tl.store(SCALE + pid_bh * N_SCALES + pid_s, scale)
+
+
+@triton.jit
+def _quant_v_kernel(
+    X, AMAX, OUT, SCALE,
+    stride_xb, stride_xh, stride_xs, stride_xd,
+    H, S, D, S_PAD,
+    BLOCK: tl.constexpr, DP: tl.constexpr, FP8: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_s = pid_s * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, DP)
+    valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
+    x_ptrs = (X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+              + offs_s[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd)
+    x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
+    amax = tl.load(AMAX + pid_bh * DP + offs_d)
+    base = pid_bh.to(tl.int64) * S_PAD * DP
+    if FP8:
+        inv = _rdiv(_FP8_MAX, amax)
+        y = tl.minimum(tl.maximum(x * inv[None, :], -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
+        # stored transposed, (DP, S_PAD): the FP8 MMA wants V K-major
+        tl.store(OUT + base + offs_d[:, None] * S_PAD + offs_s[None, :], tl.trans(y))
+        qmax = _FP8_MAX
+    else:
+        inv = _rdiv(_INT8_MAX, amax)
+        y = tl.minimum(tl.maximum(x * inv[None, :], -_INT8_MAX), _INT8_MAX)
+        tl.store(OUT + base + offs_s[:, None] * DP + offs_d[None, :], _round_half_even(y).to(tl.int8))
+        qmax = _INT8_MAX
+    if pid_s == 0:
+        tl.store(SCALE + pid_bh * DP + offs_d, tl.math.div_rn(amax, amax * 0.0 + qmax))
+
+
+def _grid_rows(s_pad: int, block: int, bh: int):
+    return (s_pad // block, bh)
+
+
+def quantize_q(q: torch.Tensor, sm_scale: float, q_amax: torch.Tensor | None = None):
+    """Triton twin of ``reference.quantize_q``: q (B, H, S, D) -> q8 (B, H, S_pad, DP), qs (B, H, S_pad)."""
+    B, H, S, D = q.shape
+    s_pad, dp = padded_len(S), padded_head_dim(D)
+    q8 = torch.empty((B, H, s_pad, dp), dtype=torch.int8, device=q.device)
+    qs = torch.empty((B, H, s_pad), dtype=torch.float32, device=q.device)
+    amax, sa = _static_amax(q_amax, B, H, q)
+    _quant_qk_kernel[_grid_rows(s_pad, _ROW_BLOCK, B * H)](
+        q, q, amax, q8, qs, *q.stride(), *sa, H, S, D, s_pad, s_pad, sm_scale * LOG2E,
+        BLOCK=_ROW_BLOCK, DP=dp, PER_TOKEN=True, SMOOTH=False, STATIC=q_amax is not None,
+    )
+    return q8, qs
+
+
+def quantize_k(k: torch.Tensor, block_n: int, mean: torch.Tensor | None, k_amax: torch.Tensor | None = None):
+    """Triton twin of ``reference.quantize_k``; ``mean`` is ``reference.k_mean(k)`` or None (no smoothing)."""
+    B, H, S, D = k.shape
+    s_pad, dp = padded_len(S), padded_head_dim(D)
+    k8 = torch.empty((B, H, s_pad, dp), dtype=torch.int8, device=k.device)
+    ks = torch.empty((B, H, s_pad // block_n), dtype=torch.float32, device=k.device)
+    amax, sa = _static_amax(k_amax, B, H, k)
+    _quant_qk_kernel[_grid_rows(s_pad, block_n, B * H)](
+        k, k if mean is None else mean.contiguous(), amax, k8, ks, *k.stride(), *sa,
+        H, S, D, s_pad, s_pad // block_n, 1.0,
+        BLOCK=block_n, DP=dp, PER_TOKEN=False, SMOOTH=mean is not None, STATIC=k_amax is not None,
+    )
+    return k8, ks
+
+
+def quantize_v(v: torch.Tensor, pv: PV, amax: torch.Tensor):
+    """Triton twin of ``reference.quantize_v``; ``amax`` is ``reference.v_channel_amax(v, ...)``."""
+    B, H, S, D = v.shape
+    s_pad, dp = padded_len(S), padded_head_dim(D)
+    fp8 = pv is PV.FP8
+    shape = (B, H, dp, s_pad) if fp8 else (B, H, s_pad, dp)
+    v8 = torch.empty(shape, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=v.device)
+    vs = torch.empty((B, H, dp), dtype=torch.float32, device=v.device)
+    _quant_v_kernel[_grid_rows(s_pad, _ROW_BLOCK, B * H)](
+        v, amax.contiguous(), v8, vs, *v.stride(), H, S, D, s_pad, BLOCK=_ROW_BLOCK, DP=dp, FP8=fp8,
+    )
+    return v8, vs
+
+
+def _static_amax(amax: torch.Tensor | None, B: int, H: int, like: torch.Tensor):
+    """A (B, H) float32 view of a static range, or a placeholder, and its two strides."""
+    if amax is None:
+        return like, (0, 0)
+    a = amax.float().expand(B, H)
+    return a, a.stride()

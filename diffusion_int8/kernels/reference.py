@@ -1,0 +1,264 @@
+"""Pure-PyTorch emulation of exactly what the Triton kernels compute, and an upcast reference.
+
+``emulate_attention`` reproduces the kernel step by step: the same quantization blocks, the same
+round-half-to-even, the same per-block online softmax in base 2 and the same 8-bit rounding of P
+against the running row maximum. It is what every test compares the kernel with, and the fallback on
+CPUs and on GPUs the kernel does not support. ``attention_ref`` is plain attention in float64.
+
+Numerics shared by both backends (``q``, ``k``, ``v`` in (B, H, S, D), D padded to ``DP``):
+
+* Q, per token: ``q8 = round(clamp(q · 127/amax, ±127))``, scale ``amax/127 · sm_scale · log2(e)``.
+* K, per block of ``block_n`` tokens, after subtracting the per-(batch, head) token mean (smoothing,
+  which softmax is invariant to): ``k8 = round(clamp(k · 127/amax, ±127))``, scale ``amax/127``.
+* V, per channel over all tokens: FP8 e4m3 with range 448 or INT8 with range 127.
+* Any NaN/Inf in a quantization block makes that block's scale NaN, so it shows in the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .config import AMAX_FLOOR, FP8_MAX, FP8_P_SCALE, INT8_MAX, LOG2E, PV, SEQ_PAD, padded_head_dim
+
+# Floor on a row's block maximum of P before INT8 P quantization (a fully masked block has max 0).
+P_FLOOR = 1e-30
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded_len(n: int) -> int:
+    return cdiv(n, SEQ_PAD) * SEQ_PAD
+
+
+def to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """A (B, H, S, D) view of ``x`` given in ``layout`` (no copy)."""
+    return x if layout == "BHSD" else x.transpose(1, 2)
+
+
+def _pad(x: torch.Tensor, s_pad: int, dp: int) -> torch.Tensor:
+    """Float32 copy of (B, H, S, D) zero-padded to (B, H, s_pad, dp)."""
+    return F.pad(x.float(), (0, dp - x.shape[-1], 0, s_pad - x.shape[-2]))
+
+
+def _guard(amax: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
+    """Floor the range and turn it NaN where the block held a NaN/Inf (``nonfinite`` is 0 or NaN)."""
+    return amax.clamp_min(AMAX_FLOOR) + nonfinite
+
+
+def _div(a: float | torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
+    """One correctly rounded fp32 division, as ``tl.math.div_rn`` (``scalar / tensor`` in PyTorch is
+    ``reciprocal() * scalar``, which rounds twice)."""
+    ref = a if isinstance(a, torch.Tensor) else b
+    a = a if isinstance(a, torch.Tensor) else torch.full_like(ref, a)
+    b = b if isinstance(b, torch.Tensor) else torch.full_like(ref, b)
+    return torch.div(a, b)
+
+
+def _round_int8(y: torch.Tensor) -> torch.Tensor:
+    # torch.round rounds half to even, as the kernels' (y + 1.5·2²³) − 1.5·2²³ does for |y| ≤ 127.
+    return torch.round(y.clamp(-INT8_MAX, INT8_MAX)).to(torch.int8)
+
+
+def quantize_q(q: torch.Tensor, sm_scale: float, q_amax: torch.Tensor | None = None):
+    """Per-token INT8 Q with ``sm_scale·log2(e)`` folded into its scale.
+
+    q: (B, H, S, D) fp16/bf16. q_amax: optional static range broadcastable to (B, H).
+    Returns q8 (B, H, S_pad, DP) int8 and qs (B, H, S_pad) float32.
+    """
+    B, H, S, D = q.shape
+    x = _pad(q, padded_len(S), padded_head_dim(D))
+    nonfinite = (x * 0.0).sum(-1)
+    if q_amax is None:
+        amax = x.abs().amax(-1)
+    else:
+        amax = q_amax.float().expand(B, H)[..., None].expand_as(nonfinite)
+    amax = _guard(amax, nonfinite)
+    q8 = _round_int8(x * _div(INT8_MAX, amax)[..., None])
+    qs = _div(amax, INT8_MAX) * torch.tensor(sm_scale * LOG2E, dtype=torch.float32)
+    return q8, qs
+
+
+def k_mean(k: torch.Tensor) -> torch.Tensor:
+    """Token mean of K per (batch, head) in float32: (B, H, S, D) -> (B, H, D)."""
+    return k.mean(dim=2, dtype=torch.float32)
+
+
+def quantize_k(k: torch.Tensor, block_n: int, smooth_k: bool = True, k_amax: torch.Tensor | None = None):
+    """Per-block INT8 K after mean subtraction.
+
+    k: (B, H, S, D). k_amax: optional static range (of the smoothed K) broadcastable to (B, H).
+    Returns k8 (B, H, S_pad, DP) int8 and ks (B, H, S_pad // block_n) float32.
+    """
+    B, H, S, D = k.shape
+    s_pad, dp = padded_len(S), padded_head_dim(D)
+    x = k.float()
+    if smooth_k:
+        x = x - k_mean(k)[:, :, None, :]
+    x = _pad(x, s_pad, dp).view(B, H, s_pad // block_n, block_n, dp)
+    nonfinite = (x * 0.0).sum((-2, -1))
+    if k_amax is None:
+        amax = x.abs().amax((-2, -1))
+    else:
+        amax = k_amax.float().expand(B, H)[..., None].expand_as(nonfinite)
+    amax = _guard(amax, nonfinite)
+    k8 = _round_int8(x * _div(INT8_MAX, amax)[..., None, None])
+    return k8.view(B, H, s_pad, dp), _div(amax, INT8_MAX)
+
+
+def v_channel_amax(v: torch.Tensor, v_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-channel range of V, floored, NaN where a channel holds a NaN/Inf, padded with 1.
+
+    v: (B, H, S, D). v_amax: optional static range broadcastable to (B, H, D).
+    Returns (B, H, DP) float32. Shared by both backends, so they quantize V identically.
+    """
+    B, H, S, D = v.shape
+    if v_amax is None:
+        lo, hi = torch.aminmax(v, dim=2)  # in v's dtype: no float32 copy of V
+        amax = torch.maximum(-lo, hi).float()
+    else:
+        amax = v_amax.float().expand(B, H, D)
+    amax = amax.clamp_min(AMAX_FLOOR) + amax * 0.0  # inf * 0 = NaN
+    return F.pad(amax, (0, padded_head_dim(D) - D), value=1.0)
+
+
+def quantize_v(v: torch.Tensor, pv: PV, amax: torch.Tensor):
+    """8-bit V with per-channel scales.
+
+    v: (B, H, S, D); amax: from ``v_channel_amax``. Returns v8 and vs (B, H, DP) float32, where v8 is
+    FP8 e4m3 (B, H, DP, S_pad) — transposed, as Hopper's FP8 MMA wants K-major operands — or
+    INT8 (B, H, S_pad, DP).
+    """
+    B, H, S, D = v.shape
+    x = _pad(v, padded_len(S), amax.shape[-1])
+    if pv is PV.FP8:
+        y = (x * _div(FP8_MAX, amax)[:, :, None, :]).clamp(-FP8_MAX, FP8_MAX)
+        return y.to(torch.float8_e4m3fn).transpose(2, 3).contiguous(), _div(amax, FP8_MAX)
+    if pv is PV.INT8:
+        return _round_int8(x * _div(INT8_MAX, amax)[:, :, None, :]), _div(amax, INT8_MAX)
+    raise ValueError(f"V is not quantized for P·V {pv}")
+
+
+def _gqa_index(h_q: int, h_kv: int, device) -> torch.Tensor:
+    return torch.arange(h_q, device=device) // (h_q // h_kv)
+
+
+def emulate_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "BHSD",
+    pv: PV = PV.FP16,
+    sm_scale: float | None = None,
+    smooth_k: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    q_amax: torch.Tensor | None = None,
+    k_amax: torch.Tensor | None = None,
+    v_amax: torch.Tensor | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """What the Triton kernel computes, in PyTorch. Same arguments as the kernel wrapper.
+
+    Returns a contiguous tensor shaped like ``q``, in ``q``'s dtype.
+    """
+    from .config import tile_config
+
+    qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
+    B, H, Sq, D = qb.shape
+    H_kv, Sk = kb.shape[1], kb.shape[2]
+    if sm_scale is None:
+        sm_scale = D**-0.5
+    block_n = block_n or tile_config(D, pv).block_n
+    q8, qs = quantize_q(qb, sm_scale, q_amax)
+    k8, ks = quantize_k(kb, block_n, smooth_k, k_amax)
+    idx = _gqa_index(H, H_kv, q.device)
+    if pv is PV.FP16:
+        vq = F.pad(vb, (0, q8.shape[-1] - D, 0, k8.shape[2] - Sk)).index_select(1, idx)
+    else:
+        v8, vs = quantize_v(vb, pv, v_channel_amax(vb, v_amax))
+        if pv is PV.FP8:
+            v8 = v8.transpose(2, 3)
+        vq, vs = v8.index_select(1, idx).float(), vs.index_select(1, idx)
+    k8, ks = k8.index_select(1, idx).float(), ks.index_select(1, idx)
+
+    qf = q8[:, :, :Sq].float()
+    qs = qs[:, :, :Sq]
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask.expand(B, H, Sq, Sk)
+    m_i = torch.full((B, H, Sq), -math.inf, device=q.device)
+    l_i = torch.zeros((B, H, Sq), device=q.device)
+    acc = torch.zeros((B, H, Sq, q8.shape[-1]), device=q.device)
+    for j, start in enumerate(range(0, Sk, block_n)):
+        end = min(start + block_n, Sk)
+        # -- scores in base 2: exact INT32 dot (every partial sum < 2^24, so fp32 is exact) --
+        s = (qf @ k8[:, :, start : start + block_n].transpose(-1, -2)) * (qs * ks[:, :, j, None])[..., None]
+        s[..., end - start :] = -math.inf
+        if mask is not None:
+            mblk = mask[..., start:end]
+            mblk = F.pad(mblk, (0, block_n - (end - start)))
+            if mblk.dtype == torch.bool:
+                s = s.masked_fill(~mblk, -math.inf)
+            else:
+                s = s + mblk.float() * LOG2E
+        # -- online softmax --
+        m_new = torch.maximum(m_i, s.amax(-1))
+        m_safe = torch.where(m_new == -math.inf, 0.0, m_new) if mask is not None else m_new
+        p = torch.exp2(s - m_safe[..., None])
+        alpha = torch.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p.sum(-1)
+        vj = vq[:, :, start : start + block_n]
+        if pv is PV.FP16:
+            pv_blk = p.to(vb.dtype).float() @ vj.float()
+        elif pv is PV.FP8:
+            pv_blk = (p * FP8_P_SCALE).to(torch.float8_e4m3fn).float() @ vj
+        else:
+            p_max = p.amax(-1).clamp_min(P_FLOOR)
+            p8 = _round_int8(p * _div(INT8_MAX, p_max)[..., None]).float()
+            pv_blk = (p8 @ vj) * _div(p_max, INT8_MAX)[..., None]
+        acc = acc * alpha[..., None] + pv_blk
+        m_i = m_new
+    out = acc * _div(1.0, torch.where(l_i == 0, 1.0, l_i))[..., None]
+    if pv is PV.FP8:
+        out = out * (vs * (1.0 / FP8_P_SCALE))[:, :, None, :]
+    elif pv is PV.INT8:
+        out = out * vs[:, :, None, :]
+    out = out[..., :D].to(q.dtype)
+    return (out if layout == "BHSD" else out.transpose(1, 2)).contiguous()
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "BHSD",
+    attn_mask: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Attention computed in ``dtype`` (float64 by default); returned in ``dtype`` and ``layout``.
+
+    Rows whose keys are all masked give 0, as the kernel does.
+    """
+    qb, kb, vb = (to_bhsd(t, layout).to(dtype) for t in (q, k, v))
+    H, H_kv = qb.shape[1], kb.shape[1]
+    idx = _gqa_index(H, H_kv, q.device)
+    kb, vb = kb.index_select(1, idx), vb.index_select(1, idx)
+    scale = qb.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    s = (qb @ kb.transpose(-1, -2)) * scale
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, -math.inf)
+        else:
+            s = s + attn_mask.to(dtype)
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(m == -math.inf, 0.0, m))
+    l = p.sum(-1, keepdim=True)
+    out = (p @ vb) / torch.where(l == 0, 1.0, l)
+    return out if layout == "BHSD" else out.transpose(1, 2)

@@ -1,0 +1,39 @@
+"""Test set-up: without a GPU, the real Triton kernels run in Triton's interpreter on CPU tensors."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Must be set before any @triton.jit function is created.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+sys.path.insert(0, os.path.dirname(__file__))
+if INTERPRET:
+    from interpreter_fixes import patch_interpreter
+
+    patch_interpreter()
+
+# One parameter per place the kernels run: the interpreter on CPU (CI) or the GPU (`pytest -m gpu`).
+KERNEL_DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (set when no GPU)"), id="interp"),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")], id="gpu"),
+]
+
+
+@pytest.fixture(params=KERNEL_DEVICES)
+def kdev(request) -> str:
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    # Fresh inputs every run: realistic_qkv draws its seed from torch's generator, seeded from the clock.
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    yield

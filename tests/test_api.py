@@ -1,0 +1,133 @@
+"""The public op: dispatch, fallbacks, custom-op registration and input validation."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import diffusion_int8
+from diffusion_int8 import int8_attention
+from diffusion_int8.kernels import config, reference as R
+from inputs import realistic_qkv
+from test_attention import BOUNDS, cos_l1
+
+
+def test_fp16_mode_is_sdpa():
+    q, k, v = realistic_qkv(2, 4, 50, 70, 64, H_kv=2, layout="BSHD")
+    out = int8_attention(q, k, v, mode="fp16", layout="BSHD")
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+    want = F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mode,pv", [("int8", config.PV.FP8), ("int8_fp16v", config.PV.FP16)])
+def test_public_op_matches_emulation(kdev, mode, pv):
+    q, k, v = realistic_qkv(1, 3, 77, 130, 80, device=kdev)
+    mask = torch.rand(1, 1, 1, 130, device=kdev) > 0.2
+    mask[..., 0] = True
+    out = int8_attention(q, k, v, mode=mode, attn_mask=mask, scale=0.1)
+    emu = R.emulate_attention(q, k, v, pv=pv, attn_mask=mask, sm_scale=0.1)
+    torch.testing.assert_close(out, emu, atol=2e-3, rtol=2e-3)
+    cos, l1 = cos_l1(out, R.attention_ref(q, k, v, attn_mask=mask, sm_scale=0.1))
+    assert cos >= BOUNDS[pv][0] and l1 <= BOUNDS[pv][1]
+
+
+def test_env_forces_int8_pv(monkeypatch):
+    monkeypatch.setenv(config.ENV_PV8, "int8")
+    assert diffusion_int8.kernel_info("cpu", "int8")["pv"] == "int8"
+    monkeypatch.setenv(config.ENV_PV8, "fp9")
+    with pytest.raises(ValueError, match="fp8 or int8"):
+        diffusion_int8.kernel_info("cpu", "int8")
+
+
+def test_cpu_without_interpreter_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(config, "interpreting", lambda: False)
+    config._warn_fallback.cache_clear()
+    q, k, v = realistic_qkv(1, 2, 33, 33, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out1 = int8_attention(q, k, v, mode="int8")
+        out2 = int8_attention(q, k, v, mode="int8")
+    msgs = [str(w.message) for w in caught if "emulation" in str(w.message)]
+    assert len(msgs) == 1 and "CUDA GPU" in msgs[0]
+    torch.testing.assert_close(out1, out2, atol=0, rtol=0)
+    torch.testing.assert_close(out1, R.emulate_attention(q, k, v, pv=config.PV.FP8), atol=0, rtol=0)
+    assert diffusion_int8.kernel_info("cpu")["backend"] == "emulation"
+
+
+def test_requesting_triton_where_it_cannot_run_raises(monkeypatch):
+    monkeypatch.setattr(config, "interpreting", lambda: False)
+    monkeypatch.setenv(config.ENV_BACKEND, "triton")
+    q, k, v = realistic_qkv(1, 2, 8, 8, 64)
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        int8_attention(q, k, v, mode="int8")
+
+
+def test_opcheck_cpu(kdev):
+    q, k, v = realistic_qkv(1, 2, 40, 72, 64, device=kdev)
+    backend = config.select_backend(q.device).value
+    mask = torch.rand(1, 1, 40, 72, device=kdev) > 0.3
+    mask[..., 0] = True
+    args = (q, k, v, mask, None, None, None, "BHSD", "fp8", 0.125, True, backend)
+    torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
+
+
+def _qkv(**over):
+    q, k, v = realistic_qkv(1, 2, 16, 16, 64)
+    d = dict(q=q, k=k, v=v)
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(q=torch.randn(1, 2, 16, 64)), TypeError, "float16, torch.bfloat16"),
+        (dict(v=torch.randn(1, 2, 16, 64).bfloat16()), TypeError, "share a dtype"),
+        (dict(q=torch.randn(2, 16, 64).half()), ValueError, "4-D"),
+        (dict(q="not a tensor"), TypeError, "torch.Tensor"),
+        (dict(k=torch.randn(1, 2, 16, 32).half(), v=torch.randn(1, 2, 16, 32).half()), ValueError, "head dims differ"),
+        (dict(q=torch.randn(1, 2, 16, 512).half(), k=torch.randn(1, 2, 16, 512).half(), v=torch.randn(1, 2, 16, 512).half()), ValueError, "1 to 256"),
+        (dict(k=torch.randn(1, 3, 16, 64).half(), v=torch.randn(1, 3, 16, 64).half()), ValueError, "multiple of the key/value"),
+        (dict(v=torch.randn(1, 2, 15, 64).half()), ValueError, "same shape"),
+        (dict(k=torch.randn(2, 2, 16, 64).half(), v=torch.randn(2, 2, 16, 64).half()), ValueError, "batch sizes differ"),
+        (dict(layout="SBHD"), ValueError, "layout must be one of"),
+        (dict(mode="int4"), ValueError, "mode must be one of"),
+        (dict(attn_mask=torch.ones(1, 2, 16, 15, dtype=torch.bool)), ValueError, "does not broadcast"),
+        (dict(attn_mask=torch.ones(1, 2, 16, 16, dtype=torch.int32)), TypeError, "torch.bool"),
+        (dict(scale=-1.0), ValueError, "positive"),
+        (dict(q_amax=torch.ones(3)), ValueError, "q_amax of shape"),
+        (dict(v_amax=torch.ones(2, 64, dtype=torch.int32)), TypeError, "float tensor"),
+        (dict(k=torch.randn(1, 2, 0, 64).half(), v=torch.randn(1, 2, 0, 64).half()), ValueError, ">= 1"),
+    ],
+)
+def test_bad_inputs_raise(kwargs, exc, match):
+    args = _qkv(**{k: v for k, v in kwargs.items() if k in ("q", "k", "v")})
+    opts = {k: v for k, v in kwargs.items() if k not in ("q", "k", "v")}
+    opts.setdefault("mode", "int8")
+    with pytest.raises(exc, match=match):
+        int8_attention(args["q"], args["k"], args["v"], **opts)
+
+
+def test_static_ranges_rejected_in_fp16_mode():
+    d = _qkv()
+    with pytest.raises(ValueError, match="do not apply"):
+        int8_attention(d["q"], d["k"], d["v"], mode="fp16", q_amax=torch.ones(2))
+
+
+def test_check_finite_raises_and_default_propagates():
+    d = _qkv()
+    d["k"][0, 1, 3, 3] = math.nan
+    with pytest.raises(ValueError, match="k contains NaN"):
+        int8_attention(d["q"], d["k"], d["v"], mode="int8", check_finite=True)
+
+
+def test_device_mismatch_raises():
+    d = _qkv()
+    meta = torch.empty(1, 2, 16, 64, dtype=torch.float16, device="meta")
+    with pytest.raises(ValueError, match="one device"):
+        int8_attention(d["q"], meta, meta)

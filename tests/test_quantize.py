@@ -1,0 +1,79 @@
+"""The Triton quantization kernels reproduce the emulation bit for bit; INT8 Q·Kᵀ is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from diffusion_int8.kernels import reference as R
+from diffusion_int8.kernels.config import PV, tile_config
+from inputs import realistic_qkv
+
+HEAD_DIMS = [32, 40, 64, 72, 80, 96, 128, 160, 256]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
+def test_quantization_bit_exact(kdev, D, dtype, layout):
+    from diffusion_int8.kernels import quantize as TQ
+
+    S = 300 if kdev == "cpu" else 4224
+    q, k, v = realistic_qkv(2, 3, S, S, D, dtype=dtype, layout=layout, device=kdev)
+    q, k, v = (R.to_bhsd(t, layout) for t in (q, k, v))  # strided views, as the op passes them
+    block_n = tile_config(D, PV.FP8).block_n
+    for got, want in [
+        (TQ.quantize_q(q, 0.125), R.quantize_q(q, 0.125)),
+        (TQ.quantize_k(k, block_n, R.k_mean(k)), R.quantize_k(k, block_n, True)),
+        (TQ.quantize_k(k, block_n, None), R.quantize_k(k, block_n, False)),
+        (TQ.quantize_q(q, 0.125, torch.full((3,), 2.5, device=kdev)), R.quantize_q(q, 0.125, torch.full((3,), 2.5, device=kdev))),
+    ]:
+        assert torch.equal(_bits(got[0]), _bits(want[0]))
+        assert torch.equal(got[1], want[1])
+    for pv in (PV.FP8, PV.INT8):
+        amax = R.v_channel_amax(v)
+        got, want = TQ.quantize_v(v, pv, amax), R.quantize_v(v, pv, amax)
+        assert torch.equal(_bits(got[0]), _bits(want[0])), pv
+        assert torch.equal(got[1], want[1])
+
+
+def test_static_k_range_bit_exact(kdev):
+    from diffusion_int8.kernels import quantize as TQ
+
+    q, k, v = realistic_qkv(1, 4, 200, 200, 64, device=kdev)
+    amax = torch.rand(1, 4, device=kdev) * 3 + 0.5  # smaller than the data: values get clipped
+    got = TQ.quantize_k(k, 64, R.k_mean(k), amax)
+    want = R.quantize_k(k, 64, True, amax)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (got[0].abs() == 127).float().mean() > 0.01  # clipping happened
+
+
+@triton.jit
+def _qk_tile_kernel(Q8, K8, OUT, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    # The same INT8 tl.dot the attention kernel issues, on one (BM, BN) tile.
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, DP)
+    q = tl.load(Q8 + offs_m[:, None] * DP + offs_d[None, :])
+    k = tl.load(K8 + offs_n[None, :] * DP + offs_d[:, None])
+    tl.store(OUT + offs_m[:, None] * (tl.num_programs(1) * BN) + offs_n[None, :], tl.dot(q, k))
+
+
+@pytest.mark.parametrize("D", [40, 64, 128, 256])
+def test_int8_qk_dot_bit_exact(kdev, D):
+    S = 256 if kdev == "cpu" else 4096
+    q, k, _ = realistic_qkv(1, 1, S, S, D, device=kdev)
+    q8, _ = R.quantize_q(q, 1.0)
+    k8, _ = R.quantize_k(k, 64, True)
+    q8, k8 = q8[0, 0].contiguous(), k8[0, 0].contiguous()
+    cfg = tile_config(D, PV.FP8)
+    out = torch.full((S, S), -(2**31), dtype=torch.int32, device=kdev)
+    _qk_tile_kernel[(S // cfg.block_m, S // cfg.block_n)](q8, k8, out, DP=q8.shape[1], BM=cfg.block_m, BN=cfg.block_n)
+    want = (q8.double() @ k8.double().T).to(torch.int32)
+    assert torch.equal(out, want)
