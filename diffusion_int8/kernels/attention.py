@@ -13,7 +13,7 @@ import triton.language as tl
 
 from . import quantize as tq
 from .quantize import _rdiv
-from .config import FP8_P_SCALE, INT8_MAX, LOG2E, PV, tile_config
+from .config import FP8_P_SHIFT, INT8_MAX, LOG2E, PV, tile_config
 from .reference import P_FLOOR, k_mean, padded_len, to_bhsd, v_channel_amax
 
 _PV_CODE = {PV.FP16: 0, PV.FP8: 1, PV.INT8: 2}
@@ -21,7 +21,7 @@ _PV_CODE = {PV.FP16: 0, PV.FP8: 1, PV.INT8: 2}
 _LOG2E = tl.constexpr(LOG2E)
 _INT8_MAX = tl.constexpr(INT8_MAX)
 _P_FLOOR = tl.constexpr(P_FLOOR)
-_FP8_P_SCALE = tl.constexpr(FP8_P_SCALE)
+_FP8_P_SHIFT = tl.constexpr(FP8_P_SHIFT)
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
 
 
@@ -31,29 +31,37 @@ def _attn_block(
     SQ, SK, D,
     stride_vs, stride_mn,
     BLOCK_N: tl.constexpr, DP: tl.constexpr, PV: tl.constexpr, MASK: tl.constexpr, TAIL: tl.constexpr,
+    P_SHIFT: tl.constexpr,
 ):
-    # -- S = Q·Kᵀ on INT8 tensor cores, dequantized into base-2 logits --
+    # -- S = Q·Kᵀ on INT8 tensor cores; logits in base 2 are qk · (q scale · k scale) --
     k = tl.load(k_ptrs)
     qk = tl.dot(q, k)
-    s = qk.to(tl.float32) * (qs * tl.load(ks_ptr))[:, None]
+    qsk = qs * tl.load(ks_ptr)
     cols = start_n + offs_n
-    if TAIL:
-        s = tl.where(cols[None, :] < SK, s, float("-inf"))
-    if MASK != 0:
-        mvalid = (offs_m[:, None] < SQ) & (cols[None, :] < SK)
-        if MASK == 1:
-            keep = tl.load(mask_ptrs, mask=mvalid, other=0)
-            s = tl.where(keep != 0, s, float("-inf"))
+    if TAIL or MASK != 0:
+        s = qk.to(tl.float32) * qsk[:, None]
+        if TAIL:
+            s = tl.where(cols[None, :] < SK, s, float("-inf"))
+        if MASK != 0:
+            mvalid = (offs_m[:, None] < SQ) & (cols[None, :] < SK)
+            if MASK == 1:
+                keep = tl.load(mask_ptrs, mask=mvalid, other=0)
+                s = tl.where(keep != 0, s, float("-inf"))
+            else:
+                s = s + tl.load(mask_ptrs, mask=mvalid, other=0.0).to(tl.float32) * _LOG2E
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASK != 0:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with every key masked so far
         else:
-            s = s + tl.load(mask_ptrs, mask=mvalid, other=0.0).to(tl.float32) * _LOG2E
-
-    # -- update running max and sum --
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASK != 0:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with every key masked so far
+            m_safe = m_new
+        p = tl.math.exp2(s - (m_safe - P_SHIFT)[:, None])
     else:
+        # the scale is positive, so the row max is taken on the INT32 scores and the exponent's
+        # argument is a single FMA per score
+        m_new = tl.maximum(m_i, tl.max(qk, 1).to(tl.float32) * qsk)
         m_safe = m_new
-    p = tl.math.exp2(s - m_safe[:, None])
+        p = tl.math.exp2(qk.to(tl.float32) * qsk[:, None] - (m_safe - P_SHIFT)[:, None])
+    # -- update running max and sum --
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
 
@@ -66,7 +74,7 @@ def _attn_block(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     elif PV == 1:
         v = tl.load(v_ptrs)
-        p8 = (p * _FP8_P_SCALE).to(tl.float8e4nv)
+        p8 = p.to(tl.float8e4nv)  # already scaled by 2^P_SHIFT through the exponent
         acc = acc * alpha[:, None] + tl.dot(p8, v)
     else:
         v = tl.load(v_ptrs)
@@ -96,6 +104,9 @@ def _attn_fwd_kernel(
 ):
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(DP >= 32)
+    # FP8 P·V: P is scaled by 2^P_SHIFT (into e4m3's normal range) through the exponent's offset; the
+    # running sum carries the same factor, so it cancels in acc / l.
+    P_SHIFT: tl.constexpr = _FP8_P_SHIFT if PV == 1 else 0.0
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     b = off_bh // H
@@ -129,7 +140,7 @@ def _attn_fwd_kernel(
     for start_n in range(0, N_FULL, BLOCK_N):
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, start_n, offs_m, offs_n, offs_d,
-            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False,
+            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT,
         )
         k_ptrs += BLOCK_N * DP
         v_ptrs += v_step
@@ -138,15 +149,13 @@ def _attn_fwd_kernel(
     if N_FULL < SK:
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, N_FULL, offs_m, offs_n, offs_d,
-            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True,
+            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT,
         )
 
     # -- normalize; rows with every key masked give 0 --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * _rdiv(1.0, l_safe)[:, None]
-    if PV == 1:
-        out = out * (tl.load(VS + off_kv * DP + offs_d) * (1.0 / _FP8_P_SCALE))[None, :]
-    elif PV == 2:
+    if PV != 0:
         out = out * tl.load(VS + off_kv * DP + offs_d)[None, :]
     o_ptrs = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
               + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od)

@@ -16,8 +16,10 @@ import torch
 
 LOG2E = 1.4426950408889634
 INT8_MAX = 127.0
-# P is multiplied by a power of two before the FP8 cast, so undoing it is exact.
-FP8_P_SCALE = 256.0
+# FP8 P·V: P is scaled by 2**FP8_P_SHIFT (through the softmax exponent's offset) before the e4m3
+# cast, moving probabilities down to 2**-14 into e4m3's normal range; the row sum carries the same
+# factor, so it cancels.
+FP8_P_SHIFT = 8.0
 FP8_MAX = 448.0
 # Lower bound on a quantization range, so an all-zero block gets a finite scale.
 AMAX_FLOOR = 1e-12

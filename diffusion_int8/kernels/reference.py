@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import AMAX_FLOOR, FP8_MAX, FP8_P_SCALE, INT8_MAX, LOG2E, PV, SEQ_PAD, padded_head_dim
+from .config import AMAX_FLOOR, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LOG2E, PV, SEQ_PAD, padded_head_dim
 
 # Floor on a row's block maximum of P before INT8 P quantization (a fully masked block has max 0).
 P_FLOOR = 1e-30
@@ -191,6 +191,7 @@ def emulate_attention(
     mask = None
     if attn_mask is not None:
         mask = attn_mask.expand(B, H, Sq, Sk)
+    p_shift = FP8_P_SHIFT if pv is PV.FP8 else 0.0  # FP8: P·2^8 through the exponent, cancels in acc / l
     m_i = torch.full((B, H, Sq), -math.inf, device=q.device)
     l_i = torch.zeros((B, H, Sq), device=q.device)
     acc = torch.zeros((B, H, Sq, q8.shape[-1]), device=q.device)
@@ -209,14 +210,14 @@ def emulate_attention(
         # -- online softmax --
         m_new = torch.maximum(m_i, s.amax(-1))
         m_safe = torch.where(m_new == -math.inf, 0.0, m_new) if mask is not None else m_new
-        p = torch.exp2(s - m_safe[..., None])
+        p = torch.exp2(s - (m_safe - p_shift)[..., None])
         alpha = torch.exp2(m_i - m_safe)
         l_i = l_i * alpha + p.sum(-1)
         vj = vq[:, :, start : start + block_n]
         if pv is PV.FP16:
             pv_blk = p.to(vb.dtype).float() @ vj.float()
         elif pv is PV.FP8:
-            pv_blk = (p * FP8_P_SCALE).to(torch.float8_e4m3fn).float() @ vj
+            pv_blk = p.to(torch.float8_e4m3fn).float() @ vj
         else:
             p_max = p.amax(-1).clamp_min(P_FLOOR)
             p8 = _round_int8(p * _div(INT8_MAX, p_max)[..., None]).float()
@@ -224,9 +225,7 @@ def emulate_attention(
         acc = acc * alpha[..., None] + pv_blk
         m_i = m_new
     out = acc * _div(1.0, torch.where(l_i == 0, 1.0, l_i))[..., None]
-    if pv is PV.FP8:
-        out = out * (vs * (1.0 / FP8_P_SCALE))[:, :, None, :]
-    elif pv is PV.INT8:
+    if pv is not PV.FP16:
         out = out * vs[:, :, None, :]
     out = out[..., :D].to(q.dtype)
     return (out if layout == "BHSD" else out.transpose(1, 2)).contiguous()
