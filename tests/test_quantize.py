@@ -77,3 +77,16 @@ def test_int8_qk_dot_bit_exact(kdev, D):
     _qk_tile_kernel[(S // cfg.block_m, S // cfg.block_n)](q8, k8, out, DP=q8.shape[1], BM=cfg.block_m, BN=cfg.block_n)
     want = (q8.double() @ k8.double().T).to(torch.int32)
     assert torch.equal(out, want)
+
+
+def test_kv_stats_match_pytorch(kdev):
+    from diffusion_int8.kernels import quantize as TQ
+
+    _, k, v = realistic_qkv(2, 3, 10, 2500, 72, layout="BSHD", device=kdev)
+    k, v = R.to_bhsd(k, "BSHD"), R.to_bhsd(v, "BSHD")
+    mean, vmax = TQ.kv_stats(k, v)
+    torch.testing.assert_close(mean, R.k_mean(k), rtol=1e-5, atol=1e-5)
+    assert torch.equal(R.v_channel_amax(v, vmax), R.v_channel_amax(v))  # a max is exact
+    v[1, 2, 1234, 5] = float("nan")
+    _, vmax = TQ.kv_stats(k, v)
+    assert torch.isnan(vmax[1, 2, 5]) and torch.isfinite(vmax[0]).all()

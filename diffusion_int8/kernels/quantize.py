@@ -121,6 +121,63 @@ def _quant_v_kernel(
         tl.store(SCALE + pid_bh * DP + offs_d, tl.math.div_rn(amax, amax * 0.0 + qmax))
 
 
+@triton.jit
+def _kv_stats_kernel(
+    K, V, KSUM, VMAX,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    H, S, D, N_CHUNKS,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr,
+):
+    # One (batch, head, chunk of CHUNK tokens): partial K column sums and V column |max|, in fp32.
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_d = tl.arange(0, DP)
+    ksum = tl.zeros([DP], tl.float32)
+    vmax = tl.zeros([DP], tl.float32)
+    vpoison = tl.zeros([DP], tl.float32)
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    for start in range(0, CHUNK, BLOCK):
+        offs_s = pid_c * CHUNK + start + tl.arange(0, BLOCK)
+        valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
+        k = tl.load(k_base + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd, mask=valid, other=0.0)
+        v = tl.load(v_base + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd, mask=valid, other=0.0)
+        ksum += tl.sum(k.to(tl.float32), axis=0)
+        v = v.to(tl.float32)
+        vmax = tl.maximum(vmax, tl.max(tl.abs(v), axis=0))
+        vpoison += tl.sum(v * 0.0, axis=0)  # NaN iff a NaN/Inf was seen (GPU max drops NaN)
+    out = pid_bh * N_CHUNKS * DP + pid_c * DP + offs_d
+    tl.store(KSUM + out, ksum)
+    tl.store(VMAX + out, vmax + vpoison)
+
+
+_STATS_CHUNK = 1024
+
+
+def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
+    """K's token mean (B, H, D) and V's per-channel |max| (B, H, D), float32, in one pass over K and V.
+
+    Replaces ``reference.k_mean`` / the amax inside ``reference.v_channel_amax`` on the GPU: PyTorch's
+    reductions over the token dim allocate float32 copies. Chunk partials are combined in a fixed
+    order, so the result is deterministic; it may differ from PyTorch's in the last bit.
+    """
+    B, H, S, D = k.shape
+    dp = padded_head_dim(D)
+    n_chunks = triton.cdiv(S, _STATS_CHUNK)
+    ksum = torch.empty((B, H, n_chunks, dp), dtype=torch.float32, device=k.device)
+    vmax = torch.empty_like(ksum)
+    vv = k if v is None else v
+    _kv_stats_kernel[(n_chunks, B * H)](
+        k, vv, ksum, vmax, *k.stride(), *vv.stride(), H, S, D, n_chunks,
+        CHUNK=_STATS_CHUNK, BLOCK=64 if dp <= 128 else 32, DP=dp,
+    )
+    mean = ksum.sum(2)[..., :D] / S
+    return mean, (None if v is None else vmax.amax(2)[..., :D])
+
+
 def _grid_rows(s_pad: int, block: int, bh: int):
     return (s_pad // block, bh)
 

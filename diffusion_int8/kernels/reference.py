@@ -113,12 +113,12 @@ def quantize_k(k: torch.Tensor, block_n: int, smooth_k: bool = True, k_amax: tor
 def v_channel_amax(v: torch.Tensor, v_amax: torch.Tensor | None = None) -> torch.Tensor:
     """Per-channel range of V, floored, NaN where a channel holds a NaN/Inf, padded with 1.
 
-    v: (B, H, S, D). v_amax: optional static range broadcastable to (B, H, D).
-    Returns (B, H, DP) float32. Shared by both backends, so they quantize V identically.
+    v: (B, H, S, D). v_amax: a measured (e.g. ``kv_stats``) or static range broadcastable to
+    (B, H, D); measured here when None. Returns (B, H, DP) float32.
     """
     B, H, S, D = v.shape
     if v_amax is None:
-        lo, hi = torch.aminmax(v, dim=2)  # in v's dtype: no float32 copy of V
+        lo, hi = torch.aminmax(v, dim=2)
         amax = torch.maximum(-lo, hi).float()
     else:
         amax = v_amax.float().expand(B, H, D)
