@@ -83,6 +83,8 @@ def tile_config(head_dim: int, pv: PV) -> TileConfig:
     """
     dp = padded_head_dim(head_dim)
     if dp <= 64:  # H100 sweep, 2026-11-22: best at CogVideoX (17550, 64) and SDXL (4096, 64)
+        if pv is PV.FP16 and head_dim < dp:  # V read with a head-dim mask: best at SD1.5 (4096, 40)
+            return TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
         return TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
     if dp == 128:  # best at Flux (4608, 128)
         if pv is PV.FP8:
