@@ -1,0 +1,20 @@
+"""``diffusion-int8`` command line: ``diffusion-int8 demo`` (more subcommands come with calibration and eval)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="diffusion-int8", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    from .demo import add_parser as add_demo
+
+    add_demo(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
