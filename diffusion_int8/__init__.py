@@ -1,7 +1,8 @@
 """diffusion-int8: fused INT8 attention for diffusers pipelines."""
 
 from .kernels import Mode, int8_attention, kernel_info
+from .processor import Int8DiffusionProcessor, Int8Handle, Int8State, enable
 
 __version__ = "0.1.0"
 
-__all__ = ["int8_attention", "kernel_info", "Mode", "__version__"]
+__all__ = ["int8_attention", "kernel_info", "Mode", "Int8DiffusionProcessor", "Int8Handle", "Int8State", "enable", "__version__"]

@@ -1,0 +1,292 @@
+"""diffusers integration: an attention processor that swaps only the attention core for INT8.
+
+Every stock diffusers processor ends in ``torch.nn.functional.scaled_dot_product_attention``, called
+directly (``AttnProcessor2_0``, ``JointAttnProcessor2_0``, ``CogVideoXAttnProcessor2_0`` …) or through the
+attention dispatcher's native backend (``FluxAttnProcessor``, ``WanAttnProcessor`` …).
+``Int8DiffusionProcessor`` runs the module's own stock processor, with its norms, RoPE, projections and
+residuals, inside a ``TorchFunctionMode`` that routes that one call to ``int8_attention``. Nothing is
+patched globally, and the mode is active only during the wrapped call.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .kernels import Mode, int8_attention
+from .kernels.config import MAX_HEAD_DIM
+
+Schedule = Callable[[float], "str | Mode"]
+
+
+@dataclass
+class Int8State:
+    """The denoising position the processors read, held by the user's handle (no module globals).
+
+    ``timestep`` is the value the denoiser was last called with (first element for CFG batches),
+    ``step`` counts denoiser calls since ``reset()``; ``trace``, when a list, records
+    ``(step, timestep, layer, mode)`` for every attention call.
+    """
+
+    timestep: float | None = None
+    step: int = -1
+    trace: list | None = None
+
+    def reset(self) -> None:
+        self.timestep, self.step = None, -1
+        if self.trace is not None:
+            self.trace.clear()
+
+
+class _SDPAToInt8(TorchFunctionMode):
+    """Routes F.scaled_dot_product_attention to ``int8_attention`` for the duration of one processor call."""
+
+    def __init__(self, mode: Mode):
+        super().__init__()
+        self.mode = mode
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _int8_sdpa(self.mode, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``scaled_dot_product_attention``'s signature, in ``mode``; cases the kernel does not cover go to SDPA."""
+    D = query.shape[-1]
+    mask_ok = attn_mask is None or (attn_mask.dim() <= 4 and _broadcasts(attn_mask, query, key))
+    if is_causal or dropout_p > 0 or query.dim() != 4 or D > MAX_HEAD_DIM or not mask_ok:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    dtype = query.dtype
+    if dtype not in (torch.float16, torch.bfloat16):  # fp32 models: the kernel computes in fp16
+        query, key, value = (t.to(torch.float16) for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(torch.float32)
+    out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale)
+    return out.to(dtype)
+
+
+def _broadcasts(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        return torch.broadcast_shapes(mask.shape, full) == torch.Size(full)
+    except RuntimeError:
+        return False
+
+
+def stock_processor_for(attn: torch.nn.Module, called_with_context: bool):
+    """The processor diffusers' own model code gives ``attn``, inferred from the module.
+
+    New-style modules (Flux, Wan, …) name it in ``_default_processor_cls``. Legacy ``Attention`` modules
+    take ``JointAttnProcessor2_0`` (SD3: added K/V projections), ``CogVideoXAttnProcessor2_0`` (self-
+    attention that receives the text tokens to attend jointly) or ``AttnProcessor2_0``.
+    """
+    from diffusers.models import attention_processor as ap
+
+    cls = getattr(type(attn), "_default_processor_cls", None)
+    if cls is not None:
+        return cls()
+    if getattr(attn, "add_k_proj", None) is not None and getattr(attn, "context_pre_only", None) is not None:
+        return ap.JointAttnProcessor2_0()
+    if called_with_context and not getattr(attn, "is_cross_attention", True):
+        return ap.CogVideoXAttnProcessor2_0()
+    return ap.AttnProcessor2_0()
+
+
+@functools.lru_cache(maxsize=None)
+def _call_params(processor_type: type) -> tuple[frozenset[str], bool]:
+    """A processor's keyword parameter names, and whether it takes ``**kwargs``."""
+    params = inspect.signature(processor_type.__call__).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return frozenset(params) - {"self", "attn"}, var_kw
+
+
+class Int8DiffusionProcessor:
+    """A diffusers attention processor whose attention core runs in INT8.
+
+    Use it the diffusers way, ``pipe.transformer.set_attn_processor(Int8DiffusionProcessor(mode="int8"))``
+    (or ``pipe.unet``), or through ``diffusion_int8.enable(pipe, ...)``, which wraps each module's current
+    processor and wires the timestep.
+
+    Args:
+        mode: constant precision, ``"int8"``, ``"int8_fp16v"`` or ``"fp16"`` (the stock processor exactly).
+        schedule: instead of ``mode``, a callable ``timestep -> mode`` evaluated at every call from
+            ``state.timestep`` (``enable`` keeps it current); ``None`` timesteps use ``fp16``.
+        inner: the stock processor to wrap; inferred per module when None (``stock_processor_for``).
+        state: the ``Int8State`` to read the timestep from and record into.
+        name: the module's name, for the trace.
+    """
+
+    def __init__(
+        self,
+        mode: str | Mode = "int8",
+        *,
+        schedule: Schedule | None = None,
+        inner: Any = None,
+        state: Int8State | None = None,
+        name: str | None = None,
+    ):
+        self.mode = Mode.parse(mode)
+        if schedule is not None and not callable(schedule):
+            raise TypeError(f"schedule must be a callable timestep -> mode, got {type(schedule).__name__}")
+        self.schedule = schedule
+        self.inner = inner
+        self.state = state if state is not None else Int8State()
+        self.name = name
+        self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def current_mode(self) -> Mode:
+        if self.schedule is None:
+            return self.mode
+        if self.state.timestep is None:
+            return Mode.FP16
+        return Mode.parse(self.schedule(self.state.timestep))
+
+    def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
+        # Positional arguments go to the stock processor untouched (new-style modules pass
+        # encoder_hidden_states, attention_mask, image_rotary_emb positionally); keyword arguments are
+        # forwarded when it takes them. __call__.__signature__ below names what legacy ``Attention``
+        # modules check before passing keyword arguments.
+        inner = self.inner
+        if inner is None:
+            inner = self._inferred.get(attn)
+            if inner is None:
+                with_context = (args[0] if args else kwargs.get("encoder_hidden_states")) is not None
+                inner = self._inferred[attn] = stock_processor_for(attn, with_context)
+        params, var_kw = _call_params(type(inner))
+        if not var_kw:
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        mode = self.current_mode()
+        if self.state.trace is not None:
+            self.state.trace.append((self.state.step, self.state.timestep, self.name, mode.value))
+        if mode is Mode.FP16:
+            return inner(attn, hidden_states, *args, **kwargs)
+        with _SDPAToInt8(mode):
+            return inner(attn, hidden_states, *args, **kwargs)
+
+
+_P = inspect.Parameter
+Int8DiffusionProcessor.__call__.__signature__ = inspect.Signature(
+    [_P("self", _P.POSITIONAL_OR_KEYWORD), _P("attn", _P.POSITIONAL_OR_KEYWORD), _P("hidden_states", _P.POSITIONAL_OR_KEYWORD)]
+    + [_P(n, _P.POSITIONAL_OR_KEYWORD, default=None)
+       for n in ("encoder_hidden_states", "attention_mask", "temb", "image_rotary_emb")]
+    + [_P("kwargs", _P.VAR_KEYWORD)]
+)
+
+
+def attention_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The diffusers attention modules of ``model`` (anything with a settable ``processor``)."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "processor") and hasattr(m, "set_processor")}
+
+
+def head_dim_of(module: torch.nn.Module) -> int | None:
+    heads, inner = getattr(module, "heads", None), getattr(module, "inner_dim", None)
+    if heads and inner:
+        return inner // heads
+    return None
+
+
+def _warn_skipped(skipped: dict[str, str]) -> None:
+    if skipped:
+        listing = ", ".join(f"{n} ({why})" for n, why in sorted(skipped.items()))
+        warnings.warn(f"diffusion_int8: left {len(skipped)} attention module(s) on their stock processor: {listing}",
+                      RuntimeWarning, stacklevel=3)
+
+
+@dataclass
+class Int8Handle:
+    """What ``enable`` returns: ``disable()`` puts the original processors back exactly."""
+
+    model: torch.nn.Module
+    state: Int8State
+    originals: dict[str, Any]
+    skipped: dict[str, str]
+    _hook: Any = field(default=None, repr=False)
+
+    def disable(self) -> None:
+        modules = attention_modules(self.model)
+        for name, proc in self.originals.items():
+            modules[name].set_processor(proc)
+        if self._hook is not None:
+            self._hook.remove()
+        self.model.__dict__.pop("_diffusion_int8_handle", None)
+        self.originals = {}
+
+
+def _denoiser(pipe_or_model) -> torch.nn.Module:
+    if isinstance(pipe_or_model, torch.nn.Module):
+        return pipe_or_model
+    for attr in ("transformer", "unet", "prior"):
+        model = getattr(pipe_or_model, attr, None)
+        if isinstance(model, torch.nn.Module):
+            return model
+    raise TypeError(
+        f"{type(pipe_or_model).__name__} has no denoiser (looked for .transformer, .unet, .prior); "
+        f"pass the model itself"
+    )
+
+
+def enable(
+    pipe_or_model,
+    mode: str | Mode = "int8",
+    *,
+    schedule: Schedule | None = None,
+    record: bool = False,
+) -> Int8Handle:
+    """Install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoiser.
+
+    Args:
+        pipe_or_model: a diffusers pipeline (its ``transformer`` or ``unet`` is used) or the model.
+        mode: constant precision, when no ``schedule`` is given.
+        schedule: callable ``timestep -> mode``; the timestep the denoiser receives (the first element
+            of a CFG batch) is read by a forward pre-hook, once per denoiser call (one host read per step).
+        record: keep a trace of ``(step, timestep, layer, mode)`` in ``handle.state.trace``.
+
+    Modules the kernel cannot run (head dim > 256) keep their processor; one warning lists them.
+    Refuses a model already enabled, or one compiled with ``torch.compile`` (enable first, compile after).
+    """
+    model = _denoiser(pipe_or_model)
+    if "_diffusion_int8_handle" in model.__dict__:
+        raise RuntimeError("diffusion_int8 is already enabled on this model; call handle.disable() first")
+    if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
+        raise RuntimeError("the model is already compiled: call diffusion_int8.enable() before torch.compile")
+    Mode.parse(mode)
+    state = Int8State(trace=[] if record else None)
+    originals, skipped = {}, {}
+    for name, module in attention_modules(model).items():
+        hd = head_dim_of(module)
+        if hd is not None and hd > MAX_HEAD_DIM:
+            skipped[name] = f"head dim {hd} > {MAX_HEAD_DIM}"
+            continue
+        originals[name] = module.processor
+        module.set_processor(
+            Int8DiffusionProcessor(mode, schedule=schedule, inner=module.processor, state=state, name=name)
+        )
+    _warn_skipped(skipped)
+    hook = None
+    if schedule is not None or record:
+        hook = model.register_forward_pre_hook(functools.partial(_read_timestep, state), with_kwargs=True)
+    handle = Int8Handle(model, state, originals, skipped, hook)
+    model.__dict__["_diffusion_int8_handle"] = handle
+    return handle
+
+
+def _read_timestep(state: Int8State, module, args, kwargs):
+    t = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+    if t is None:
+        return None
+    state.timestep = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
+    state.step += 1
+    return None
