@@ -52,3 +52,21 @@ def test_memory_is_linear_in_sequence():
     tokens = B * H * padded_len(S)
     budget = 3 * tokens * 256 + 2 * q.numel() + tokens * 8 + (1 << 20)  # 8-bit Q/K/V (DP ≤ 256), output, scales, slack
     assert extra <= budget, f"{extra / 2**20:.1f} MiB extra; an (S, S) fp32 buffer would be {S * S * 4 / 2**20:.0f} MiB"
+
+
+def test_processor_on_gpu_and_compiled_dit():
+    import diffusion_int8
+    from tiny_models import build
+
+    model, x = build("dit")
+    model = model.cuda().half()
+    x = {k: (v.cuda().half() if v.is_floating_point() else v.cuda()) for k, v in x.items()}
+    with torch.no_grad():
+        stock = model(**x, return_dict=False)[0]
+        handle = diffusion_int8.enable(model, "int8")
+        eager = model(**x, return_dict=False)[0]
+        compiled = torch.compile(model, fullgraph=True)(**x, return_dict=False)[0]
+    handle.disable()
+    rel = ((eager.float() - stock.float()).norm() / stock.float().norm()).item()
+    assert 0 < rel < 0.02, rel
+    torch.testing.assert_close(compiled, eager, atol=2e-3, rtol=2e-3)

@@ -1,0 +1,146 @@
+"""Denoiser step latency, peak memory and output deviation: stock SDPA against each INT8 mode.
+
+    python benchmarks/pipeline.py --out bench_out/pipeline.json [--models flux,wan,sdxl,dit,pixart]
+
+Full-size architecture configs with random weights (no downloads), built directly on the GPU in fp16
+or bf16. Where a model is cut to fewer blocks, the table says so: every block has the same attention
+shape, so a cut model's step speedup is the full model's minus the share of embeddings and output
+layers. Deviation is the PSNR of one denoiser output against the stock output on the same inputs.
+Times are medians of CUDA-event-timed steps after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+
+
+def _models():
+    import diffusers as d
+
+    def flux():
+        # FLUX.1-dev: 19 double + 38 single blocks, 24 heads x 128; cut to 2 + 4 blocks. 1024px: 4096 + 512 tokens.
+        m = d.FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=2, num_single_layers=4, attention_head_dim=128,
+                                     num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                                     guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+        g = lambda *s: torch.randn(*s)  # noqa: E731
+        x = dict(hidden_states=g(1, 4096, 64), encoder_hidden_states=g(1, 512, 4096), pooled_projections=g(1, 768),
+                 timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]), img_ids=g(4096, 3), txt_ids=g(512, 3))
+        return m, x, torch.bfloat16, "2 of 19 double + 4 of 38 single blocks"
+
+    def wan():
+        # Wan2.1-T2V-1.3B, full: 30 blocks, 12 heads x 128. 480p x 49 frames: latent 13 x 60 x 104 -> 20280 tokens.
+        m = d.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                                    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30,
+                                    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+        x = dict(hidden_states=torch.randn(1, 16, 13, 60, 104), timestep=torch.tensor([500]),
+                 encoder_hidden_states=torch.randn(1, 512, 4096))
+        return m, x, torch.bfloat16, "full (30 blocks)"
+
+    def sdxl():
+        # SDXL base UNet, full; 1024px: 128 x 128 latents; batch 2 (CFG).
+        m = d.UNet2DConditionModel(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
+                                   block_out_channels=(320, 640, 1280), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                                   up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                                   transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+                                   use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+                                   projection_class_embeddings_input_dim=2816)
+        x = dict(sample=torch.randn(2, 4, 128, 128), timestep=torch.tensor(500), encoder_hidden_states=torch.randn(2, 77, 2048),
+                 added_cond_kwargs={"text_embeds": torch.randn(2, 1280), "time_ids": torch.randn(2, 6)})
+        return m, x, torch.float16, "full"
+
+    def dit():
+        # DiT-XL/2 at 512px: 64 x 64 latents -> 1024 tokens, 16 heads x 72, 28 blocks; batch 4.
+        m = d.DiTTransformer2DModel(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8,
+                                    num_layers=28, sample_size=64, patch_size=2, num_embeds_ada_norm=1000)
+        x = dict(hidden_states=torch.randn(4, 4, 64, 64), timestep=torch.tensor([500] * 4), class_labels=torch.tensor([1, 2, 3, 4]))
+        return m, x, torch.float16, "full"
+
+    def pixart():
+        # PixArt-Sigma 1024px: 128 x 128 latents -> 4096 tokens, 16 heads x 72, 28 blocks, 300 text tokens.
+        m = d.PixArtTransformer2DModel(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8,
+                                       num_layers=28, sample_size=128, patch_size=2, cross_attention_dim=1152, caption_channels=4096)
+        x = dict(hidden_states=torch.randn(1, 4, 128, 128), timestep=torch.tensor([500]), encoder_hidden_states=torch.randn(1, 300, 4096),
+                 added_cond_kwargs={"resolution": None, "aspect_ratio": None})
+        return m, x, torch.float16, "full"
+
+    return dict(flux=flux, wan=wan, sdxl=sdxl, dit=dit, pixart=pixart)
+
+
+def _cast(x, dtype):
+    if isinstance(x, dict):
+        return {k: _cast(v, dtype) for k, v in x.items()}
+    if isinstance(x, torch.Tensor):
+        x = x.cuda()
+        return x.to(dtype) if x.is_floating_point() else x
+    return x
+
+
+def _time(model, x, n):
+    times = []
+    with torch.no_grad():
+        for _ in range(3):
+            model(**x, return_dict=False)
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = model(**x, return_dict=False)[0]
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+    return statistics.median(times), out
+
+
+def psnr(out, ref):
+    mse = (out.float() - ref.float()).pow(2).mean().item()
+    peak = ref.float().abs().max().item()
+    return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
+
+
+def main():
+    import diffusion_int8
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="flux,wan,sdxl,dit,pixart")
+    ap.add_argument("--steps", type=int, default=10, help="timed denoiser calls per variant")
+    ap.add_argument("--out", default="bench_out/pipeline.json")
+    args = ap.parse_args()
+    builders = _models()
+    results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}}
+    print(f"| model | config | mode | step ms | speedup | peak GiB | PSNR vs stock (dB) |\n|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        with torch.device("cuda"):
+            model, x, dtype, note = builders[name]()
+        model = model.to(dtype).eval()
+        x = _cast(x, dtype)
+        rows = {}
+        for mode in ("stock", "int8_fp16v", "int8"):
+            handle = None if mode == "stock" else diffusion_int8.enable(model, mode)
+            torch.cuda.reset_peak_memory_stats()
+            ms, out = _time(model, x, args.steps)
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            if handle is not None:
+                handle.disable()
+            if mode == "stock":
+                ref = out
+            rows[mode] = {"ms": ms, "peak_gib": peak, "psnr": psnr(out, ref) if mode != "stock" else None}
+            rows[mode]["speedup"] = rows["stock"]["ms"] / ms
+            p = "—" if mode == "stock" else f"{rows[mode]['psnr']:.1f}"
+            print(f"| {name} | {note} | {mode} | {ms:.1f} | {rows[mode]['speedup']:.2f}x | {peak:.1f} | {p} |", flush=True)
+        results[name] = {"config": note, "dtype": str(dtype), "rows": rows}
+        del model, x, ref, out
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
