@@ -65,7 +65,8 @@ def _models():
     def pixart():
         # PixArt-Sigma 1024px: 128 x 128 latents -> 4096 tokens, 16 heads x 72, 28 blocks, 300 text tokens.
         m = d.PixArtTransformer2DModel(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8,
-                                       num_layers=28, sample_size=128, patch_size=2, cross_attention_dim=1152, caption_channels=4096)
+                                       num_layers=28, sample_size=128, patch_size=2, cross_attention_dim=1152, caption_channels=4096,
+                                       use_additional_conditions=False)
         x = dict(hidden_states=torch.randn(1, 4, 128, 128), timestep=torch.tensor([500]), encoder_hidden_states=torch.randn(1, 300, 4096),
                  added_cond_kwargs={"resolution": None, "aspect_ratio": None})
         return m, x, torch.float16, "full"
