@@ -98,6 +98,16 @@ def _time(model, x, n):
     return statistics.median(times), out
 
 
+def _profile(model, x, label):
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model(**x, return_dict=False)
+        torch.cuda.synchronize()
+    print(f"--- {label}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
 def psnr(out, ref):
     mse = (out.float() - ref.float()).pow(2).mean().item()
     peak = ref.float().abs().max().item()
@@ -111,6 +121,7 @@ def main():
     ap.add_argument("--models", default="flux,wan,sdxl,dit,pixart")
     ap.add_argument("--steps", type=int, default=10, help="timed denoiser calls per variant")
     ap.add_argument("--out", default="bench_out/pipeline.json")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step per INT8 mode")
     args = ap.parse_args()
     builders = _models()
     results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}}
@@ -126,6 +137,8 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             ms, out = _time(model, x, args.steps)
             peak = torch.cuda.max_memory_allocated() / 2**30
+            if args.profile and handle is not None:
+                _profile(model, x, f"{name} {mode}")
             if handle is not None:
                 handle.disable()
             if mode == "stock":
