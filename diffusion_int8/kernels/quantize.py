@@ -36,6 +36,20 @@ def _round_half_even(y):
 
 
 @triton.jit
+def _load_tile(X, stride_xb, stride_xh, stride_xs, stride_xd, pid_s, pid_bh, H, S, D,
+               BLOCK: tl.constexpr, DP: tl.constexpr):
+    """Tokens [pid_s·BLOCK, +BLOCK) of (batch, head) pid_bh as float32 (BLOCK, DP), zero outside (S, D)."""
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_s = pid_s * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, DP)
+    valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
+    x_ptrs = (X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+              + offs_s[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd)
+    return tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32), offs_s, offs_d, valid
+
+
+@triton.jit
 def _quant_qk_kernel(
     X, MEAN, AMAX, OUT, SCALE,
     stride_xb, stride_xh, stride_xs, stride_xd,
@@ -46,14 +60,7 @@ def _quant_qk_kernel(
 ):
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    offs_s = pid_s * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, DP)
-    valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
-    x_ptrs = (X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
-              + offs_s[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd)
-    x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
+    x, offs_s, offs_d, valid = _load_tile(X, stride_xb, stride_xh, stride_xs, stride_xd, pid_s, pid_bh, H, S, D, BLOCK, DP)
     if SMOOTH:
         mean = tl.load(MEAN + pid_bh * D + offs_d, mask=offs_d < D, other=0.0)
         x = tl.where(valid, x - mean[None, :], 0.0)
@@ -67,7 +74,7 @@ def _quant_qk_kernel(
         nonfinite = tl.sum(tl.sum(poison, axis=1), axis=0)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     if STATIC:
-        amax = tl.load(AMAX + b * stride_ab + h * stride_ah) + nonfinite * 0.0
+        amax = tl.load(AMAX + (pid_bh // H) * stride_ab + (pid_bh % H) * stride_ah) + nonfinite * 0.0
     amax = tl.maximum(amax, _AMAX_FLOOR) + nonfinite
 
     # -- symmetric INT8 --
@@ -96,14 +103,7 @@ def _quant_v_kernel(
 ):
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    offs_s = pid_s * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, DP)
-    valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
-    x_ptrs = (X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
-              + offs_s[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd)
-    x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
+    x, offs_s, offs_d, valid = _load_tile(X, stride_xb, stride_xh, stride_xs, stride_xd, pid_s, pid_bh, H, S, D, BLOCK, DP)
     amax = tl.load(AMAX + pid_bh * DP + offs_d)
     base = pid_bh.to(tl.int64) * S_PAD * DP
     if FP8:
