@@ -2,7 +2,8 @@
 
 from .kernels import Mode, int8_attention, kernel_info
 from .processor import Int8DiffusionProcessor, Int8Handle, Int8State, enable
+from .schedule import PRESETS, PrecisionSchedule, Rule
 
 __version__ = "0.1.0"
 
-__all__ = ["int8_attention", "kernel_info", "Mode", "Int8DiffusionProcessor", "Int8Handle", "Int8State", "enable", "__version__"]
+__all__ = ["int8_attention", "kernel_info", "Mode", "Int8DiffusionProcessor", "Int8Handle", "Int8State", "enable", "PrecisionSchedule", "Rule", "PRESETS", "__version__"]

@@ -15,7 +15,7 @@ import inspect
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +23,9 @@ from torch.overrides import TorchFunctionMode
 
 from .kernels import Mode, int8_attention
 from .kernels.config import MAX_HEAD_DIM
+from .schedule import PrecisionSchedule
 
-Schedule = Callable[[float], "str | Mode"]
+Schedule = Union[PrecisionSchedule, str, Callable[[float], Union[str, Mode]]]
 
 
 @dataclass
@@ -122,8 +123,10 @@ class Int8DiffusionProcessor:
 
     Args:
         mode: constant precision, ``"int8"``, ``"int8_fp16v"`` or ``"fp16"`` (the stock processor exactly).
-        schedule: instead of ``mode``, a callable ``timestep -> mode`` evaluated at every call from
-            ``state.timestep`` (``enable`` keeps it current); ``None`` timesteps use ``fp16``.
+        schedule: instead of ``mode``, a ``PrecisionSchedule`` (per noise level and layer), a preset name
+            or schedule file (``PrecisionSchedule.load``), or any callable ``timestep -> mode``; evaluated at
+            every call from ``state.timestep`` (``enable`` keeps it current). Until a timestep is known,
+            ``fp16`` runs.
         inner: the stock processor to wrap; inferred per module when None (``stock_processor_for``).
         state: the ``Int8State`` to read the timestep from and record into.
         name: the module's name, for the trace.
@@ -139,8 +142,10 @@ class Int8DiffusionProcessor:
         name: str | None = None,
     ):
         self.mode = Mode.parse(mode)
+        if isinstance(schedule, str):
+            schedule = PrecisionSchedule.load(schedule)
         if schedule is not None and not callable(schedule):
-            raise TypeError(f"schedule must be a callable timestep -> mode, got {type(schedule).__name__}")
+            raise TypeError(f"schedule must be a PrecisionSchedule, a preset name, a file or a callable, got {type(schedule).__name__}")
         self.schedule = schedule
         self.inner = inner
         self.state = state if state is not None else Int8State()
@@ -152,6 +157,8 @@ class Int8DiffusionProcessor:
             return self.mode
         if self.state.timestep is None:
             return Mode.FP16
+        if isinstance(self.schedule, PrecisionSchedule):
+            return self.schedule.mode_for(self.state.timestep, self.name)
         return Mode.parse(self.schedule(self.state.timestep))
 
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
@@ -250,8 +257,9 @@ def enable(
     Args:
         pipe_or_model: a diffusers pipeline (its ``transformer`` or ``unet`` is used) or the model.
         mode: constant precision, when no ``schedule`` is given.
-        schedule: callable ``timestep -> mode``; the timestep the denoiser receives (the first element
-            of a CFG batch) is read by a forward pre-hook, once per denoiser call (one host read per step).
+        schedule: a ``PrecisionSchedule``, preset name, schedule file or callable ``timestep -> mode``; the
+            timestep the denoiser receives (the first element of a CFG batch) is read by a forward pre-hook,
+            once per denoiser call (one host read per step).
         record: keep a trace of ``(step, timestep, layer, mode)`` in ``handle.state.trace``.
 
     Modules the kernel cannot run (head dim > 256) keep their processor; one warning lists them.
@@ -263,6 +271,8 @@ def enable(
     if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
         raise RuntimeError("the model is already compiled: call diffusion_int8.enable() before torch.compile")
     Mode.parse(mode)
+    if isinstance(schedule, str):
+        schedule = PrecisionSchedule.load(schedule)
     state = Int8State(trace=[] if record else None)
     originals, skipped = {}, {}
     for name, module in attention_modules(model).items():
