@@ -125,7 +125,7 @@ def main():
     args = ap.parse_args()
     builders = _models()
     results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}}
-    print(f"| model | config | mode | step ms | speedup | peak GiB | PSNR vs stock (dB) |\n|---|---|---|---|---|---|---|")
+    print("| model | config | mode | step ms | speedup | peak GiB | PSNR vs stock (dB) |\n|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         with torch.device("cuda"):
             model, x, dtype, note = builders[name]()

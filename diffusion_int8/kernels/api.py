@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import MAX_HEAD_DIM, Backend, Mode, pv_for_mode, select_backend
+from .config import MAX_HEAD_DIM, Mode, pv_for_mode, select_backend
 from .ops import quantized_attention
 
 _DTYPES = (torch.float16, torch.bfloat16)
