@@ -135,18 +135,18 @@ def run_shape(name, shape, dtype, sweep):
 
     result = {"shape": dict(B=B, H=H, N=N, D=D), "rows": rows}
     if sweep:
-        result["sweep"] = sweep_tiles(q, k, v, D, scale)
+        result["sweep"] = sweep_tiles(q, k, v, D, scale, sweep)
     return result
 
 
-def sweep_tiles(q, k, v, D, scale):
+def sweep_tiles(q, k, v, D, scale, block_ns):
     """Time every tile config for each P·V precision; the best go into ``config.tile_config``."""
     found = {}
     original = kattn.tile_config
     try:
         for pv in (PV.FP16, PV.FP8):
             timings = []
-            for bm, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
+            for bm, bn, warps, stages in itertools.product((64, 128), block_ns, (4, 8), (2, 3)):
                 cfg = TileConfig(bm, bn, warps, stages)
                 kattn.tile_config = lambda *_ , cfg=cfg: cfg
                 try:
@@ -167,6 +167,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--sweep", action="store_true", help="also time every tile config")
+    ap.add_argument("--sweep-block-n", default="64,128", help="BLOCK_N values the sweep tries (K's quantization block)")
     ap.add_argument("--out", default="bench_out/attention.json", help="JSON file to write")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -183,7 +184,8 @@ def main():
     meta["triton"] = triton.__version__
     results = {}
     for name in args.shapes.split(","):
-        results[name] = run_shape(name, SHAPES[name], dtype, args.sweep)
+        block_ns = tuple(int(b) for b in args.sweep_block_n.split(",")) if args.sweep else None
+        results[name] = run_shape(name, SHAPES[name], dtype, block_ns)
         torch.cuda.empty_cache()
         print_shape(name, results[name])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
