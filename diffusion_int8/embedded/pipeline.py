@@ -1,0 +1,116 @@
+"""``ShapesPipeline``: the project's own small class-conditional diffusion transformer, in pixel space.
+
+A ``DiTTransformer2DModel`` (6 layers, 4 heads of dim 64, 256 tokens of 2×2 patches of a 32×32 RGB
+image) trained by flow matching on ``shapes.render`` data (``python -m diffusion_int8.embedded.train``),
+sampled with ``FlowMatchEulerDiscreteScheduler`` and classifier-free guidance. The trained weights
+ship in the package (``EMBEDDED_PATH``, fp16 safetensors) and load offline:
+
+    from diffusion_int8.embedded import load_pipeline
+    pipe = load_pipeline(device="cuda")
+    images = pipe(["red circle", "blue ring"], generator=torch.Generator().manual_seed(0)).images
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from diffusers import DiffusionPipeline, DiTTransformer2DModel, FlowMatchEulerDiscreteScheduler, ImagePipelineOutput
+from diffusers.utils.torch_utils import randn_tensor
+
+from .shapes import CLASSES, NUM_CLASSES
+
+EMBEDDED_PATH = Path(__file__).parent / "shapes-dit"
+
+
+def transformer_config() -> dict:
+    """The architecture: head dim 64, 256 tokens, 6 layers; the label table has a null class for CFG."""
+    return dict(num_attention_heads=4, attention_head_dim=64, in_channels=3, out_channels=3, num_layers=6,
+                sample_size=32, patch_size=2, num_embeds_ada_norm=NUM_CLASSES, norm_type="ada_norm_zero")
+
+
+class ShapesPipeline(DiffusionPipeline):
+    """Class-conditional pixel-space DiT; labels are ``CLASSES`` names or indices."""
+
+    model_cpu_offload_seq = "transformer"
+    labels = CLASSES
+
+    def __init__(self, transformer: DiTTransformer2DModel, scheduler: FlowMatchEulerDiscreteScheduler):
+        super().__init__()
+        self.register_modules(transformer=transformer, scheduler=scheduler)
+
+    def label_ids(self, class_labels: Sequence[int | str]) -> list[int]:
+        ids = []
+        for c in class_labels:
+            if isinstance(c, str):
+                if c not in CLASSES:
+                    raise ValueError(f"unknown class {c!r}; the classes are: {', '.join(CLASSES)}")
+                c = CLASSES.index(c)
+            if not 0 <= int(c) < NUM_CLASSES:
+                raise ValueError(f"class index {c} is out of range 0..{NUM_CLASSES - 1}")
+            ids.append(int(c))
+        return ids
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        class_labels: Sequence[int | str],
+        num_inference_steps: int = 20,
+        guidance_scale: float = 3.0,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+    ):
+        """Generate one image per label.
+
+        Args:
+            class_labels: class names (``pipe.labels``) or indices.
+            num_inference_steps: Euler steps of the flow.
+            guidance_scale: classifier-free guidance; 1 turns it off (and halves the batch).
+            generator: one generator, or one per image (the noise of image i then depends only on its own).
+            output_type: ``"pil"``, ``"np"`` (B, 32, 32, 3) float, or ``"pt"`` (B, 3, 32, 32) float in [0, 1].
+        """
+        ids = self.label_ids(class_labels)
+        device, dtype = self._execution_device, self.transformer.dtype
+        size = self.transformer.config.sample_size
+        x = randn_tensor((len(ids), 3, size, size), generator=generator, device=device, dtype=torch.float32)
+        labels = torch.tensor(ids, device=device)
+        cfg = guidance_scale > 1
+        if cfg:
+            labels = torch.cat([torch.full_like(labels, NUM_CLASSES), labels])
+        self.scheduler.set_timesteps(num_inference_steps, device=device)
+        for t in self.progress_bar(self.scheduler.timesteps):
+            model_in = torch.cat([x, x]) if cfg else x
+            v = self.transformer(model_in.to(dtype), timestep=t.expand(model_in.shape[0]), class_labels=labels).sample
+            v = v.float()
+            if cfg:
+                v_uncond, v_cond = v.chunk(2)
+                v = v_uncond + guidance_scale * (v_cond - v_uncond)
+            x = self.scheduler.step(v, t, x).prev_sample
+        images = (x / 2 + 0.5).clamp(0, 1)
+        self.maybe_free_model_hooks()
+        if output_type == "pt":
+            out = images
+        else:
+            out = images.cpu().permute(0, 2, 3, 1).numpy()
+            if output_type == "pil":
+                out = self.numpy_to_pil(out)
+        return ImagePipelineOutput(images=out) if return_dict else (out,)
+
+
+def load_pipeline(path: str | Path | None = None, *, device: str | torch.device | None = None,
+                  dtype: torch.dtype | None = None) -> ShapesPipeline:
+    """The shipped pipeline (or one saved by the training script at ``path``), offline.
+
+    ``dtype`` defaults to fp16 on CUDA and fp32 on the CPU (where fp16 matmuls are slow).
+    """
+    path = Path(path) if path is not None else EMBEDDED_PATH
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"no ShapesPipeline at {path} (model_index.json missing); "
+                                f"train one with `python -m diffusion_int8.embedded.train --out DIR`")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+    pipe = ShapesPipeline.from_pretrained(path, dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
