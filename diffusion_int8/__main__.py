@@ -1,4 +1,4 @@
-"""``diffusion-int8`` command line: ``diffusion-int8 demo`` (more subcommands come with calibration and eval)."""
+"""``diffusion-int8`` command line: ``demo``, ``calibrate`` and ``eval`` (each has ``--help``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="diffusion-int8", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from .calibration.cli import add_parser as add_calibrate
     from .demo import add_parser as add_demo
 
     add_demo(sub)
+    add_calibrate(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -15,6 +15,7 @@ import inspect
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Union
 
 import torch
@@ -47,25 +48,30 @@ class Int8State:
             self.trace.clear()
 
 
-class _SDPAToInt8(TorchFunctionMode):
-    """Routes F.scaled_dot_product_attention to ``int8_attention`` for the duration of one processor call."""
+class _RouteSDPA(TorchFunctionMode):
+    """Routes F.scaled_dot_product_attention to ``fn`` (same signature) for the duration of one processor call."""
 
-    def __init__(self, mode: Mode):
+    def __init__(self, fn: Callable):
         super().__init__()
-        self.mode = mode
+        self.fn = fn
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return _int8_sdpa(self.mode, *args, **kwargs)
+            return self.fn(*args, **kwargs)
         return func(*args, **kwargs)
 
 
-def _int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``scaled_dot_product_attention``'s signature, in ``mode``; cases the kernel does not cover go to SDPA."""
+def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+              *, ranges=None):
+    """``scaled_dot_product_attention``'s signature (BHSD), in ``mode``; cases the kernel does not cover go to SDPA.
+
+    ``ranges``: optional static ``(q_amax, k_amax, v_amax)`` for ``int8_attention``, shaped (1, H), (1, H), (1, H, D).
+    """
+    mode = Mode.parse(mode)
     D = query.shape[-1]
     mask_ok = attn_mask is None or (attn_mask.dim() <= 4 and _broadcasts(attn_mask, query, key))
-    if is_causal or dropout_p > 0 or query.dim() != 4 or D > MAX_HEAD_DIM or not mask_ok:
+    if mode is Mode.FP16 or is_causal or dropout_p > 0 or query.dim() != 4 or D > MAX_HEAD_DIM or not mask_ok:
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
@@ -75,7 +81,9 @@ def _int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         query, key, value = (t.to(torch.float16) for t in (query, key, value))
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(torch.float32)
-    out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale)
+    q_amax, k_amax, v_amax = ranges if ranges is not None else (None, None, None)
+    out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,
+                         q_amax=q_amax, k_amax=k_amax, v_amax=v_amax)
     return out.to(dtype)
 
 
@@ -127,9 +135,13 @@ class Int8DiffusionProcessor:
             or schedule file (``PrecisionSchedule.load``), or any callable ``timestep -> mode``; evaluated at
             every call from ``state.timestep`` (``enable`` keeps it current). Until a timestep is known,
             ``fp16`` runs.
+        calibration: a ``Calibration`` (or its file): its fitted per-head ranges at the current noise level
+            become the kernel's static quantization ranges for module ``name`` (no amax pass). Needs the timestep.
         inner: the stock processor to wrap; inferred per module when None (``stock_processor_for``).
         state: the ``Int8State`` to read the timestep from and record into.
-        name: the module's name, for the trace.
+        name: the module's name, for the trace and the calibration.
+        observer: a callable ``observer(processor, query, key, value, attn_mask, scale, out)`` given every
+            attention call's BHSD inputs and exact output (``out``); the calibration collector is one.
     """
 
     def __init__(
@@ -137,9 +149,11 @@ class Int8DiffusionProcessor:
         mode: str | Mode = "int8",
         *,
         schedule: Schedule | None = None,
+        calibration: "Calibration | str | None" = None,
         inner: Any = None,
         state: Int8State | None = None,
         name: str | None = None,
+        observer: Callable | None = None,
     ):
         self.mode = Mode.parse(mode)
         if isinstance(schedule, str):
@@ -150,7 +164,16 @@ class Int8DiffusionProcessor:
         self.inner = inner
         self.state = state if state is not None else Int8State()
         self.name = name
+        if isinstance(calibration, (str, Path)):
+            from .calibration import Calibration
+
+            calibration = Calibration.load(calibration)
+        if calibration is not None and name not in calibration.layers:
+            raise ValueError(f"the calibration has no layer {name!r}: pass the module's name (enable() does)")
+        self.calibration = calibration
+        self.observer = observer
         self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._ranges: tuple = (None, None, None)  # (timestep, device, ranges) of the last call
 
     def current_mode(self) -> Mode:
         if self.schedule is None:
@@ -178,10 +201,32 @@ class Int8DiffusionProcessor:
         mode = self.current_mode()
         if self.state.trace is not None:
             self.state.trace.append((self.state.step, self.state.timestep, self.name, mode.value))
-        if mode is Mode.FP16:
+        if mode is Mode.FP16 and self.observer is None:
             return inner(attn, hidden_states, *args, **kwargs)
-        with _SDPAToInt8(mode):
+        with _RouteSDPA(functools.partial(self._attention, mode)):
             return inner(attn, hidden_states, *args, **kwargs)
+
+    def _static_ranges(self, device: torch.device):
+        """The calibration's ranges at the current timestep, evaluated once per step and device."""
+        if self.calibration is None or self.state.timestep is None:
+            return None
+        t, dev, ranges = self._ranges
+        if t != self.state.timestep or dev != device:
+            ranges = self.calibration.ranges(self.name, self.state.timestep, device)
+            self._ranges = (self.state.timestep, device, ranges)
+        return ranges
+
+    def _attention(self, mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+        """What the routed scaled_dot_product_attention call runs: ``mode``, shown to the observer first."""
+        if self.observer is not None:
+            exact = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            self.observer(self, query, key, value, attn_mask, scale, exact)
+            if mode is Mode.FP16:
+                return exact
+        return int8_sdpa(mode, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                         ranges=self._static_ranges(query.device))
 
 
 _P = inspect.Parameter
@@ -250,7 +295,9 @@ def enable(
     mode: str | Mode = "int8",
     *,
     schedule: Schedule | None = None,
+    calibration: "Calibration | str | None" = None,
     record: bool = False,
+    observer: Callable | None = None,
 ) -> Int8Handle:
     """Install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoiser.
 
@@ -260,7 +307,10 @@ def enable(
         schedule: a ``PrecisionSchedule``, preset name, schedule file or callable ``timestep -> mode``; the
             timestep the denoiser receives (the first element of a CFG batch) is read by a forward pre-hook,
             once per denoiser call (one host read per step).
+        calibration: a ``Calibration`` or its file (``diffusion-int8 calibrate``): checked against the model
+            (layer names, heads, head dims), then its ranges at each step become static quantization ranges.
         record: keep a trace of ``(step, timestep, layer, mode)`` in ``handle.state.trace``.
+        observer: see ``Int8DiffusionProcessor``; the calibration collector passes one.
 
     Modules the kernel cannot run (head dim > 256) keep their processor; one warning lists them.
     Refuses a model already enabled, or one compiled with ``torch.compile`` (enable first, compile after).
@@ -273,6 +323,12 @@ def enable(
     Mode.parse(mode)
     if isinstance(schedule, str):
         schedule = PrecisionSchedule.load(schedule)
+    if isinstance(calibration, (str, Path)):
+        from .calibration import Calibration
+
+        calibration = Calibration.load(calibration)
+    if calibration is not None:
+        calibration.validate(model)
     state = Int8State(trace=[] if record else None)
     originals, skipped = {}, {}
     for name, module in attention_modules(model).items():
@@ -282,11 +338,12 @@ def enable(
             continue
         originals[name] = module.processor
         module.set_processor(
-            Int8DiffusionProcessor(mode, schedule=schedule, inner=module.processor, state=state, name=name)
+            Int8DiffusionProcessor(mode, schedule=schedule, calibration=calibration, inner=module.processor,
+                                   state=state, name=name, observer=observer)
         )
     _warn_skipped(skipped)
     hook = None
-    if schedule is not None or record:
+    if schedule is not None or record or calibration is not None or observer is not None:
         hook = model.register_forward_pre_hook(functools.partial(_read_timestep, state), with_kwargs=True)
     handle = Int8Handle(model, state, originals, skipped, hook)
     model.__dict__["_diffusion_int8_handle"] = handle

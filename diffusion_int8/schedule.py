@@ -11,8 +11,9 @@ module's name to a ``Mode``. Rules are tried in order; the first that matches wi
     )
     diffusion_int8.enable(pipe, schedule=schedule)
 
-Schedules serialize to JSON (``save`` / ``load``). Schedules driven by calibration data come with
-the calibration subsystem.
+Schedules serialize to JSON (``save`` / ``load``). ``PrecisionSchedule.from_calibration`` derives the
+rules from measured errors: at each calibrated step (and, optionally, layer) the cheapest mode whose
+error stays under a budget.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import fnmatch
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import torch
 
 from .kernels import Mode
 
@@ -68,17 +71,73 @@ class PrecisionSchedule:
     default: Mode = Mode.INT8
     num_train_timesteps: float | None = None
     name: str = field(default="custom", compare=False)
+    _memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "rules", tuple(r if isinstance(r, Rule) else Rule(**r) for r in self.rules))
         object.__setattr__(self, "default", Mode.parse(self.default))
 
+    def __hash__(self):
+        return hash((self.rules, self.default, self.num_train_timesteps))
+
     def mode_for(self, timestep: float, layer: str | None = None) -> Mode:
-        noise = noise_level(timestep, self.num_train_timesteps)
-        for rule in self.rules:
-            if rule.matches(noise, layer):
-                return rule.mode
-        return self.default
+        key = (timestep, layer)
+        mode = self._memo.get(key)
+        if mode is None:
+            noise = noise_level(timestep, self.num_train_timesteps)
+            mode = next((r.mode for r in self.rules if r.matches(noise, layer)), self.default)
+            if len(self._memo) < 65536:  # steps × layers of one schedule; bounded all the same
+                self._memo[key] = mode
+        return mode
+
+    @classmethod
+    def from_calibration(cls, calibration, budget: float = 0.05, *, metric: str = "rel_l1",
+                         per_layer: bool = False, name: str | None = None) -> "PrecisionSchedule":
+        """The cheapest mode per calibrated step (and layer) whose measured attention error is within ``budget``.
+
+        Args:
+            calibration: a ``Calibration`` (``diffusion-int8 calibrate``).
+            budget: the largest accepted error: relative L1 of the attention output against exact attention
+                (``metric="rel_l1"``), or 1 - cosine similarity (``metric="cos"``).
+            per_layer: decide per layer; otherwise per step, for the worst layer at that step.
+
+        Each calibrated step covers the noise levels half-way to its neighbours, so the schedule applies
+        to any number of steps. Modes are tried in the order ``int8``, ``int8_fp16v``, ``fp16``.
+        """
+        if metric not in ("rel_l1", "cos"):
+            raise ValueError(f"metric must be 'rel_l1' or 'cos', got {metric!r}")
+        noise = [float(n) for n in calibration.noise]
+        order = sorted(range(len(noise)), key=lambda i: noise[i])
+        bounds = [0.0] + [(noise[a] + noise[b]) / 2 for a, b in zip(order, order[1:])] + [1.0]
+        interval = {i: (bounds[j], bounds[j + 1]) for j, i in enumerate(order)}
+        names = list(calibration.layers)
+        cheapest = [Mode.INT8, Mode.INT8_FP16V]
+
+        def err(mode: Mode) -> torch.Tensor:  # (L, T)
+            e = calibration.error(mode.value, metric)
+            return 1 - e if metric == "cos" else e
+
+        errs = {m: err(m) for m in cheapest if m.value in calibration.modes()}
+
+        def choose(values: dict) -> Mode:
+            return next((m for m in cheapest if m in values and values[m] <= budget), Mode.FP16)
+
+        rules = []
+        groups = [(n, [i]) for i, n in enumerate(names)] if per_layer else [("*", list(range(len(names))))]
+        for pattern, idx in groups:
+            modes = {t: choose({m: float(e[idx, t].max()) for m, e in errs.items()}) for t in range(len(noise))}
+            # merge neighbouring steps that chose the same mode into one noise interval
+            run_start = None
+            for j, t in enumerate(order):
+                if run_start is None:
+                    run_start = t
+                nxt = order[j + 1] if j + 1 < len(order) else None
+                if nxt is None or modes[nxt] is not modes[t]:
+                    rules.append(Rule(modes[t], interval[run_start][0], interval[t][1], pattern))
+                    run_start = None
+        return cls(rules=tuple(rules), default=Mode.FP16,
+                   num_train_timesteps=calibration.meta.get("num_train_timesteps"),
+                   name=name or f"calibrated({metric}<={budget}{', per layer' if per_layer else ''})")
 
     def __call__(self, timestep: float) -> Mode:
         return self.mode_for(timestep)

@@ -1,0 +1,118 @@
+"""``diffusion-int8 calibrate``: run a pipeline in exact attention and record what INT8 would do to it.
+
+    diffusion-int8 calibrate --model PATH --prompts prompts.txt --steps 28 --out calib/
+    accelerate launch --multi_gpu --num_processes 8 -m diffusion_int8 calibrate ...   # prompts sharded
+
+Writes to ``--out``: ``calibration.safetensors``, ``schedule.json`` (the cheapest mode per step within
+``--budget``), ``summary.md``/``summary.json`` and the plots ``ranges.png``/``errors.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .. import pipelines
+from ..processor import enable
+from ..schedule import PrecisionSchedule
+from .collect import Collector, merge
+from .file import FILE_NAME, Calibration
+from .summary import write_all
+
+OUTPUTS = (FILE_NAME, "schedule.json", "summary.md", "summary.json")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Arguments shared with ``eval``."""
+    p.add_argument("--model", default=pipelines.EMBEDDED,
+                   help=f"local diffusers pipeline directory, or '{pipelines.EMBEDDED}' (the shipped shapes model; default)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompts", type=Path, help="text file, one prompt per line")
+    src.add_argument("--class-labels", nargs="+", help="class names or ids, for class-conditional pipelines")
+    p.add_argument("--steps", type=int, default=20, help="denoising steps")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="image i is seeded with seed + i")
+    p.add_argument("--guidance-scale", type=float, default=None, help="default: the pipeline's")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: the process's GPU, else cpu)")
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace existing outputs in --out")
+
+
+def items_for(args, pipe) -> pipelines.Items:
+    if args.prompts is None and args.class_labels is None:
+        if hasattr(pipe, "labels") and isinstance(pipe.labels, (list, tuple)):
+            return pipelines.default_items(pipe)
+        raise SystemExit("error: give --prompts FILE or --class-labels ...")
+    return pipelines.read_items(args.prompts, args.class_labels)
+
+
+def check_out(out: Path, names, overwrite: bool) -> None:
+    existing = [n for n in names if (out / n).exists()]
+    if existing and not overwrite:
+        raise SystemExit(f"error: {out} already holds {', '.join(existing)}; choose another --out or pass --overwrite")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_out(args.out, OUTPUTS, args.overwrite)
+    shards = pipelines.Shards(args.device)
+    pipe = pipelines.load(args.model, shards.device)
+    items = items_for(args, pipe)
+    model = pipelines.denoiser(pipe)
+    if shards.is_main:
+        print(f"calibrating {type(model).__name__} from {args.model} on {shards.device}: {len(items.values)} "
+              f"{'prompts' if items.kind == 'prompt' else 'labels'}, {args.steps} steps, {shards.world} process(es)")
+    collector = Collector(percentile=args.percentile)
+    handle = enable(pipe, mode="fp16", observer=collector)
+    records, t0 = [], time.time()
+    try:
+        for b, batch, idx in tqdm(shards.mine(items.batches(args.batch_size)), desc=f"calibrate[{shards.rank}]",
+                                  disable=not shards.is_main and shards.world > 1):
+            handle.state.reset()
+            pipelines.generate(pipe, items, batch, idx, steps=args.steps, seed=args.seed,
+                               guidance_scale=args.guidance_scale)
+            records.append(collector.record(b))
+    finally:
+        handle.disable()
+    records = shards.gather(records)
+    if shards.is_main:
+        timesteps, stats = merge(records)
+        import diffusers
+
+        meta = {"model": pipelines.model_id(args.model), "model_class": type(model).__name__,
+                "pipeline_class": type(pipe).__name__, "diffusers_version": diffusers.__version__,
+                "scheduler": type(pipe.scheduler).__name__, "scheduler_config": dict(pipe.scheduler.config),
+                "num_train_timesteps": pipe.scheduler.config.get("num_train_timesteps"),
+                "prompts_sha256": items.sha256(), "num_items": len(items.values), "items_kind": items.kind,
+                "seed": args.seed, "guidance_scale": args.guidance_scale, "percentile": args.percentile,
+                "dtype": str(model.dtype), "processes": shards.world}
+        cal = Calibration.from_stats(meta, timesteps, stats)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = cal.save(args.out, overwrite=args.overwrite)
+        schedule = PrecisionSchedule.from_calibration(cal, args.budget, per_layer=args.per_layer)
+        schedule.save(args.out / "schedule.json", overwrite=args.overwrite)
+        summary = write_all(cal, schedule, args.out, args.budget)
+        print(f"wrote {path}, {args.out / 'schedule.json'} and {args.out / 'summary.md'} in {time.time() - t0:.0f} s")
+        for m, e in summary["errors"].items():
+            print(f"  {m:11s} rel L1 mean {e['mean_rel_l1']:.4f}, worst {e['max_rel_l1']:.4f} "
+                  f"({e['most_sensitive'][0]['layer']} at step {e['most_sensitive'][0]['step']})")
+        fit = summary["ranges_vs_sigma"]
+        print("  ranges vs sigma, median R² proportional/quadratic: "
+              + ", ".join(f"{k} {v['r2_proportional']:.2f}/{v['r2_quadratic']:.2f}" for k, v in fit.items()))
+        print(f"  schedule {schedule.name}: {' '.join(summary['schedule']['per_step'])}")
+    shards.barrier()
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="record per-layer ranges and per-precision errors over the schedule",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--percentile", type=float, default=99.0, help="percentile of |Q| and |K| to record")
+    p.add_argument("--budget", type=float, default=0.02,
+                   help="largest relative L1 attention error the derived schedule accepts (default 0.02)")
+    p.add_argument("--per-layer", action="store_true", help="derive the schedule per layer as well as per step")
+    p.set_defaults(func=run)
+

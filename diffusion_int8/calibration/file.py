@@ -1,0 +1,191 @@
+"""``Calibration``: measured per-layer, per-head ranges and errors over the noise schedule, as one file.
+
+The file is safetensors (``calibration.safetensors``): tensors named ``{layer}::{stat}`` and the
+global ``timesteps`` and ``noise``, with JSON metadata under the key ``diffusion_int8`` (model,
+model class, diffusers version, scheduler, steps, prompt hash, schema version). Nothing is unpickled.
+
+Ranges are also fitted as quadratics in the noise level (``fit.q``, ``fit.k`` (H, 3), ``fit.v``
+(H, D, 3), coefficients of 1, n, n²), so ``ranges`` gives static scales at any step of any schedule.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..kernels.config import MAX_HEAD_DIM
+from ..schedule import noise_level
+
+SCHEMA_VERSION = 1
+FILE_NAME = "calibration.safetensors"
+_META_KEY = "diffusion_int8"
+_FIT_OF = {"q": "q_p99", "k": "k_p99", "v": "v_amax"}
+
+
+def fit_quadratic(noise: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Least-squares ``c0 + c1·n + c2·n²`` along the last dim of ``values`` (..., T) -> (..., 3), float64.
+
+    With fewer than 3 steps the degree drops (missing coefficients are 0).
+    """
+    T = noise.numel()
+    deg = min(2, T - 1)
+    n = noise.double()
+    A = torch.stack([n**i for i in range(deg + 1)], -1)  # (T, deg+1)
+    y = values.double().reshape(-1, T).T  # (T, M)
+    coef = torch.linalg.lstsq(A, y).solution.T  # (M, deg+1)
+    coef = torch.cat([coef, coef.new_zeros(coef.shape[0], 2 - deg)], -1)
+    return coef.reshape(*values.shape[:-1], 3)
+
+
+def r_squared(values: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+    """Coefficient of determination along the last dim (1 = exact; can be negative)."""
+    ss_res = ((values - predicted) ** 2).sum(-1)
+    ss_tot = ((values - values.mean(-1, keepdim=True)) ** 2).sum(-1).clamp_min(1e-30)
+    return 1 - ss_res / ss_tot
+
+
+def evaluate_fit(coef: torch.Tensor, noise: torch.Tensor | float) -> torch.Tensor:
+    n = torch.as_tensor(noise, dtype=coef.dtype, device=coef.device)
+    return coef[..., 0:1] + coef[..., 1:2] * n + coef[..., 2:3] * n * n
+
+
+@dataclass
+class Calibration:
+    """Measured statistics of one model's attention layers over a denoising schedule.
+
+    Attributes:
+        meta: provenance (see module docstring) and ``layers``: ``{name: {"heads": H, "head_dim": D}}``.
+        timesteps: (T,) the timesteps the denoiser was called with, in order.
+        noise: (T,) the same as noise levels in [0, 1] (``schedule.noise_level``).
+        layers: ``{name: {stat: tensor}}``: ``q_p99``, ``k_p99`` (H, T); ``v_amax`` (H, D, T);
+            ``err.{mode}.rel_l1`` and ``err.{mode}.cos`` (H, T); ``fit.q``, ``fit.k`` (H, 3), ``fit.v`` (H, D, 3).
+    """
+
+    meta: dict
+    timesteps: torch.Tensor
+    noise: torch.Tensor
+    layers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def from_stats(cls, meta: dict, timesteps: list[float], stats: dict[str, dict[str, torch.Tensor]]) -> "Calibration":
+        """Build from merged collector statistics, fitting the ranges against the noise level."""
+        ntt = meta.get("num_train_timesteps")
+        ts = torch.tensor(timesteps, dtype=torch.float64)
+        noise = torch.tensor([noise_level(t, ntt) for t in timesteps], dtype=torch.float64)
+        layers = {}
+        for name, st in stats.items():
+            st = dict(st)
+            for short, stat in _FIT_OF.items():
+                st[f"fit.{short}"] = fit_quadratic(noise, st[stat]).float()
+            layers[name] = st
+        meta = {**meta, "schema_version": SCHEMA_VERSION, "steps": len(timesteps),
+                "layers": {n: {"heads": int(s["q_p99"].shape[0]), "head_dim": int(s["v_amax"].shape[1])}
+                           for n, s in layers.items()}}
+        return cls(meta, ts.float(), noise.float(), layers)
+
+    # ----------------------------------------------------------------------------------------- file
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / FILE_NAME
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
+        tensors = {"timesteps": self.timesteps, "noise": self.noise}
+        for name, st in self.layers.items():
+            for key, t in st.items():
+                tensors[f"{name}::{key}"] = t.contiguous()
+        save_file(tensors, str(path), metadata={_META_KEY: json.dumps(self.meta)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        """Read a file written by ``save`` (or the directory holding ``calibration.safetensors``)."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / FILE_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"no calibration file at {path}; make one with `diffusion-int8 calibrate`")
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get(_META_KEY)
+            if raw is None:
+                raise ValueError(f"{path} is a safetensors file but not a diffusion-int8 calibration (no metadata)")
+            meta = json.loads(raw)
+            if meta.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(f"{path} has calibration schema {meta.get('schema_version')}; "
+                                 f"this version of diffusion-int8 reads schema {SCHEMA_VERSION}")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        layers: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            if "::" in key:
+                name, stat = key.split("::", 1)
+                layers.setdefault(name, {})[stat] = t
+        return cls(meta, tensors["timesteps"], tensors["noise"], layers)
+
+    # ----------------------------------------------------------------------------------- applying
+    def validate(self, model: torch.nn.Module) -> None:
+        """Raise ``ValueError`` unless ``model`` has exactly the calibrated attention layers, heads and head dims."""
+        from ..processor import attention_modules, head_dim_of
+
+        problems = []
+        cls_name = type(model).__name__
+        if self.meta.get("model_class") not in (None, cls_name):
+            problems.append(f"model class is {cls_name}, the calibration is for {self.meta['model_class']}")
+        modules = {n: m for n, m in attention_modules(model).items() if (head_dim_of(m) or 0) <= MAX_HEAD_DIM}
+        missing = sorted(set(self.layers) - set(modules))
+        extra = sorted(set(modules) - set(self.layers))
+        if missing:
+            problems.append(f"layers not in the model: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+        if extra:
+            problems.append(f"model layers not calibrated: {', '.join(extra[:5])}{' …' if len(extra) > 5 else ''}")
+        for name in sorted(set(self.layers) & set(modules)):
+            want = self.meta["layers"][name]
+            heads, hd = getattr(modules[name], "heads", None), head_dim_of(modules[name])
+            if (heads, hd) != (want["heads"], want["head_dim"]) and None not in (heads, hd):
+                problems.append(f"{name}: model has {heads} heads of dim {hd}, "
+                                f"the calibration {want['heads']} of dim {want['head_dim']}")
+        if problems:
+            raise ValueError(f"calibration of {self.meta.get('model', '?')} does not match this model: " + "; ".join(problems))
+
+    def ranges(self, layer: str, timestep: float, device: torch.device | str = "cpu"):
+        """Static ``(q_amax (1, H), k_amax (1, H), v_amax (1, H, D))`` at ``timestep``, float32 on ``device``."""
+        st = self.layers[layer]
+        n = noise_level(timestep, self.meta.get("num_train_timesteps"))
+        out = []
+        for short in ("q", "k", "v"):
+            measured = st[_FIT_OF[short]]
+            # the fit can undershoot between steps; never below a tenth of the smallest measured range
+            floor = measured.amin(-1).clamp_min(1e-6) * 0.1
+            val = torch.maximum(evaluate_fit(st[f"fit.{short}"].double(), n)[..., 0], floor.double())
+            out.append(val.float()[None].to(device, non_blocking=True))
+        return tuple(out)
+
+    # ------------------------------------------------------------------------------------ summary
+    def modes(self) -> list[str]:
+        return sorted({k.split(".")[1] for st in self.layers.values() for k in st if k.startswith("err.")})
+
+    def error(self, mode: str, metric: str = "rel_l1") -> torch.Tensor:
+        """(L, T) the error of ``mode``, averaged over heads, layers in ``self.layers`` order."""
+        return torch.stack([st[f"err.{mode}.{metric}"].mean(0) for st in self.layers.values()])
+
+    def fit_report(self) -> dict:
+        """How well ranges follow sigma: median R² over (layer, head) of the seeds' proportional model
+        ``s = c·σ`` and of the stored quadratic, and the median ratio of the largest to smallest range."""
+        report = {}
+        n = self.noise.double()
+        for short, stat in _FIT_OF.items():
+            vals = torch.cat([st[stat].double().reshape(-1, n.numel()) for st in self.layers.values()])
+            c = (vals * n).sum(-1, keepdim=True) / (n * n).sum().clamp_min(1e-30)
+            coefs = torch.cat([st[f"fit.{short}"].double().reshape(-1, 3) for st in self.layers.values()])
+            report[stat] = {
+                "r2_proportional": float(r_squared(vals, c * n).median()),
+                "r2_quadratic": float(r_squared(vals, evaluate_fit(coefs, n)).median()),
+                "max_over_min": float((vals.amax(-1) / vals.amin(-1).clamp_min(1e-30)).median()),
+            }
+        return report

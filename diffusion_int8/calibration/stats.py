@@ -1,0 +1,51 @@
+"""Per-head statistics of attention inputs and of the error each precision causes."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import Mode
+
+
+def quantile_lastdim(x: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.quantile(x, q, dim=-1)`` (linear interpolation) for any size, through two ``kthvalue`` calls.
+
+    ``torch.quantile`` refuses inputs above 2**24 elements; attention heads of video models exceed that.
+    """
+    n = x.shape[-1]
+    pos = q * (n - 1)
+    lo = int(pos)
+    hi = min(lo + 1, n - 1)
+    v_lo = x.kthvalue(lo + 1, dim=-1).values
+    if hi == lo or pos == lo:
+        return v_lo
+    v_hi = x.kthvalue(hi + 1, dim=-1).values
+    return v_lo + (v_hi - v_lo) * (pos - lo)
+
+
+def input_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, percentile: float = 99.0) -> dict[str, torch.Tensor]:
+    """Per (batch, head) ranges of BHSD attention inputs, in float32.
+
+    Returns ``q_p99`` and ``k_p99`` (B, H): the ``percentile`` of |Q| and of |K - mean_tokens(K)| (K as the
+    kernel quantizes it, after smoothing) over tokens and channels; ``v_amax`` (B, H, D): |V|'s maximum
+    over tokens, per channel.
+    """
+    qf, kf, vf = (t.float() for t in (q, k, v))
+    ks = kf - kf.mean(dim=2, keepdim=True)
+    p = percentile / 100.0
+    return {
+        "q_p99": quantile_lastdim(qf.abs().flatten(2), p),
+        "k_p99": quantile_lastdim(ks.abs().flatten(2), p),
+        "v_amax": vf.abs().amax(dim=2),
+    }
+
+
+def output_errors(out: torch.Tensor, exact: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per (batch, head) relative L1 (sum |out - exact| / sum |exact|) and cosine similarity, BHSD inputs."""
+    o, e = out.double().flatten(2), exact.double().flatten(2)
+    rel_l1 = (o - e).abs().sum(-1) / e.abs().sum(-1).clamp_min(1e-30)
+    cos = torch.nn.functional.cosine_similarity(o, e, dim=-1, eps=1e-30)
+    return {"rel_l1": rel_l1.float(), "cos": cos.float()}
+
+
+QUANTIZED_MODES = (Mode.INT8, Mode.INT8_FP16V)

@@ -1,0 +1,106 @@
+"""What a person reads after calibrating: sensitive layers and steps, how ranges move with sigma, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .file import Calibration
+
+
+def summarize(cal: Calibration, schedule=None, top: int = 8) -> dict:
+    names = list(cal.layers)
+    noise = [round(float(n), 4) for n in cal.noise]
+    modes = cal.modes()
+    per_mode = {}
+    for m in modes:
+        e = cal.error(m)  # (L, T)
+        flat = [(float(e[i, t]), names[i], t) for i in range(len(names)) for t in range(len(noise))]
+        flat.sort(reverse=True)
+        per_mode[m] = {
+            "mean_rel_l1": float(e.mean()),
+            "max_rel_l1": float(e.max()),
+            "per_step_max_rel_l1": [float(x) for x in e.amax(0)],
+            "per_layer_mean_rel_l1": {n: float(e[i].mean()) for i, n in enumerate(names)},
+            "most_sensitive": [{"layer": n, "step": t, "noise": noise[t], "rel_l1": v} for v, n, t in flat[:top]],
+        }
+    out = {"model": cal.meta.get("model"), "model_class": cal.meta.get("model_class"), "steps": len(noise),
+           "noise": noise, "layers": len(names), "errors": per_mode, "ranges_vs_sigma": cal.fit_report()}
+    if schedule is not None:
+        out["schedule"] = {"name": schedule.name, "per_step": [
+            schedule.mode_for(float(t), names[0] if names else None).value for t in cal.timesteps]}
+    return out
+
+
+def write_markdown(summary: dict, path: Path) -> None:
+    lines = [f"# Calibration of {summary['model']} ({summary['model_class']})", "",
+             f"{summary['layers']} attention layers, {summary['steps']} steps, noise levels "
+             f"{summary['noise'][0]} → {summary['noise'][-1]}.", "", "## Error of each precision (relative L1 of the attention output)", "",
+             "| mode | mean | worst layer·step |", "|---|---|---|"]
+    for m, e in summary["errors"].items():
+        lines.append(f"| {m} | {e['mean_rel_l1']:.4f} | {e['max_rel_l1']:.4f} |")
+    for m, e in summary["errors"].items():
+        lines += ["", f"Most sensitive (layer, step) in `{m}`:", "", "| layer | step | noise | rel L1 |", "|---|---|---|---|"]
+        lines += [f"| {r['layer']} | {r['step']} | {r['noise']:.3f} | {r['rel_l1']:.4f} |" for r in e["most_sensitive"]]
+    lines += ["", "## How ranges move with sigma", "",
+              "R² of the seed documents' proportional model (range = c·σ) against the stored quadratic fit, "
+              "median over (layer, head); `max/min` is the median ratio of a head's largest to smallest range over the schedule.",
+              "", "| range | R² proportional | R² quadratic | max/min |", "|---|---|---|---|"]
+    for stat, r in summary["ranges_vs_sigma"].items():
+        lines.append(f"| {stat} | {r['r2_proportional']:.3f} | {r['r2_quadratic']:.3f} | {r['max_over_min']:.2f} |")
+    if "schedule" in summary:
+        s = summary["schedule"]
+        lines += ["", f"## Schedule `{s['name']}`", "", "| step | noise | mode |", "|---|---|---|"]
+        lines += [f"| {i} | {n:.3f} | {m} |" for i, (n, m) in enumerate(zip(summary["noise"], s["per_step"]))]
+    lines += ["", "Plots: `ranges.png` (Q and K ranges against the noise level, one line per layer) and "
+              "`errors.png` (error per step and mode).", ""]
+    path.write_text("\n".join(lines))
+
+
+def plot(cal: Calibration, out_dir: Path, budget: float | None = None) -> list[Path]:
+    """``ranges.png`` and ``errors.png``; nothing (and no error) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    noise = cal.noise.numpy()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, stat, title in zip(axes, ("q_p99", "k_p99", "v_amax"), ("|Q| p99", "|K − mean| p99", "|V| max")):
+        for st in cal.layers.values():
+            y = st[stat].float()
+            y = y.mean(0) if y.dim() == 2 else y.mean((0, 1))
+            ax.plot(noise, y.numpy(), lw=1, alpha=0.7)
+        ax.set_xlabel("noise level σ")
+        ax.set_title(f"{title}, mean over heads")
+    fig.tight_layout()
+    ranges = out_dir / "ranges.png"
+    fig.savefig(ranges, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for i, m in enumerate(cal.modes()):
+        e = cal.error(m)
+        ax.plot(noise, e.amax(0).numpy(), marker="o", ms=3, color=f"C{i}", label=f"{m} (worst layer)")
+        ax.plot(noise, e.mean(0).numpy(), ls="--", color=f"C{i}", label=f"{m} (mean over layers)")
+    if budget is not None:
+        ax.axhline(budget, color="k", lw=0.8, ls=":", label=f"budget {budget}")
+    ax.set_xlabel("noise level σ")
+    ax.set_ylabel("relative L1 of attention output")
+    ax.invert_xaxis()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    errors = out_dir / "errors.png"
+    fig.savefig(errors, dpi=110)
+    plt.close(fig)
+    return [ranges, errors]
+
+
+def write_all(cal: Calibration, schedule, out_dir: Path, budget: float | None) -> dict:
+    summary = summarize(cal, schedule)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_markdown(summary, out_dir / "summary.md")
+    plot(cal, out_dir, budget)
+    return summary

@@ -1,0 +1,138 @@
+"""What the CLIs share: loading a local pipeline, reading prompts, batching, seeding, and sharding.
+
+Under ``accelerate launch`` (or ``torchrun``) batches are dealt round-robin to the processes and the
+records gathered back; every image's seed is ``seed + its index``, so the images and statistics do
+not depend on how many processes ran them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+EMBEDDED = "embedded"
+
+
+@dataclass
+class Items:
+    """What to generate: text prompts, or class labels for class-conditional pipelines."""
+
+    values: list
+    kind: str  # "prompt" or "class_labels"
+
+    def sha256(self) -> str:
+        return hashlib.sha256(json.dumps([self.kind, self.values]).encode()).hexdigest()
+
+    def batches(self, batch_size: int) -> list[tuple[int, list, list[int]]]:
+        """``(batch index, items, image indices)`` in order."""
+        out = []
+        for b, start in enumerate(range(0, len(self.values), batch_size)):
+            idx = list(range(start, min(start + batch_size, len(self.values))))
+            out.append((b, [self.values[i] for i in idx], idx))
+        return out
+
+
+def read_items(prompts: str | Path | None, class_labels: Sequence[str] | None) -> Items:
+    """Prompts from a text file (one per line; blank lines and ``#`` comments skipped), or class labels."""
+    if (prompts is None) == (class_labels is None):
+        raise ValueError("give exactly one of --prompts FILE or --class-labels ...")
+    if class_labels is not None:
+        labels = [int(c) if str(c).isdigit() else str(c) for c in class_labels]
+        return Items(labels, "class_labels")
+    path = Path(prompts)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    lines = [ln.strip() for ln in path.read_text().splitlines()]
+    values = [ln for ln in lines if ln and not ln.startswith("#")]
+    if not values:
+        raise ValueError(f"{path} holds no prompts (one per line; blank lines and # comments are skipped)")
+    return Items(values, "prompt")
+
+
+def default_items(pipe) -> Items:
+    """For the embedded pipeline without prompts: one image of every class."""
+    return Items(list(pipe.labels), "class_labels")
+
+
+def load(model: str | Path, device: torch.device, dtype: torch.dtype | None = None):
+    """A diffusers pipeline from a local directory (never a hub download), or ``"embedded"``.
+
+    ``dtype`` defaults to fp16 on CUDA and fp32 on the CPU.
+    """
+    from .embedded import EMBEDDED_PATH, load_pipeline
+
+    dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+    path = EMBEDDED_PATH if str(model) == EMBEDDED else Path(model)
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"{path} is not a local diffusers pipeline (no model_index.json); "
+                                f"pass a directory saved with save_pretrained, or '{EMBEDDED}'")
+    if json.loads(index.read_text()).get("_class_name") == "ShapesPipeline":
+        return load_pipeline(path, device=device, dtype=dtype)
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def model_id(model: str | Path) -> str:
+    return EMBEDDED if str(model) == EMBEDDED else str(Path(model).resolve())
+
+
+def generate(pipe, items: Items, batch_items: list, indices: list[int], *, steps: int, seed: int,
+             guidance_scale: float | None = None) -> torch.Tensor:
+    """Images (B, 3, H, W) float32 in [0, 1] on the CPU; image i is seeded with ``seed + i``."""
+    gens = [torch.Generator().manual_seed(seed + i) for i in indices]
+    kwargs = {"num_inference_steps": steps, "generator": gens, "output_type": "np"}
+    if guidance_scale is not None:
+        kwargs["guidance_scale"] = guidance_scale
+    if items.kind == "class_labels":
+        ids = batch_items
+        if hasattr(pipe, "label_ids"):
+            ids = pipe.label_ids(ids)
+        elif any(isinstance(c, str) for c in ids):
+            ids = pipe.get_label_ids(ids)  # DiTPipeline's names -> ids
+        out = pipe(class_labels=ids, **kwargs).images
+    else:
+        out = pipe(prompt=batch_items, **kwargs).images
+    return torch.from_numpy(np.asarray(out, dtype=np.float32)).permute(0, 3, 1, 2).contiguous()
+
+
+def denoiser(pipe) -> torch.nn.Module:
+    from .processor import _denoiser
+
+    return _denoiser(pipe)
+
+
+class Shards:
+    """The process's share of the work under ``accelerate launch``/``torchrun``; one process otherwise."""
+
+    def __init__(self, device: str | None = None):
+        from accelerate import PartialState
+
+        cuda = torch.cuda.is_available() and device != "cpu"
+        self.state = PartialState(cpu=not cuda)
+        self.rank, self.world = self.state.process_index, self.state.num_processes
+        self.device = torch.device(device) if device else (self.state.device if cuda else torch.device("cpu"))
+        self.is_main = self.state.is_main_process
+
+    def mine(self, work: list) -> list:
+        return work[self.rank::self.world]
+
+    def gather(self, records: list) -> list:
+        if self.world == 1:
+            return records
+        from accelerate.utils import gather_object
+
+        return gather_object(records)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.state.wait_for_everyone()
