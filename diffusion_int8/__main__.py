@@ -11,9 +11,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     from .calibration.cli import add_parser as add_calibrate
     from .demo import add_parser as add_demo
+    from .eval.cli import add_parser as add_eval
 
     add_demo(sub)
     add_calibrate(sub)
+    add_eval(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,208 @@
+"""Writing an evaluation as ``report.json``, ``report.md`` and a self-contained ``report.html``.
+
+The HTML embeds every picture as a data URI (side-by-side grids, difference heat maps, the schedule
+plot), so it can be mailed or archived as one file. A few lines of script record, in ``data-`` attributes
+of ``<body>``, how many images decoded and any script error, which the tests read in headless Chromium.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+REPORT_FILES = ("report.json", "report.md", "report.html")
+
+
+def _clean(obj):
+    """JSON without NaN/Infinity (which browsers' JSON.parse rejects): non-finite floats become strings."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _fmt(x, digits=3) -> str:
+    if isinstance(x, str):
+        return x
+    if x is None:
+        return "–"
+    return f"{x:.{digits}f}" if math.isfinite(x) else ("∞" if x > 0 else "−∞")
+
+
+def _png_uri(arr: np.ndarray, scale: int = 1) -> str:
+    img = Image.fromarray(arr)
+    if scale > 1:
+        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _to_uint8(img: torch.Tensor) -> np.ndarray:
+    return (img.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+
+
+def heatmap(diff: torch.Tensor, vmax: float) -> np.ndarray:
+    """|difference| (H, W) as an RGB heat map (black → red → yellow → white) with ``vmax`` at white."""
+    t = (diff / max(vmax, 1e-12)).clamp(0, 1).numpy()
+    rgb = np.stack([np.clip(3 * t, 0, 1), np.clip(3 * t - 1, 0, 1), np.clip(3 * t - 2, 0, 1)], -1)
+    return (rgb * 255).round().astype(np.uint8)
+
+
+def _quality_cells(q: dict) -> list[str]:
+    agg = q.get("aggregate", {})
+    cells = []
+    for k in ("psnr", "ssim", "lpips"):
+        a = agg.get(k, {})
+        if a.get("available") is False:
+            cells.append("n/a")
+        elif "mean" in a:
+            cells.append(f"{_fmt(a['mean'], 2 if k == 'psnr' else 4)} ± {_fmt(a['std'], 2 if k == 'psnr' else 4)} "
+                         f"(min {_fmt(a['min'] if k != 'lpips' else a['max'], 2 if k == 'psnr' else 4)})")
+        else:
+            cells.append("–")
+    for k in ("fid", "kid"):
+        a = agg.get(k, {})
+        cells.append("n/a" if a.get("available") is False else _fmt(a.get("value", a.get("mean")), 4) if a else "–")
+    return cells
+
+
+def _rows(report: dict) -> list[list[str]]:
+    base = report["baseline"]["speed"]
+    rows = []
+    for name, v in [(report["baseline"]["name"], report["baseline"]), *report["variants"].items()]:
+        sp = v.get("speed", {})
+        ms = sp.get("denoiser_ms_per_step")
+        speedup = base.get("denoiser_ms_per_step", 0) / ms if ms else None
+        rows.append([name, *(_quality_cells(v["quality"]) if "quality" in v else ["reference"] + ["–"] * 4),
+                     _fmt(ms, 2), _fmt(speedup, 2) + ("×" if speedup else ""), _fmt(sp.get("seconds_per_image"), 3),
+                     _fmt(sp.get("peak_memory_mib"), 0)])
+    return rows
+
+
+HEADER = ["variant", "PSNR dB (min)", "SSIM (min)", "LPIPS (max)", "FID", "KID", "denoiser ms/step",
+          "speed-up", "s/image", "peak MiB"]
+
+
+def write_json(report: dict, out: Path) -> Path:
+    path = out / "report.json"
+    path.write_text(json.dumps(_clean(report), indent=1) + "\n")
+    return path
+
+
+def write_markdown(report: dict, out: Path) -> Path:
+    lines = [f"# INT8 attention evaluation: {report['model']}", "",
+             f"{report['num_images']} images, {report['steps']} steps, seeds {report['seed']}+i, on {report['device']} "
+             f"(INT8 kernel: {report['kernel']}).", "",
+             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(r) + " |" for r in _rows(report)]
+    na = {k: v["reason"] for k, v in report["metrics_available"].items() if not v["available"]}
+    if na:
+        lines += ["", "Unavailable metrics:", ""] + [f"- **{k}**: {r}" for k, r in na.items()]
+    if report.get("schedule"):
+        s = report["schedule"]
+        lines += ["", f"Schedule `{s['name']}` per step: {' '.join(s['per_step'])}"]
+    lines += ["", "Images: " + ", ".join(f"`{p}`" for p in report["image_dirs"].values()), ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def schedule_plot(report: dict) -> str | None:
+    """PNG data URI: the mode of each step and, when calibrated, the measured error per step; None without matplotlib."""
+    s = report.get("schedule")
+    if not s:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    order = ["int8", "int8_fp16v", "fp16"]
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    steps = list(range(len(s["per_step"])))
+    ax.step(steps, [order.index(m) for m in s["per_step"]], where="mid", color="C0", lw=2, label="mode")
+    ax.set_yticks(range(3), order)
+    ax.set_xlabel("denoising step")
+    if s.get("errors"):
+        ax2 = ax.twinx()
+        for i, (mode, errs) in enumerate(s["errors"].items()):
+            ax2.plot(range(len(errs)), errs, ls="--", marker=".", color=f"C{i + 1}", label=f"{mode} error (calibrated)")
+        ax2.set_ylabel("attention rel. L1, worst layer")
+        ax2.legend(fontsize=7, loc="upper right")
+    ax.set_title(f"schedule {s['name']}")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def write_html(report: dict, images: dict[str, torch.Tensor], labels: list[str], out: Path, max_rows: int = 32) -> Path:
+    """``images``: {variant: (N, 3, H, W)} with the baseline first."""
+    e = html.escape
+    names = list(images)
+    ref = images[names[0]]
+    scale = max(1, 128 // ref.shape[-1])
+    diffs = {n: (images[n] - ref).abs().mean(1) for n in names[1:]}
+    vmax = 0.1  # a tenth of the range at white: small differences stay visible, larger ones saturate
+    head = "".join(f"<th>{e(n)}</th>" + (f"<th>|{e(n)} − {e(names[0])}|</th>" if n in diffs else "") for n in names)
+    body = []
+    for i in range(min(len(ref), max_rows)):
+        cells = [f"<td class=label>{e(str(labels[i]))}</td>"]
+        for n in names:
+            cells.append(f"<td><img src='{_png_uri(_to_uint8(images[n][i]), scale)}' alt='{e(n)} {i}'></td>")
+            if n in diffs:
+                cells.append(f"<td><img src='{_png_uri(heatmap(diffs[n][i], vmax), scale)}' alt='diff {e(n)} {i}'></td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    table = "".join(f"<th>{e(h)}</th>" for h in HEADER)
+    rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in _rows(report))
+    na = [f"<li><b>{e(k)}</b>: {e(v['reason'])}</li>" for k, v in report["metrics_available"].items() if not v["available"]]
+    plot = schedule_plot(report)
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>INT8 attention evaluation — {e(report['model'])}</title>
+<style>
+body{{font-family:system-ui,sans-serif;margin:24px;color:#222}} table{{border-collapse:collapse}}
+.metrics td,.metrics th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} .metrics td:first-child{{text-align:left}}
+.grid td{{padding:2px;text-align:center}} .grid img{{image-rendering:pixelated;display:block}} .label{{font-size:12px;text-align:right}}
+.note{{color:#555;font-size:13px}}
+</style></head>
+<body data-images-ok="pending" data-errors="">
+<h1>INT8 attention evaluation</h1>
+<p>Model <code>{e(report['model'])}</code> · {report['num_images']} images · {report['steps']} steps · seeds {report['seed']}+i ·
+device {e(report['device'])} · INT8 kernel: {e(report['kernel'])} · {e(report['created'])}</p>
+<h2>Metrics against {e(names[0])}</h2>
+<table class="metrics"><tr>{table}</tr>{rows}</table>
+<p class="note">Mean ± std over images; PSNR and SSIM show the worst image in brackets, LPIPS the worst (largest).
+Speed: denoiser time per step (median over steps after a warm-up run) and its ratio to {e(names[0])}.</p>
+{'<ul class="note">' + ''.join(na) + '</ul>' if na else ''}
+{f'<h2>Schedule</h2><img src="{plot}" alt="schedule">' if plot else ''}
+<h2>Images</h2>
+<p class="note">Heat maps: mean absolute difference over channels, black = 0, white ≥ {vmax} (of the [0, 1] range).</p>
+<table class="grid"><tr><th></th>{head}</tr>{''.join(body)}</table>
+<script>
+window.addEventListener("error", ev => {{ document.body.dataset.errors += ev.message + ";"; }});
+window.addEventListener("load", () => {{
+  const imgs = [...document.images];
+  const ok = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+  document.body.dataset.imagesOk = ok + "/" + imgs.length;
+}});
+</script>
+</body></html>
+"""
+    path = out / "report.html"
+    path.write_text(page)
+    return path

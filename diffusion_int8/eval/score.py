@@ -1,0 +1,68 @@
+"""Scoring image sets against a reference set: per-image and aggregated metrics, set-level FID/KID."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from . import metrics as M
+
+
+def save_images(images: torch.Tensor, folder: Path, indices: list[int]) -> None:
+    """(B, 3, H, W) [0, 1] floats as ``{index:05d}.png``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    arr = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    for i, a in zip(indices, arr):
+        Image.fromarray(a).save(folder / f"{i:05d}.png")
+
+
+def load_folder(folder: Path) -> tuple[list[str], torch.Tensor]:
+    """The PNG/JPEG images of a folder, sorted by name, as (N, 3, H, W) float32 in [0, 1]."""
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
+    if not files:
+        raise FileNotFoundError(f"no images (.png, .jpg, .webp) in {folder}")
+    arrs = [np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) / 255 for p in files]
+    shapes = {a.shape for a in arrs}
+    if len(shapes) > 1:
+        raise ValueError(f"images in {folder} differ in size: {sorted(shapes)}")
+    return [p.name for p in files], torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2).contiguous()
+
+
+class Scorer:
+    """Holds the (optional) LPIPS and Inception networks; scores candidate sets against one reference."""
+
+    def __init__(self, lpips_weights=None, fid_weights=None, device="cpu", kid_subset_size: int = 100):
+        self.lpips = M.lpips_model(lpips_weights, device)
+        self.inception = M.inception_model(fid_weights, device)
+        self.kid_subset_size = kid_subset_size
+        self._ref_feats = None
+
+    def availability(self) -> dict:
+        out = {"psnr": {"available": True}, "ssim": {"available": True}}
+        for name, net in (("lpips", self.lpips), ("fid", self.inception), ("kid", self.inception)):
+            out[name] = net.to_dict() if isinstance(net, M.Unavailable) else {"available": True}
+        return out
+
+    def score(self, images: torch.Tensor, ref: torch.Tensor) -> dict:
+        """Per-image lists and aggregates of PSNR, SSIM, LPIPS; FID and KID of the sets."""
+        if images.shape != ref.shape:
+            raise ValueError(f"image sets differ in shape: {tuple(images.shape)} vs reference {tuple(ref.shape)}")
+        per = {"psnr": M.psnr(images, ref), "ssim": M.ssim(images, ref)}
+        if not isinstance(self.lpips, M.Unavailable):
+            per["lpips"] = M.lpips_distance(self.lpips, images, ref)
+        out = {"per_image": {k: [float(x) for x in v] for k, v in per.items()},
+               "aggregate": {k: M.aggregate(v) for k, v in per.items()}}
+        if isinstance(self.lpips, M.Unavailable):
+            out["aggregate"]["lpips"] = self.lpips.to_dict()
+        if isinstance(self.inception, M.Unavailable):
+            out["aggregate"]["fid"] = out["aggregate"]["kid"] = self.inception.to_dict()
+        else:
+            fa, fr = M.features(self.inception, images), M.features(self.inception, ref)
+            out["aggregate"]["fid"] = {"value": M.frechet_distance(fa, fr), "n": len(fa)}
+            if len(fa) >= 2:
+                mean, std = M.kernel_inception_distance(fa, fr, subset_size=self.kid_subset_size)
+                out["aggregate"]["kid"] = {"mean": mean, "std": std, "n": len(fa)}
+        return out
