@@ -1,4 +1,4 @@
-"""``diffusion-int8`` command line: ``demo``, ``calibrate`` and ``eval`` (each has ``--help``)."""
+"""``diffusion-int8`` command line: ``demo``, ``calibrate``, ``eval`` and ``check`` (each has ``--help``)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="diffusion-int8", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     from .calibration.cli import add_parser as add_calibrate
+    from .check import add_parser as add_check
     from .demo import add_parser as add_demo
     from .eval.cli import add_parser as add_eval
 
     add_demo(sub)
     add_calibrate(sub)
     add_eval(sub)
+    add_check(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
