@@ -20,7 +20,7 @@ def quantile_lastdim(x: torch.Tensor, q: float) -> torch.Tensor:
     if hi == lo or pos == lo:
         return v_lo
     v_hi = x.kthvalue(hi + 1, dim=-1).values
-    return v_lo + (v_hi - v_lo) * (pos - lo)
+    return torch.lerp(v_lo, v_hi, pos - lo)
 
 
 def input_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, percentile: float = 99.0) -> dict[str, torch.Tensor]:

@@ -1,0 +1,260 @@
+"""Calibration: statistics against direct computations, the file, validation, schedules, merging, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from diffusion_int8 import Mode, PrecisionSchedule, enable
+from diffusion_int8.calibration import Calibration, Collector, merge
+from diffusion_int8.calibration.file import evaluate_fit, fit_quadratic
+from diffusion_int8.calibration.stats import input_stats, quantile_lastdim
+from tiny_models import build
+
+
+@pytest.fixture(autouse=True)
+def _emulation(monkeypatch):
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+
+
+def cli_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {**env, "DIFFUSION_INT8_BACKEND": "emulation", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 4099])
+def test_quantile_matches_torch(n):
+    x = torch.randn(3, n) * torch.rand(3, 1) * 10
+    for q in (0.0, 0.5, 0.99, 1.0):
+        torch.testing.assert_close(quantile_lastdim(x, q), torch.quantile(x, q, dim=-1), rtol=1e-6, atol=1e-6)
+
+
+def test_input_stats_direct():
+    q, k, v = torch.randn(2, 3, 37, 16), torch.randn(2, 3, 37, 16) + 5 * torch.randn(1, 3, 1, 16), torch.randn(2, 3, 37, 16)
+    q[0, 1, 5, 2] = 80.0  # an outlier
+    st = input_stats(q, k, v)
+    for b in range(2):
+        for h in range(3):
+            assert st["q_p99"][b, h] == pytest.approx(float(torch.quantile(q[b, h].abs().flatten(), 0.99)), rel=1e-5)
+            ks = k[b, h] - k[b, h].mean(0)
+            assert st["k_p99"][b, h] == pytest.approx(float(torch.quantile(ks.abs().flatten(), 0.99)), rel=1e-5)
+            torch.testing.assert_close(st["v_amax"][b, h], v[b, h].abs().amax(0))
+
+
+def collect_dit(batches=2, steps=3, record_inputs=None):
+    """Run a tiny DiT denoiser through a fake schedule of ``steps`` timesteps per batch, collecting."""
+    model, x = build("dit")
+    col = Collector()
+
+    def observer(proc, q, k, v, mask, scale, exact):
+        if record_inputs is not None:
+            record_inputs.append((proc.state.step, proc.name, q.clone(), k.clone(), v.clone()))
+        col(proc, q, k, v, mask, scale, exact)
+
+    handle = enable(model, mode="fp16", observer=observer)
+    records = []
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for b in range(batches):
+            handle.state.reset()
+            for t in torch.linspace(900, 100, steps).round().long():
+                xb = dict(x, hidden_states=torch.randn(x["hidden_states"].shape, generator=g), timestep=t.expand(2))
+                model(**xb)
+            records.append(col.record(b))
+    handle.disable()
+    return model, records
+
+
+def test_collected_percentiles_equal_direct_computation():
+    seen = []
+    model, records = collect_dit(batches=2, steps=3, record_inputs=seen)
+    timesteps, stats = merge(records)
+    assert timesteps == [900.0, 500.0, 100.0]
+    for layer, st in stats.items():
+        for step in range(3):
+            inputs = [(q, k, v) for s, n, q, k, v in seen if n == layer and s == step]
+            assert len(inputs) == 2  # one call per batch
+            direct = [float(torch.quantile(q[b, h].float().abs().flatten(), 0.99))
+                      for q, _, _ in inputs for b in range(q.shape[0]) for h in range(q.shape[1])]
+            per_head = torch.tensor(direct).view(-1, inputs[0][0].shape[1]).mean(0)
+            torch.testing.assert_close(st["q_p99"][:, step], per_head, rtol=1e-5, atol=1e-6)
+            vmax = torch.stack([v.float().abs().amax(2).amax(0) for _, _, v in inputs]).amax(0)
+            torch.testing.assert_close(st["v_amax"][..., step], vmax)
+            for mode in ("int8", "int8_fp16v"):
+                e = st[f"err.{mode}.rel_l1"][:, step]
+                assert (e > 0).all() and (e < 0.1).all()
+            assert (st["err.int8.rel_l1"] >= st["err.int8_fp16v.rel_l1"] * 0.5).all()
+
+
+def test_merge_is_independent_of_the_split():
+    _, records = collect_dit(batches=3, steps=2)
+    _, whole = merge(records)
+    _, shuffled = merge([records[2], records[0], records[1]])
+    for layer in whole:
+        for key in whole[layer]:
+            assert torch.equal(whole[layer][key], shuffled[layer][key])
+
+
+def make_calibration(records=None):
+    model, records = collect_dit() if records is None else (None, records)
+    timesteps, stats = merge(records)
+    meta = {"model": "tiny-dit", "model_class": "DiTTransformer2DModel", "num_train_timesteps": 1000}
+    return model, Calibration.from_stats(meta, timesteps, stats)
+
+
+def test_file_round_trip_and_no_overwrite(tmp_path):
+    _, cal = make_calibration()
+    path = cal.save(tmp_path)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        cal.save(tmp_path)
+    back = Calibration.load(tmp_path)
+    assert back.meta == json.loads(json.dumps(cal.meta))
+    assert torch.equal(back.noise, cal.noise) and torch.equal(back.timesteps, cal.timesteps)
+    assert back.layers.keys() == cal.layers.keys()
+    for layer in cal.layers:
+        for key, t in cal.layers[layer].items():
+            assert torch.equal(back.layers[layer][key], t), (layer, key)
+    # not a calibration: a plain safetensors file, and a file of another schema
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match="not a diffusion-int8 calibration"):
+        Calibration.load(tmp_path / "plain.safetensors")
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "v9.safetensors"), metadata={"diffusion_int8": json.dumps({"schema_version": 9})})
+    with pytest.raises(ValueError, match="schema 9"):
+        Calibration.load(tmp_path / "v9.safetensors")
+    assert path.name == "calibration.safetensors"
+
+
+def test_validation_against_models():
+    model, cal = make_calibration()
+    cal.validate(model)  # the model it was made on
+    import diffusers
+
+    wider = diffusers.DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
+                                            num_layers=2, sample_size=16, patch_size=2, num_embeds_ada_norm=10)
+    with pytest.raises(ValueError, match="4 heads of dim 16"):
+        cal.validate(wider)
+    deeper = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8,
+                                             num_layers=3, sample_size=16, patch_size=2, num_embeds_ada_norm=10)
+    with pytest.raises(ValueError, match="not calibrated: transformer_blocks.2"):
+        cal.validate(deeper)
+    unet, _ = build("unet")
+    with pytest.raises(ValueError, match="model class is UNet2DConditionModel"):
+        cal.validate(unet)
+    with pytest.raises(ValueError, match="does not match"):
+        enable(deeper, mode="int8", calibration=cal)
+
+
+def test_fit_recovers_a_quadratic_and_ranges_follow_it():
+    n = torch.linspace(0, 1, 7, dtype=torch.float64)
+    vals = torch.stack([1 + 2 * n - 0.5 * n**2, 3 - n])  # (2, 7)
+    coef = fit_quadratic(n, vals)
+    torch.testing.assert_close(coef, torch.tensor([[1, 2, -0.5], [3, -1, 0]], dtype=torch.float64), atol=1e-9, rtol=0)
+    torch.testing.assert_close(evaluate_fit(coef, 0.25)[..., 0], torch.tensor([1.46875, 2.75], dtype=torch.float64))
+
+    _, cal = make_calibration()
+    layer = next(iter(cal.layers))
+    qa, ka, va = cal.ranges(layer, 500.0)
+    H, D = cal.meta["layers"][layer]["heads"], cal.meta["layers"][layer]["head_dim"]
+    assert qa.shape == (1, H) and ka.shape == (1, H) and va.shape == (1, H, D)
+    # three steps, a quadratic through them: exact at the calibrated noise levels
+    torch.testing.assert_close(qa[0], cal.layers[layer]["q_p99"][:, 1], rtol=1e-4, atol=1e-5)
+
+
+def test_static_ranges_reach_the_kernel(monkeypatch):
+    model, cal = make_calibration()
+    _, x = build("dit")
+    import diffusion_int8.processor as P
+
+    seen = []
+    real = P.int8_attention
+    monkeypatch.setattr(P, "int8_attention", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    handle = enable(model, mode="int8", calibration=cal)
+    with torch.no_grad():
+        model(**dict(x, timestep=torch.tensor([500, 500])))
+    handle.disable()
+    assert seen and all(kw["q_amax"] is not None and kw["v_amax"] is not None for kw in seen)
+    layer = next(iter(cal.layers))
+    torch.testing.assert_close(seen[0]["q_amax"], cal.ranges(layer, 500.0)[0])
+
+
+def crafted(errors_int8, errors_fp16v, noise):
+    """A calibration with given (L, T) errors and nothing else of interest."""
+    L, T = len(errors_int8), len(noise)
+    layers = {}
+    for i in range(L):
+        layers[f"blocks.{i}.attn"] = {
+            "err.int8.rel_l1": torch.tensor(errors_int8[i]).repeat(2, 1).float(),
+            "err.int8_fp16v.rel_l1": torch.tensor(errors_fp16v[i]).repeat(2, 1).float(),
+        }
+    return Calibration({"num_train_timesteps": 1000}, torch.tensor(noise) * 1000, torch.tensor(noise), layers)
+
+
+def test_schedule_from_crafted_calibration():
+    noise = [1.0, 0.75, 0.5, 0.25, 0.0]
+    cal = crafted([[0.08, 0.03, 0.01, 0.01, 0.04], [0.02, 0.01, 0.01, 0.03, 0.01]],
+                  [[0.02, 0.005, 0.003, 0.003, 0.004], [0.004, 0.003, 0.002, 0.003, 0.002]], noise)
+    s = PrecisionSchedule.from_calibration(cal, budget=0.025)
+    # worst layer per step: int8 errors 0.08 0.03 0.01 0.03 0.04 -> fp16v, fp16v, int8, fp16v, fp16v
+    assert [s.mode_for(t * 1000).value for t in noise] == ["int8_fp16v", "int8_fp16v", "int8", "int8_fp16v", "int8_fp16v"]
+    tight = PrecisionSchedule.from_calibration(cal, budget=0.01)
+    assert [tight.mode_for(t * 1000).value for t in noise] == ["fp16", "int8_fp16v", "int8", "int8_fp16v", "int8_fp16v"]
+    # between calibrated steps the nearer one decides; any step count works
+    assert s.mode_for(560.0) is Mode.INT8 and s.mode_for(700.0) is Mode.INT8_FP16V
+    per_layer = PrecisionSchedule.from_calibration(cal, budget=0.025, per_layer=True)
+    assert [per_layer.mode_for(t * 1000, "blocks.1.attn").value for t in noise] == ["int8", "int8", "int8", "int8_fp16v", "int8"]
+    assert [per_layer.mode_for(t * 1000, "blocks.0.attn").value for t in noise] == ["int8_fp16v", "int8_fp16v", "int8", "int8", "int8_fp16v"]
+    back = PrecisionSchedule.from_dict(json.loads(json.dumps(per_layer.to_dict())))
+    assert back == per_layer
+
+
+def run_cli(args, tmp_path, launcher=None, timeout=600):
+    cmd = (launcher or [sys.executable, "-m"]) + ["diffusion_int8", *args]
+    res = subprocess.run(cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+CLI_ARGS = ["calibrate", "--model", "embedded", "--class-labels", "red circle", "blue ring", "3", "green triangle",
+            "--steps", "3", "--batch-size", "1"]
+
+
+def test_calibrate_cli_end_to_end(tmp_path):
+    res = run_cli(CLI_ARGS + ["--out", "cal"], tmp_path)
+    out = tmp_path / "cal"
+    for name in ("calibration.safetensors", "schedule.json", "summary.md", "summary.json", "ranges.png", "errors.png"):
+        assert (out / name).is_file(), name
+    assert "ranges vs sigma" in res.stdout
+    cal = Calibration.load(out)
+    assert cal.meta["model_class"] == "DiTTransformer2DModel" and cal.meta["steps"] == 3
+    from diffusion_int8.embedded import load_pipeline
+
+    cal.validate(load_pipeline(device="cpu").transformer)
+    schedule = PrecisionSchedule.load(out / "schedule.json")
+    assert schedule.num_train_timesteps == 1000
+    assert "Most sensitive" in (out / "summary.md").read_text()
+    # the outputs are kept unless --overwrite
+    again = subprocess.run([sys.executable, "-m", "diffusion_int8", *CLI_ARGS, "--out", "cal"], cwd=tmp_path,
+                           env=cli_env(), capture_output=True, text=True)
+    assert again.returncode != 0 and "--overwrite" in again.stderr
+
+
+def test_two_processes_merge_exactly(tmp_path):
+    """``accelerate launch`` with 2 CPU processes (gloo) gives the single-process calibration, bit for bit."""
+    run_cli(CLI_ARGS + ["--out", "single"], tmp_path)
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29513", "-m"]
+    res = run_cli(CLI_ARGS + ["--out", "double"], tmp_path, launcher=launcher)
+    assert "2 process(es)" in res.stdout
+    one, two = Calibration.load(tmp_path / "single"), Calibration.load(tmp_path / "double")
+    assert two.meta.pop("processes") == 2 and one.meta.pop("processes") == 1
+    assert one.meta == two.meta
+    for layer in one.layers:
+        for key, t in one.layers[layer].items():
+            assert torch.equal(t, two.layers[layer][key]), (layer, key)
