@@ -218,7 +218,7 @@ def _write_reports(report: dict, images: dict, labels: list, out: Path) -> None:
     print("wrote " + ", ".join(str(p) for p in paths))
     for name, v in report["variants"].items():
         agg = v["quality"]["aggregate"]
-        ms, base = v["speed"]["denoiser_ms_per_step"], report["baseline"]["speed"]["denoiser_ms_per_step"]
+        ms, base = v["speed"].get("denoiser_ms_per_step"), report["baseline"]["speed"].get("denoiser_ms_per_step")
         print(f"  {name:28s} PSNR {agg['psnr']['mean']:.2f} dB (min {agg['psnr']['min']:.2f}), "
               f"SSIM {agg['ssim']['mean']:.4f}" + (f", {base / ms:.2f}× stock step time" if ms and base else ""))
     for k, v in report["metrics_available"].items():

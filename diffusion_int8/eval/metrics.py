@@ -85,7 +85,7 @@ def kernel_inception_distance(a: torch.Tensor, b: torch.Tensor, subsets: int = 5
         kxx, kyy, kxy = ((x @ x.T) / d + 1) ** 3, ((y @ y.T) / d + 1) ** 3, ((x @ y.T) / d + 1) ** 3
         off = 1 - torch.eye(n, dtype=torch.float64)
         vals.append(float((kxx * off).sum() / (n * (n - 1)) + (kyy * off).sum() / (n * (n - 1)) - 2 * kxy.mean()))
-    t = torch.tensor(vals)
+    t = torch.tensor(vals, dtype=torch.float64)
     return float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0
 
 

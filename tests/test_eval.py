@@ -1,0 +1,178 @@
+"""Evaluation: metrics against direct computations, offline-weights messages, reports, the HTML in Chromium, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_int8.eval import metrics as M
+from diffusion_int8.eval.score import Scorer, load_folder, save_images
+from test_calibration import cli_env
+
+
+def test_psnr_at_a_known_noise_level():
+    ref = torch.full((2, 3, 16, 16), 0.5)
+    sign = torch.where(torch.rand(2, 3, 16, 16) > 0.5, 1.0, -1.0)
+    x = ref + 0.01 * sign  # MSE exactly 1e-4 -> 40 dB
+    torch.testing.assert_close(M.psnr(x, ref), torch.full((2,), 40.0, dtype=torch.float64), atol=1e-4, rtol=0)
+    assert math.isinf(float(M.psnr(ref, ref)[0]))
+
+
+def test_ssim_identity_and_direct_formula():
+    x = torch.rand(3, 3, 24, 24)
+    torch.testing.assert_close(M.ssim(x, x), torch.ones(3, dtype=torch.float64))
+    # an 11x11 image is a single window: SSIM is the Gaussian-weighted formula, computed here directly
+    a, b = torch.rand(1, 1, 11, 11, dtype=torch.float64), torch.rand(1, 1, 11, 11, dtype=torch.float64)
+    w = M._gaussian_window(11, 1.5)
+    mu_a, mu_b = (w * a).sum(), (w * b).sum()
+    va, vb = (w * a * a).sum() - mu_a**2, (w * b * b).sum() - mu_b**2
+    cov = (w * a * b).sum() - mu_a * mu_b
+    c1, c2 = 0.01**2, 0.03**2
+    direct = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a**2 + mu_b**2 + c1) * (va + vb + c2))
+    assert float(M.ssim(a, b)[0]) == pytest.approx(float(direct), rel=1e-12)
+    noisy = (x + 0.2 * torch.randn_like(x)).clamp(0, 1)
+    assert (M.ssim(noisy, x) < 0.9).all()
+
+
+class RandomFeatures(torch.nn.Module):
+    """A feature network built here with random weights, in place of Inception."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 8, 3, stride=2)
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.randn(self.conv.weight.shape, generator=g))
+
+    def forward(self, x):
+        return torch.nn.functional.adaptive_avg_pool2d(torch.relu(self.conv(x)), 2).flatten(1)
+
+
+def test_fid_and_kid():
+    net = RandomFeatures()
+    imgs = torch.rand(64, 3, 16, 16)
+    fa = M.features(net, imgs)
+    assert abs(M.frechet_distance(fa, fa)) < 1e-6
+    shifted = M.features(net, (imgs * 0.5 + 0.4).clamp(0, 1))
+    assert M.frechet_distance(fa, shifted) > 1.0
+    # one subset of the whole set: KID is the unbiased MMD², computed here directly
+    k = lambda x, y: (x @ y.T / x.shape[1] + 1) ** 3  # noqa: E731
+    n = len(fa)
+    direct = ((k(fa, fa).sum() - k(fa, fa).trace()) / (n * (n - 1)) + (k(shifted, shifted).sum() - k(shifted, shifted).trace())
+              / (n * (n - 1)) - 2 * k(fa, shifted).mean())
+    assert M.kernel_inception_distance(fa, shifted, subsets=1, subset_size=n)[0] == pytest.approx(float(direct), rel=1e-9)
+    same, _ = M.kernel_inception_distance(fa, fa, subsets=10, subset_size=32)
+    assert abs(same) < 0.05 * M.kernel_inception_distance(fa, shifted, subsets=10, subset_size=32)[0]
+    # against scipy's matrix square root on Gaussian samples
+    scipy_linalg = pytest.importorskip("scipy.linalg")
+    a, b = torch.randn(500, 6, dtype=torch.float64), torch.randn(500, 6, dtype=torch.float64) * 1.5 + 0.3
+    ca, cb = np.cov(a.numpy().T), np.cov(b.numpy().T)
+    ref = ((a.mean(0) - b.mean(0)) ** 2).sum().item() + np.trace(ca + cb - 2 * scipy_linalg.sqrtm(ca @ cb).real)
+    assert M.frechet_distance(a, b) == pytest.approx(ref, rel=1e-8)
+
+
+def test_offline_weights_are_reported_not_invented(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty"))
+    # with the packages importable (faked here) the message names the weights and how to give them
+    monkeypatch.setitem(sys.modules, "lpips", types.ModuleType("lpips"))
+    monkeypatch.setitem(sys.modules, "torchvision", types.ModuleType("torchvision"))
+    un = M.lpips_model()
+    assert isinstance(un, M.Unavailable)
+    assert M.ALEXNET_FILE in un.reason and "--lpips-weights" in un.reason and str(tmp_path / "empty") in un.reason
+    fake_fid = types.ModuleType("torch_fidelity.feature_extractor_inceptionv3")
+    fake_fid.FeatureExtractorInceptionV3 = object
+    monkeypatch.setitem(sys.modules, "torch_fidelity", types.ModuleType("torch_fidelity"))
+    monkeypatch.setitem(sys.modules, "torch_fidelity.feature_extractor_inceptionv3", fake_fid)
+    un = M.inception_model()
+    assert isinstance(un, M.Unavailable) and "--fid-weights" in un.reason and M.INCEPTION_FILE in un.reason
+    # without the packages the reason says what to install
+    monkeypatch.setitem(sys.modules, "lpips", None)
+    assert "pip install lpips" in M.lpips_model().reason
+    # the scorer reports them unavailable and still computes PSNR and SSIM
+    scorer = Scorer()
+    x = torch.rand(4, 3, 16, 16)
+    out = scorer.score(x * 0.9, x)
+    assert out["aggregate"]["lpips"]["available"] is False and out["aggregate"]["fid"]["available"] is False
+    assert len(out["per_image"]["psnr"]) == 4 and "lpips" not in out["per_image"]
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def check_html_in_chromium(path):
+    exe = chromium()
+    if exe is None:
+        pytest.skip("Chromium is not installed (`apt-get install chromium`; .ci/run installs it)")
+    res = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                          "--dump-dom", path.resolve().as_uri()], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import re
+
+    body = re.search(r"<body[^>]*>", res.stdout).group(0)
+    ok = re.search(r'data-images-ok="(\d+)/(\d+)"', body)
+    assert ok, body
+    loaded, total = map(int, ok.groups())
+    assert total > 0 and loaded == total, body
+    assert 'data-errors=""' in body, body
+
+
+def run_eval(args, cwd):
+    return subprocess.run([sys.executable, "-m", "diffusion_int8", "eval", *args], cwd=cwd, env=cli_env(),
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_eval_cli_end_to_end(tmp_path):
+    args = ["--model", "embedded", "--class-labels", "red circle", "yellow square", "blue ring",
+            "--steps", "3", "--batch-size", "2", "--schedule", "balanced", "--out", "rep"]
+    res = run_eval(args, tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "rep"
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["variants"]) == {"int8", "int8_fp16v", "schedule:balanced"}
+    for v in report["variants"].values():
+        psnr = v["quality"]["aggregate"]["psnr"]
+        assert psnr["n"] == 3 and 15 < psnr["mean"] and v["speed"]["denoiser_ms_per_step"] > 0
+        assert v["quality"]["aggregate"]["lpips"]["available"] is False  # no weights here: said, not made up
+    assert report["schedule"]["per_step"] and len(report["schedule"]["per_step"]) == 3
+    assert "| int8 |" in (out / "report.md").read_text()
+    assert len(list((out / "images" / "fp16").glob("*.png"))) == 3
+    check_html_in_chromium(out / "report.html")
+
+    again = run_eval(args, tmp_path)
+    assert again.returncode != 0 and "--overwrite" in again.stderr
+
+    # scoring folders made elsewhere: the same numbers as the full run
+    res = run_eval(["--score", "rep/images/fp16", "rep/images/int8", "--out", "scores"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    scored = json.loads((tmp_path / "scores" / "report.json").read_text())
+    assert scored["variants"]["int8"]["quality"]["per_image"]["psnr"] == pytest.approx(
+        report["variants"]["int8"]["quality"]["per_image"]["psnr"], rel=1e-6)
+    check_html_in_chromium(tmp_path / "scores" / "report.html")
+
+
+def test_generate_only_then_score(tmp_path):
+    res = run_eval(["--model", "embedded", "--class-labels", "0", "5", "--steps", "2", "--modes", "int8",
+                    "--generate-only", "--out", "gen"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not (tmp_path / "gen" / "report.html").exists()
+    names, imgs = load_folder(tmp_path / "gen" / "images" / "int8")
+    assert names == ["00000.png", "00001.png"] and imgs.shape == (2, 3, 32, 32)
+
+
+def test_folder_round_trip_and_mismatch(tmp_path):
+    x = torch.rand(3, 3, 8, 8)
+    save_images(x, tmp_path / "a", [0, 1, 2])
+    names, back = load_folder(tmp_path / "a")
+    assert names == ["00000.png", "00001.png", "00002.png"]
+    assert (back - x).abs().max() <= 0.5 / 255 + 1e-6
+    with pytest.raises(FileNotFoundError, match="no images"):
+        load_folder(tmp_path)
