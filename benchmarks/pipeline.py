@@ -1,6 +1,6 @@
 """Denoiser step latency, peak memory and output deviation: stock SDPA against each INT8 mode.
 
-    python benchmarks/pipeline.py --out bench_out/pipeline.json [--models flux,wan,sdxl,dit,pixart]
+    python benchmarks/pipeline.py --out bench_out/pipeline.json [--models flux,wan,sdxl,dit,pixart,sd35,cogvideox]
 
 Full-size architecture configs with random weights (no downloads), built directly on the GPU in fp16
 or bf16. Where a model is cut to fewer blocks, the table says so: every block has the same attention
@@ -71,7 +71,28 @@ def _models():
                  added_cond_kwargs={"resolution": None, "aspect_ratio": None})
         return m, x, torch.float16, "full"
 
-    return dict(flux=flux, wan=wan, sdxl=sdxl, dit=dit, pixart=pixart)
+    def sd35():
+        # SD3.5-medium at 1024px: 128 x 128 latents -> 4096 tokens + 333 text tokens, 24 heads x 64, 24 MMDiT-X blocks
+        # (dual attention in blocks 0-12), q/k RMSNorm; full.
+        m = d.SD3Transformer2DModel(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                                    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                                    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                                    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+        x = dict(hidden_states=torch.randn(1, 16, 128, 128), timestep=torch.tensor([500]),
+                 encoder_hidden_states=torch.randn(1, 333, 4096), pooled_projections=torch.randn(1, 2048))
+        return m, x, torch.float16, "full (24 blocks)"
+
+    def cogvideox():
+        # CogVideoX-5B, 720x480 x 49 frames: latent 13 x 60 x 90 -> 17550 tokens + 226 text, 48 heads x 64, 42 blocks;
+        # cut to 8 blocks. RoPE off: the pipeline, not the model, computes its embeddings.
+        m = d.CogVideoXTransformer3DModel(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16,
+                                          time_embed_dim=512, text_embed_dim=4096, num_layers=8, sample_width=90,
+                                          sample_height=60, sample_frames=49, use_rotary_positional_embeddings=False)
+        x = dict(hidden_states=torch.randn(1, 13, 16, 60, 90), timestep=torch.tensor([500]),
+                 encoder_hidden_states=torch.randn(1, 226, 4096))
+        return m, x, torch.bfloat16, "8 of 42 blocks"
+
+    return dict(flux=flux, wan=wan, sdxl=sdxl, dit=dit, pixart=pixart, sd35=sd35, cogvideox=cogvideox)
 
 
 def _cast(x, dtype):
@@ -118,7 +139,7 @@ def main():
     import diffusion_int8
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="flux,wan,sdxl,dit,pixart")
+    ap.add_argument("--models", default="flux,wan,sdxl,dit,pixart,sd35,cogvideox")
     ap.add_argument("--steps", type=int, default=10, help="timed denoiser calls per variant")
     ap.add_argument("--out", default="bench_out/pipeline.json")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step per INT8 mode")
