@@ -41,9 +41,10 @@ class Int8State:
     timestep: float | None = None
     step: int = -1
     trace: list | None = None
+    timestep_scale: float | None = None  # 1000 or 1: what the timesteps of this generation are out of
 
     def reset(self) -> None:
-        self.timestep, self.step = None, -1
+        self.timestep, self.step, self.timestep_scale = None, -1, None
         if self.trace is not None:
             self.trace.clear()
 
@@ -181,7 +182,7 @@ class Int8DiffusionProcessor:
         if self.state.timestep is None:
             return Mode.FP16
         if isinstance(self.schedule, PrecisionSchedule):
-            return self.schedule.mode_for(self.state.timestep, self.name)
+            return self.schedule.mode_for(self.state.timestep, self.name, self.state.timestep_scale)
         return Mode.parse(self.schedule(self.state.timestep))
 
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
@@ -354,6 +355,10 @@ def _read_timestep(state: Int8State, module, args, kwargs):
     t = kwargs.get("timestep", args[1] if len(args) > 1 else None)
     if t is None:
         return None
-    state.timestep = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
+    t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
+    if state.timestep is None or t > state.timestep:
+        # a new generation: denoising starts at its highest noise level, which also tells the scale
+        state.step, state.timestep_scale = -1, 1000.0 if t > 1.0 else 1.0
+    state.timestep = t
     state.step += 1
     return None

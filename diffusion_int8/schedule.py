@@ -30,17 +30,17 @@ from .kernels import Mode
 SCHEMA_VERSION = 1
 
 
-def noise_level(timestep: float, num_train_timesteps: float | None = None) -> float:
+def noise_level(timestep: float, num_train_timesteps: float | None = None, scale: float | None = None) -> float:
     """The denoiser's timestep as a noise level in [0, 1].
 
     Flow-matching models (Flux, SD3, Wan, …) pass timesteps as sigmas in [0, 1] or as sigma·1000;
-    DDPM-style models pass integer timesteps in [0, num_train_timesteps). Without
-    ``num_train_timesteps``, values above 1 are read as out of 1000.
+    DDPM-style models pass timesteps in [0, num_train_timesteps). The divisor is ``num_train_timesteps``
+    when given, else ``scale`` (``Int8State.timestep_scale``: 1000 when a generation's first timestep
+    exceeds 1, which settles the last steps' t ≈ 1), else 1000 for values above 1 and 1 otherwise.
     """
-    if num_train_timesteps:
-        return float(timestep) / float(num_train_timesteps)
     t = float(timestep)
-    return t / 1000.0 if t > 1.0 else t
+    divisor = num_train_timesteps or scale or (1000.0 if t > 1.0 else 1.0)
+    return t / float(divisor)
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,12 @@ class PrecisionSchedule:
     def __hash__(self):
         return hash((self.rules, self.default, self.num_train_timesteps))
 
-    def mode_for(self, timestep: float, layer: str | None = None) -> Mode:
-        key = (timestep, layer)
+    def mode_for(self, timestep: float, layer: str | None = None, scale: float | None = None) -> Mode:
+        """The mode at ``timestep`` for module ``layer``; ``scale``: see ``noise_level``."""
+        key = (timestep, layer, scale)
         mode = self._memo.get(key)
         if mode is None:
-            noise = noise_level(timestep, self.num_train_timesteps)
+            noise = noise_level(timestep, self.num_train_timesteps, scale)
             mode = next((r.mode for r in self.rules if r.matches(noise, layer)), self.default)
             if len(self._memo) < 65536:  # steps × layers of one schedule; bounded all the same
                 self._memo[key] = mode
@@ -136,7 +137,7 @@ class PrecisionSchedule:
                     rules.append(Rule(modes[t], interval[run_start][0], interval[t][1], pattern))
                     run_start = None
         return cls(rules=tuple(rules), default=Mode.FP16,
-                   num_train_timesteps=calibration.meta.get("num_train_timesteps"),
+                   num_train_timesteps=calibration.meta.get("num_train_timesteps") or calibration.meta.get("timestep_scale"),
                    name=name or f"calibrated({metric}<={budget}{', per layer' if per_layer else ''})")
 
     def __call__(self, timestep: float) -> Mode:

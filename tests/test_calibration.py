@@ -23,8 +23,11 @@ def _emulation(monkeypatch):
 
 
 def cli_env() -> dict:
+    """The CLIs' environment: this checkout first on the path, the emulation backend (no interpreter)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return {**env, "DIFFUSION_INT8_BACKEND": "emulation", "PYTHONUNBUFFERED": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return {**env, "PYTHONPATH": path, "DIFFUSION_INT8_BACKEND": "emulation", "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 1000, 4099])
@@ -237,7 +240,9 @@ def test_calibrate_cli_end_to_end(tmp_path):
 
     cal.validate(load_pipeline(device="cpu").transformer)
     schedule = PrecisionSchedule.load(out / "schedule.json")
-    assert schedule.num_train_timesteps == 1000
+    # flow matching: float timesteps are sigma·1000, whatever the scheduler's num_train_timesteps
+    assert cal.meta["timestep_scale"] == 1000 and schedule.num_train_timesteps == 1000
+    assert cal.timesteps[-1] == pytest.approx(1.0) and cal.noise[-1] == pytest.approx(0.001)  # t = 1 is the last step
     assert "Most sensitive" in (out / "summary.md").read_text()
     # the outputs are kept unless --overwrite
     again = subprocess.run([sys.executable, "-m", "diffusion_int8", *CLI_ARGS, "--out", "cal"], cwd=tmp_path,

@@ -125,3 +125,86 @@ def test_dit_pipeline_schedule_trace_and_disable():
     assert 0 < abs(images - stock).max() < 0.1
     handle.disable()
     assert (generate() == stock).all()  # bit-identical after disable
+
+
+def tiny_clip(tmp_path):
+    """A CLIP text encoder with random weights and a tokenizer whose vocabulary is written here (characters)."""
+    import json
+
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1, "!": 2}
+    for c in chars:
+        vocab[c] = len(vocab)
+        vocab[c + "</w>"] = len(vocab)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    tok = CLIPTokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"), model_max_length=16)
+    torch.manual_seed(0)
+    enc = CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                       num_attention_heads=4, max_position_embeddings=16, projection_dim=32,
+                                       bos_token_id=0, eos_token_id=1, pad_token_id=1))
+    return tok, enc.eval()
+
+
+def test_stable_diffusion_pipeline_with_tokenizer(tmp_path):
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline
+
+    from diffusion_int8 import PrecisionSchedule, Rule
+
+    tok, enc = tiny_clip(tmp_path)
+    unet, _ = build("unet")
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(32,), in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",), norm_num_groups=32)
+    pipe = StableDiffusionPipeline(unet=unet, vae=vae.eval(), text_encoder=enc, tokenizer=tok,
+                                   scheduler=DDIMScheduler(num_train_timesteps=1000), safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate():
+        return pipe(["a red cat", "a blue dog"], num_inference_steps=5, height=16, width=16,
+                    generator=torch.Generator().manual_seed(0), output_type="np").images
+
+    stock = generate()
+    # exact at high noise, INT8 below 0.6, FP16 P·V for cross-attention at low noise
+    schedule = PrecisionSchedule(rules=(Rule("fp16", min_noise=0.6), Rule("int8_fp16v", max_noise=0.4, layers="*attn2*")),
+                                 default="int8")
+    handle = diffusion_int8.enable(pipe, schedule=schedule, record=True)
+    images = generate()
+    timesteps = [float(t) for t in pipe.scheduler.timesteps]
+    seen = {}
+    for step, t, layer, mode in handle.state.trace:
+        seen.setdefault(step, {})[layer] = mode
+        assert t == timesteps[step]
+    assert sorted(seen) == list(range(len(timesteps)))
+    for step, layers in seen.items():
+        noise = timesteps[step] / 1000
+        for layer, mode in layers.items():
+            want = "fp16" if noise >= 0.6 else ("int8_fp16v" if noise <= 0.4 and "attn2" in layer else "int8")
+            assert mode == want, (step, layer, mode)
+    assert 0 < abs(images - stock).max() < 0.1
+    handle.disable()
+    assert (generate() == stock).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_model_cpu_offload(tmp_path):
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline
+
+    tok, enc = tiny_clip(tmp_path)
+    unet, _ = build("unet")
+    vae = AutoencoderKL(block_out_channels=(32,), in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",), norm_num_groups=32)
+    pipe = StableDiffusionPipeline(unet=unet.half(), vae=vae.eval().half(), text_encoder=enc.half(), tokenizer=tok,
+                                   scheduler=DDIMScheduler(num_train_timesteps=1000), safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False)
+    pipe.enable_model_cpu_offload()
+    handle = diffusion_int8.enable(pipe, mode="int8", record=True)
+    out = pipe(["a cat"], num_inference_steps=3, height=16, width=16, output_type="np").images
+    assert out.shape == (1, 16, 16, 3) and not torch.isnan(torch.from_numpy(out)).any()
+    assert {m for *_, m in handle.state.trace} == {"int8"}
+    assert next(pipe.unet.parameters()).device.type == "cpu"  # offloaded again after the call
+    handle.disable()

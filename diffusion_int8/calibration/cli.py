@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
         meta = {"model": pipelines.model_id(args.model), "model_class": type(model).__name__,
                 "pipeline_class": type(pipe).__name__, "diffusers_version": diffusers.__version__,
                 "scheduler": type(pipe.scheduler).__name__, "scheduler_config": dict(pipe.scheduler.config),
-                "num_train_timesteps": pipe.scheduler.config.get("num_train_timesteps"),
+                # what the denoiser's timesteps are out of: 1000 (DDPM, SD3, …) or 1 (Flux passes sigmas),
+                # told by the first, highest one; the scheduler's num_train_timesteps can mislead (Flux)
+                "timestep_scale": 1000.0 if timesteps[0] > 1.0 else 1.0,
                 "prompts_sha256": items.sha256(), "num_items": len(items.values), "items_kind": items.kind,
                 "seed": args.seed, "guidance_scale": args.guidance_scale, "percentile": args.percentile,
                 "dtype": str(model.dtype), "processes": shards.world}

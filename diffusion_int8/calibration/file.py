@@ -74,7 +74,7 @@ class Calibration:
         """Build from merged collector statistics, fitting the ranges against the noise level."""
         ntt = meta.get("num_train_timesteps")
         ts = torch.tensor(timesteps, dtype=torch.float64)
-        noise = torch.tensor([noise_level(t, ntt) for t in timesteps], dtype=torch.float64)
+        noise = torch.tensor([noise_level(t, ntt, meta.get("timestep_scale")) for t in timesteps], dtype=torch.float64)
         layers = {}
         for name, st in stats.items():
             st = dict(st)
@@ -156,7 +156,7 @@ class Calibration:
     def ranges(self, layer: str, timestep: float, device: torch.device | str = "cpu"):
         """Static ``(q_amax (1, H), k_amax (1, H), v_amax (1, H, D))`` at ``timestep``, float32 on ``device``."""
         st = self.layers[layer]
-        n = noise_level(timestep, self.meta.get("num_train_timesteps"))
+        n = noise_level(timestep, self.meta.get("num_train_timesteps"), self.meta.get("timestep_scale"))
         out = []
         for short in ("q", "k", "v"):
             measured = st[_FIT_OF[short]]

@@ -28,7 +28,8 @@ def summarize(cal: Calibration, schedule=None, top: int = 8) -> dict:
            "noise": noise, "layers": len(names), "errors": per_mode, "ranges_vs_sigma": cal.fit_report()}
     if schedule is not None:
         out["schedule"] = {"name": schedule.name, "per_step": [
-            schedule.mode_for(float(t), names[0] if names else None).value for t in cal.timesteps]}
+            schedule.mode_for(float(t), names[0] if names else None, cal.meta.get("timestep_scale")).value
+            for t in cal.timesteps]}
     return out
 
 
