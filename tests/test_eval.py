@@ -176,3 +176,18 @@ def test_folder_round_trip_and_mismatch(tmp_path):
     assert (back - x).abs().max() <= 0.5 / 255 + 1e-6
     with pytest.raises(FileNotFoundError, match="no images"):
         load_folder(tmp_path)
+
+
+def test_eval_sharded_across_two_processes_matches_one(tmp_path):
+    args = ["--model", "embedded", "--class-labels", "0", "5", "10", "--steps", "2", "--batch-size", "1", "--modes", "int8"]
+    one = run_eval(args + ["--out", "one"], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517", "-m", "diffusion_int8", "eval"]
+    two = subprocess.run(launcher + args + ["--out", "two"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    a, b = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
+    assert b["baseline"]["speed"]["processes"] == 2
+    assert a["variants"]["int8"]["quality"]["per_image"] == b["variants"]["int8"]["quality"]["per_image"]
+    for i in range(3):
+        assert (tmp_path / "one/images/int8" / f"{i:05d}.png").read_bytes() == (tmp_path / "two/images/int8" / f"{i:05d}.png").read_bytes()
