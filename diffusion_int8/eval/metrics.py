@@ -93,6 +93,16 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TORCH_HOME", Path.home() / ".cache" / "torch")) / "hub" / "checkpoints"
 
 
+def _weights(given: str | Path | None, file_name: str, what: str, flag: str) -> Path | Unavailable:
+    """The weights file given, else the TORCH_HOME cache's, else why it is missing and how to provide it."""
+    cached = _cache_dir() / file_name
+    path = Path(given) if given else cached
+    if path.is_file():
+        return path
+    return Unavailable(f"{what} ({file_name}), which cannot be downloaded here: pass {flag} PATH "
+                       f"or place the file in {cached.parent}")
+
+
 def lpips_model(weights: str | Path | None = None, device: torch.device | str = "cpu"):
     """``lpips.LPIPS(net="alex")`` with AlexNet from ``weights`` or the TORCH_HOME cache, or ``Unavailable``."""
     try:
@@ -101,11 +111,9 @@ def lpips_model(weights: str | Path | None = None, device: torch.device | str = 
     except Exception as e:  # noqa: BLE001 - any import failure means unavailable
         return Unavailable(f"LPIPS needs the `lpips` package and a torchvision matching your torch "
                            f"({type(e).__name__}: {e}); pip install lpips torchvision")
-    cached = _cache_dir() / ALEXNET_FILE
-    path = Path(weights) if weights else cached
-    if not path.is_file():
-        return Unavailable(f"LPIPS needs torchvision's AlexNet weights ({ALEXNET_FILE}), which cannot be downloaded "
-                           f"here: pass --lpips-weights PATH or place the file in {cached.parent}")
+    path = _weights(weights, ALEXNET_FILE, "LPIPS needs torchvision's AlexNet weights", "--lpips-weights")
+    if isinstance(path, Unavailable):
+        return path
     model = lpips.LPIPS(net="alex", pretrained=True, pnet_rand=True, verbose=False)  # linear heads ship with lpips
     alex = torchvision.models.alexnet()
     alex.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
@@ -131,11 +139,9 @@ def inception_model(weights: str | Path | None = None, device: torch.device | st
     except Exception as e:  # noqa: BLE001
         return Unavailable(f"FID/KID need torch-fidelity and a torchvision matching your torch "
                            f"({type(e).__name__}: {e}); pip install torch-fidelity torchvision")
-    cached = _cache_dir() / INCEPTION_FILE
-    path = Path(weights) if weights else cached
-    if not path.is_file():
-        return Unavailable(f"FID/KID need torch-fidelity's Inception weights ({INCEPTION_FILE}), which cannot be "
-                           f"downloaded here: pass --fid-weights PATH or place the file in {cached.parent}")
+    path = _weights(weights, INCEPTION_FILE, "FID/KID need torch-fidelity's Inception weights", "--fid-weights")
+    if isinstance(path, Unavailable):
+        return path
     net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=str(path))
     return _InceptionFeatures(net).eval().to(device)
 
