@@ -208,3 +208,53 @@ def test_model_cpu_offload(tmp_path):
     assert {m for *_, m in handle.state.trace} == {"int8"}
     assert next(pipe.unet.parameters()).device.type == "cpu"  # offloaded again after the call
     handle.disable()
+
+
+def tiny_t5(tmp_path):
+    """A T5 encoder with random weights and a word-level tokenizer built here."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    words = ["<pad>", "</s>", "<unk>", "a", "red", "blue", "cat", "dog"]
+    tk = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    torch.manual_seed(0)
+    enc = T5EncoderModel(T5Config(vocab_size=len(words), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4))
+    return tok, enc.eval()
+
+
+def test_flux_pipeline_schedule_and_disable(tmp_path):
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    clip_tok, clip = tiny_clip(tmp_path)
+    t5_tok, t5 = tiny_t5(tmp_path)
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                         axes_dims_rope=(4, 6, 6)).eval()
+    vae = AutoencoderKL(block_out_channels=(32,), in_channels=3, out_channels=3, latent_channels=4, shift_factor=0.0,
+                        down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",), norm_num_groups=32)
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(), text_encoder=clip, tokenizer=clip_tok,
+                        text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate():
+        return pipe("a red cat", num_inference_steps=4, height=16, width=16, max_sequence_length=8,
+                    generator=torch.Generator().manual_seed(0), output_type="np").images
+
+    stock = generate()
+    handle = diffusion_int8.enable(pipe, schedule="balanced", record=True)
+    images = generate()
+    sigmas = [float(s) for s in pipe.scheduler.sigmas[:-1]]
+    modes = {}
+    for step, t, layer, mode in handle.state.trace:
+        modes.setdefault(step, set()).add(mode)
+        assert t == pytest.approx(sigmas[step], abs=1e-6)  # Flux passes sigmas: the noise level itself
+    want = ["int8" if s >= 0.5 else "int8_fp16v" if s >= 0.1 else "fp16" for s in sigmas]
+    assert [modes[s] for s in sorted(modes)] == [{w} for w in want]
+    assert 0 < abs(images - stock).max() < 0.1
+    handle.disable()
+    assert (generate() == stock).all()
