@@ -129,3 +129,32 @@ def test_device_mismatch_raises():
     meta = torch.empty(1, 2, 16, 64, dtype=torch.float16, device="meta")
     with pytest.raises(ValueError, match="one device"):
         int8_attention(d["q"], meta, meta)
+
+
+def test_tracers_record_the_op_and_eager_skips_its_layers(monkeypatch):
+    """make_fx and torch.compile see one diffusion_int8::quantized_attention node; eager calls the implementation."""
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from diffusion_int8.kernels import ops
+
+    q, k, v = (torch.randn(1, 2, 16, 32, dtype=torch.float16) for _ in range(3))
+    fn = lambda q, k, v: int8_attention(q, k, v, mode="int8")  # noqa: E731
+    graph = make_fx(fn)(q, k, v)
+    assert any("diffusion_int8.quantized_attention" in str(n.target) for n in graph.graph.nodes)
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(q, k, v)
+    assert any("diffusion_int8.quantized_attention" in t for t in seen)
+
+    calls = []
+    monkeypatch.setattr(ops, "quantized_attention", lambda *a: calls.append(a) or ops._quantized_attention(*a))
+    eager = fn(q, k, v)
+    assert not calls  # eager: the custom-op layers are skipped
+    torch.testing.assert_close(eager, out, rtol=0, atol=0)

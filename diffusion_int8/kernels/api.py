@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import MAX_HEAD_DIM, Mode, pv_for_mode, select_backend
-from .ops import quantized_attention
+from .ops import dispatch
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _LAYOUTS = ("BHSD", "BSHD")
@@ -85,7 +85,7 @@ def int8_attention(
     _check_amax("v_amax", v_amax, q, (B, Hkv, D))
     backend = select_backend(q.device)
     pv = pv_for_mode(mode, q.device)
-    return quantized_attention(
+    return dispatch(
         q, k, v, attn_mask, q_amax, k_amax, v_amax, layout, pv.value, float(scale), smooth_k, backend.value
     )
 

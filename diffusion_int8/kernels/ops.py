@@ -1,17 +1,24 @@
-"""PyTorch custom op around the kernels, so ``torch.compile`` and CUDA graphs see one opaque node."""
+"""PyTorch custom op around the kernels, so ``torch.compile`` and tracers see one opaque node.
+
+In plain eager mode ``dispatch`` calls the implementation directly: the custom-op layers (autograd
+and backend dispatch in Python) cost 100–180 µs of host time per call on the H100 machine, a quarter of
+the op's host time at small shapes, and do nothing there. Under ``torch.compile``, ``make_fx``/export,
+fake tensors or any other Python dispatch mode the op itself runs, so graphs record it.
+"""
 
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .config import PV, Backend
 from .reference import emulate_attention
 
 
-@torch.library.custom_op("diffusion_int8::quantized_attention", mutates_args=())
-def quantized_attention(
+def _quantized_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -37,6 +44,16 @@ def quantized_attention(
     return emulate_attention(q, k, v, **kwargs)
 
 
+quantized_attention = torch.library.custom_op("diffusion_int8::quantized_attention", mutates_args=())(_quantized_attention)
+
+
 @quantized_attention.register_fake
 def _(q, k, v, attn_mask, q_amax, k_amax, v_amax, layout, pv, sm_scale, smooth_k, backend):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def dispatch(q: torch.Tensor, *args):
+    """``quantized_attention(q, *args)``: the op when something may be tracing, the implementation otherwise."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or is_fake(q):
+        return quantized_attention(q, *args)
+    return _quantized_attention(q, *args)
