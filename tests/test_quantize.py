@@ -79,14 +79,17 @@ def test_int8_qk_dot_bit_exact(kdev, D):
     assert torch.equal(out, want)
 
 
-def test_kv_stats_match_pytorch(kdev):
+@pytest.mark.parametrize("seq", [700, 2500])  # one chunk (finished in the kernel) and three (on the host)
+def test_kv_stats_match_pytorch(kdev, seq):
     from diffusion_int8.kernels import quantize as TQ
 
-    _, k, v = realistic_qkv(2, 3, 10, 2500, 72, layout="BSHD", device=kdev)
+    _, k, v = realistic_qkv(2, 3, 10, seq, 72, layout="BSHD", device=kdev)
     k, v = R.to_bhsd(k, "BSHD"), R.to_bhsd(v, "BSHD")
-    mean, vmax = TQ.kv_stats(k, v)
+    v[0, 1, :, 7] = 0.0  # a silent channel takes the floor
+    mean, vamax = TQ.kv_stats(k, v)
     torch.testing.assert_close(mean, R.k_mean(k), rtol=1e-5, atol=1e-5)
-    assert torch.equal(R.v_channel_amax(v, vmax), R.v_channel_amax(v))  # a max is exact
-    v[1, 2, 1234, 5] = float("nan")
-    _, vmax = TQ.kv_stats(k, v)
-    assert torch.isnan(vmax[1, 2, 5]) and torch.isfinite(vmax[0]).all()
+    assert torch.equal(vamax, R.v_channel_amax(v))  # a max is exact; floor and padding as the reference's
+    assert TQ.kv_stats(k, None)[1] is None
+    v[1, 2, seq // 2, 5] = float("nan")
+    _, vamax = TQ.kv_stats(k, v)
+    assert torch.isnan(vamax[1, 2, 5]) and torch.isfinite(vamax[0]).all() and torch.isfinite(vamax[1, 2, 6:]).all()

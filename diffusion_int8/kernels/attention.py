@@ -193,7 +193,7 @@ def triton_attention(
     if pv is PV.FP16:
         vk, vs = vb, qs  # V read in place; vs unused
     else:
-        vk, vs = tq.quantize_v(vb, pv, v_channel_amax(vb, v_measured if v_amax is None else v_amax))
+        vk, vs = tq.quantize_v(vb, pv, v_measured if v_amax is None else v_channel_amax(vb, v_amax))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ob = to_bhsd(out, layout)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .config import AMAX_FLOOR, FP8_MAX, INT8_MAX, LOG2E, PV, padded_head_dim
-from .reference import padded_len
+from .reference import padded_len, v_channel_amax
 
 _ROW_BLOCK = 64  # tokens per program when the scale is per token
 # Compiled kernels may only read globals that are constexpr.
@@ -127,9 +127,12 @@ def _kv_stats_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     H, S, D, N_CHUNKS,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr, FINAL: tl.constexpr,
 ):
     # One (batch, head, chunk of CHUNK tokens): partial K column sums and V column |max|, in fp32.
+    # FINAL (one chunk holds every token): K's mean and V's range as reference.v_channel_amax gives it
+    # (floored, NaN where a NaN/Inf was seen, padded with 1), sparing the host the small ops that
+    # finish the partials — at short sequences their launches cost more than the pass itself.
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -150,19 +153,24 @@ def _kv_stats_kernel(
         vmax = tl.maximum(vmax, tl.max(tl.abs(v), axis=0))
         vpoison += tl.sum(v * 0.0, axis=0)  # NaN iff a NaN/Inf was seen (GPU max drops NaN)
     out = pid_bh * N_CHUNKS * DP + pid_c * DP + offs_d
+    vmax = vmax + vpoison
+    if FINAL:
+        ksum = tl.math.div_rn(ksum, ksum * 0.0 + S)
+        vmax = tl.where(offs_d < D, tl.maximum(vmax, _AMAX_FLOOR) + vmax * 0.0, 1.0)
     tl.store(KSUM + out, ksum)
-    tl.store(VMAX + out, vmax + vpoison)
+    tl.store(VMAX + out, vmax)
 
 
 _STATS_CHUNK = 1024
 
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
-    """K's token mean (B, H, D) and V's per-channel |max| (B, H, D), float32, in one pass over K and V.
+    """K's token mean (B, H, D) and V's range ``reference.v_channel_amax(v)`` (B, H, DP), float32, in one
+    pass over K and V (the range is None when ``v`` is).
 
-    Replaces ``reference.k_mean`` / the amax inside ``reference.v_channel_amax`` on the GPU: PyTorch's
-    reductions over the token dim allocate float32 copies. Chunk partials are combined in a fixed
-    order, so the result is deterministic; it may differ from PyTorch's in the last bit.
+    Replaces ``reference.k_mean`` and ``reference.v_channel_amax`` on the GPU: PyTorch's reductions
+    over the token dim allocate float32 copies. Chunk partials are combined in a fixed order, so the
+    result is deterministic; the mean may differ from PyTorch's in the last bit.
     """
     B, H, S, D = k.shape
     dp = padded_head_dim(D)
@@ -170,12 +178,15 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
     ksum = torch.empty((B, H, n_chunks, dp), dtype=torch.float32, device=k.device)
     vmax = torch.empty_like(ksum)
     vv = k if v is None else v
+    final = n_chunks == 1
     _kv_stats_kernel[(n_chunks, B * H)](
         k, vv, ksum, vmax, *k.stride(), *vv.stride(), H, S, D, n_chunks,
-        CHUNK=_STATS_CHUNK, BLOCK=64 if dp <= 128 else 32, DP=dp,
+        CHUNK=_STATS_CHUNK, BLOCK=64 if dp <= 128 else 32, DP=dp, FINAL=final,
     )
+    if final:
+        return ksum[:, :, 0, :D], (None if v is None else vmax[:, :, 0])
     mean = ksum.sum(2)[..., :D] / S
-    return mean, (None if v is None else vmax.amax(2)[..., :D])
+    return mean, (None if v is None else v_channel_amax(v, vmax.amax(2)[..., :D]))
 
 
 def _grid_rows(s_pad: int, block: int, bh: int):
