@@ -60,6 +60,10 @@ class _RouteSDPA(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self.fn(*args, **kwargs)
+        if func is torch.Tensor.unflatten:
+            # Tensor.unflatten is Python calling super().unflatten, which dynamo cannot trace inside a
+            # torch-function mode (Flux and Wan processors use it); torch.unflatten is the same op.
+            return torch.unflatten(*args, **kwargs)
         return func(*args, **kwargs)
 
 

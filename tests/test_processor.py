@@ -258,3 +258,16 @@ def test_flux_pipeline_schedule_and_disable(tmp_path):
     assert 0 < abs(images - stock).max() < 0.1
     handle.disable()
     assert (generate() == stock).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiles_without_graph_breaks(family):
+    """torch.compile(fullgraph=True) traces every family with the INT8 processors (dynamo only: backend "eager")."""
+    model, x = build(family)
+    handle = enable(model, mode="int8")
+    with torch.no_grad():
+        eager = run(model, x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(**x, return_dict=False)[0]
+    handle.disable()
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
