@@ -100,6 +100,15 @@ def _broadcasts(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
         return False
 
 
+def _as_calibration(calibration):
+    """A ``Calibration`` from itself, its file or directory, or None."""
+    if isinstance(calibration, (str, Path)):
+        from .calibration import Calibration
+
+        return Calibration.load(calibration)
+    return calibration
+
+
 def stock_processor_for(attn: torch.nn.Module, called_with_context: bool):
     """The processor diffusers' own model code gives ``attn``, inferred from the module.
 
@@ -169,10 +178,7 @@ class Int8DiffusionProcessor:
         self.inner = inner
         self.state = state if state is not None else Int8State()
         self.name = name
-        if isinstance(calibration, (str, Path)):
-            from .calibration import Calibration
-
-            calibration = Calibration.load(calibration)
+        calibration = _as_calibration(calibration)
         if calibration is not None and name not in calibration.layers:
             raise ValueError(f"the calibration has no layer {name!r}: pass the module's name (enable() does)")
         self.calibration = calibration
@@ -328,10 +334,7 @@ def enable(
     Mode.parse(mode)
     if isinstance(schedule, str):
         schedule = PrecisionSchedule.load(schedule)
-    if isinstance(calibration, (str, Path)):
-        from .calibration import Calibration
-
-        calibration = Calibration.load(calibration)
+    calibration = _as_calibration(calibration)
     if calibration is not None:
         calibration.validate(model)
     state = Int8State(trace=[] if record else None)
