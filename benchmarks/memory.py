@@ -30,11 +30,10 @@ def main():
     B, H, S, D = (int(x) for x in ap.parse_args().shape.split(","))
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
     bn = tile_config(D, PV.FP8).block_n
+
     steps = {
-        "quantize_q": lambda: tq.quantize_q(q, 0.1),
-        "kv_stats (K mean, V amax)": lambda: tq.kv_stats(k, v),
-        "quantize_k": lambda: tq.quantize_k(k, bn, tq.kv_stats(k, None)[0]),
-        "quantize_v fp8": lambda: tq.quantize_v(v, PV.FP8, tq.kv_stats(k, v)[1]),
+        "kv_partials (K sums, V |max|)": lambda: tq.kv_partials(k, v),
+        "quantize_qkv fp8 (with the stats)": lambda: tq.quantize_qkv(q, k, v, 0.1, bn, PV.FP8),
         "whole op, int8 (fp8 P·V)": lambda: triton_attention(q, k, v, layout="BHSD", pv=PV.FP8, sm_scale=0.1),
         "whole op, int8_fp16v": lambda: triton_attention(q, k, v, layout="BHSD", pv=PV.FP16, sm_scale=0.1),
     }

@@ -28,30 +28,32 @@ def test_quantization_bit_exact(kdev, D, dtype, layout):
     q, k, v = realistic_qkv(2, 3, S, S, D, dtype=dtype, layout=layout, device=kdev)
     q, k, v = (R.to_bhsd(t, layout) for t in (q, k, v))  # strided views, as the op passes them
     block_n = tile_config(D, PV.FP8).block_n
-    for got, want in [
-        (TQ.quantize_q(q, 0.125), R.quantize_q(q, 0.125)),
-        (TQ.quantize_k(k, block_n, R.k_mean(k)), R.quantize_k(k, block_n, True)),
-        (TQ.quantize_k(k, block_n, None), R.quantize_k(k, block_n, False)),
-        (TQ.quantize_q(q, 0.125, torch.full((3,), 2.5, device=kdev)), R.quantize_q(q, 0.125, torch.full((3,), 2.5, device=kdev))),
-    ]:
-        assert torch.equal(_bits(got[0]), _bits(want[0]))
-        assert torch.equal(got[1], want[1])
-    for pv in (PV.FP8, PV.INT8):
-        amax = R.v_channel_amax(v)
-        got, want = TQ.quantize_v(v, pv, amax), R.quantize_v(v, pv, amax)
-        assert torch.equal(_bits(got[0]), _bits(want[0])), pv
-        assert torch.equal(got[1], want[1])
+    q_amax = torch.full((3,), 2.5, device=kdev)
+    v_amax = torch.rand(v.shape[-1], device=kdev) + 0.5
+    cases = [(PV.FP16, True, None, None), (PV.FP8, False, q_amax, None), (PV.INT8, True, None, None), (PV.FP8, True, None, v_amax)]
+    for pv, smooth, qa, va in cases:
+        q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.125, block_n, pv, smooth_k=smooth, q_amax=qa, v_amax=va)
+        want_q, want_k = R.quantize_q(q, 0.125, qa), R.quantize_k(k, block_n, smooth)
+        assert torch.equal(q8, want_q[0]) and torch.equal(qs, want_q[1]), pv
+        assert torch.equal(k8, want_k[0]) and torch.equal(ks, want_k[1]), pv
+        if pv is PV.FP16:
+            assert v8 is None and vs is None
+        else:
+            want_v = R.quantize_v(v, pv, R.v_channel_amax(v, va))
+            assert torch.equal(_bits(v8), _bits(want_v[0])) and torch.equal(vs, want_v[1]), pv
 
 
-def test_static_k_range_bit_exact(kdev):
+def test_gqa_and_static_k_range_bit_exact(kdev):
     from diffusion_int8.kernels import quantize as TQ
 
-    q, k, v = realistic_qkv(1, 4, 200, 200, 64, device=kdev)
-    amax = torch.rand(1, 4, device=kdev) * 3 + 0.5  # smaller than the data: values get clipped
-    got = TQ.quantize_k(k, 64, R.k_mean(k), amax)
-    want = R.quantize_k(k, 64, True, amax)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert (got[0].abs() == 127).float().mean() > 0.01  # clipping happened
+    q, k, v = realistic_qkv(1, 4, 150, 200, 64, H_kv=2, device=kdev)
+    amax = torch.rand(1, 2, device=kdev) * 3 + 0.5  # smaller than the data: values get clipped
+    q8, qs, k8, ks, _, _ = TQ.quantize_qkv(q, k, v, 0.5, 64, PV.FP16, k_amax=amax)
+    want_k = R.quantize_k(k, 64, True, amax)
+    assert torch.equal(k8, want_k[0]) and torch.equal(ks, want_k[1])
+    assert (k8.abs() == 127).float().mean() > 0.01  # clipping happened
+    want_q = R.quantize_q(q, 0.5)
+    assert torch.equal(q8, want_q[0]) and torch.equal(qs, want_q[1])
 
 
 @triton.jit
@@ -79,7 +81,7 @@ def test_int8_qk_dot_bit_exact(kdev, D):
     assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("seq", [700, 2500])  # one chunk (finished in the kernel) and three (on the host)
+@pytest.mark.parametrize("seq", [300, 2500, 9000])  # 1, 5 and 16 chunks
 def test_kv_stats_match_pytorch(kdev, seq):
     from diffusion_int8.kernels import quantize as TQ
 
@@ -87,7 +89,7 @@ def test_kv_stats_match_pytorch(kdev, seq):
     k, v = R.to_bhsd(k, "BSHD"), R.to_bhsd(v, "BSHD")
     v[0, 1, :, 7] = 0.0  # a silent channel takes the floor
     mean, vamax = TQ.kv_stats(k, v)
-    torch.testing.assert_close(mean, R.k_mean(k), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mean, k.float().mean(2), rtol=1e-5, atol=1e-5)
     assert torch.equal(vamax, R.v_channel_amax(v))  # a max is exact; floor and padding as the reference's
     assert TQ.kv_stats(k, None)[1] is None
     v[1, 2, seq // 2, 5] = float("nan")

@@ -14,7 +14,7 @@ import triton.language as tl
 from . import quantize as tq
 from .quantize import _rdiv
 from .config import FP8_P_SHIFT, INT8_MAX, LOG2E, PV, tile_config
-from .reference import P_FLOOR, padded_len, to_bhsd, v_channel_amax
+from .reference import P_FLOOR, padded_len, to_bhsd
 
 _PV_CODE = {PV.FP16: 0, PV.FP8: 1, PV.INT8: 2}
 # Compiled kernels may only read globals that are constexpr.
@@ -179,21 +179,19 @@ def triton_attention(
 ) -> torch.Tensor:
     """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
 
-    Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype). No host
-    synchronization.
+    Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype). Three launches
+    (K/V statistics, Q/K/V quantization, attention; two without smoothing and with a static V range)
+    and no host synchronization.
     """
     qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
     B, H, Sq, D = qb.shape
     H_kv, Sk = kb.shape[1], kb.shape[2]
     cfg = tile_config(D, pv)
-    q8, qs = tq.quantize_q(qb, sm_scale, q_amax)
-    need_v = pv is not PV.FP16 and v_amax is None
-    mean, v_measured = tq.kv_stats(kb, vb if need_v else None) if (smooth_k or need_v) else (None, None)
-    k8, ks = tq.quantize_k(kb, cfg.block_n, mean if smooth_k else None, k_amax)
+    q8, qs, k8, ks, vk, vs = tq.quantize_qkv(
+        qb, kb, vb, sm_scale, cfg.block_n, pv, smooth_k=smooth_k, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax
+    )
     if pv is PV.FP16:
         vk, vs = vb, qs  # V read in place; vs unused
-    else:
-        vk, vs = tq.quantize_v(vb, pv, v_measured if v_amax is None else v_channel_amax(vb, v_amax))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ob = to_bhsd(out, layout)

@@ -50,23 +50,11 @@ def _load_tile(X, stride_xb, stride_xh, stride_xs, stride_xd, pid_s, pid_bh, H, 
 
 
 @triton.jit
-def _quant_qk_kernel(
-    X, MEAN, AMAX, OUT, SCALE,
-    stride_xb, stride_xh, stride_xs, stride_xd,
-    stride_ab, stride_ah,
-    H, S, D, S_PAD, N_SCALES, scale_mult,
-    BLOCK: tl.constexpr, DP: tl.constexpr,
-    PER_TOKEN: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
-):
-    pid_s = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    x, offs_s, offs_d, valid = _load_tile(X, stride_xb, stride_xh, stride_xs, stride_xd, pid_s, pid_bh, H, S, D, BLOCK, DP)
-    if SMOOTH:
-        mean = tl.load(MEAN + pid_bh * D + offs_d, mask=offs_d < D, other=0.0)
-        x = tl.where(valid, x - mean[None, :], 0.0)
-
-    # -- range per token (Q) or per block (K); x·0 sums to NaN iff the block holds a NaN/Inf --
-    poison = x * 0.0
+def _quant_int8(x, AMAX, PER_TOKEN: tl.constexpr, STATIC: tl.constexpr):
+    """Symmetric INT8 of a float32 (rows, DP) tile, one range per row (Q) or for the tile (K), measured
+    or read from the scalar at ``AMAX`` (STATIC). Returns the int8 tile and ``amax / 127`` (per row or
+    scalar); a NaN/Inf in the row or tile makes its scale NaN."""
+    poison = x * 0.0  # sums to NaN iff the row/tile holds a NaN/Inf (GPU max drops NaN)
     if PER_TOKEN:
         nonfinite = tl.sum(poison, axis=1)
         amax = tl.max(tl.abs(x), axis=1)
@@ -74,51 +62,100 @@ def _quant_qk_kernel(
         nonfinite = tl.sum(tl.sum(poison, axis=1), axis=0)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     if STATIC:
-        amax = tl.load(AMAX + (pid_bh // H) * stride_ab + (pid_bh % H) * stride_ah) + nonfinite * 0.0
+        amax = tl.load(AMAX) + nonfinite * 0.0
     amax = tl.maximum(amax, _AMAX_FLOOR) + nonfinite
-
-    # -- symmetric INT8 --
     inv = _rdiv(_INT8_MAX, amax)
     if PER_TOKEN:
         y = x * inv[:, None]
     else:
         y = x * inv
     y = tl.minimum(tl.maximum(y, -_INT8_MAX), _INT8_MAX)
-    out_ptrs = OUT + pid_bh.to(tl.int64) * S_PAD * DP + offs_s[:, None] * DP + offs_d[None, :]
-    tl.store(out_ptrs, _round_half_even(y).to(tl.int8))
-
-    scale = tl.math.div_rn(amax, amax * 0.0 + _INT8_MAX) * scale_mult
-    if PER_TOKEN:
-        tl.store(SCALE + pid_bh * N_SCALES + offs_s, scale)
-    else:
-        tl.store(SCALE + pid_bh * N_SCALES + pid_s, scale)
+    return _round_half_even(y).to(tl.int8), tl.math.div_rn(amax, amax * 0.0 + _INT8_MAX)
 
 
 @triton.jit
-def _quant_v_kernel(
-    X, AMAX, OUT, SCALE,
-    stride_xb, stride_xh, stride_xs, stride_xd,
-    H, S, D, S_PAD,
-    BLOCK: tl.constexpr, DP: tl.constexpr, FP8: tl.constexpr,
+def _quant_qkv_kernel(
+    Q, QAMAX, Q8, QS, K, KSUM, KAMAX, K8, KS, V, VMAX, VAMAX, V8, VS,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_qab, stride_qah, stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
+    H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, N_CHUNKS, scale_mult,
+    Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr,
+    Q_STATIC: tl.constexpr, K_STATIC: tl.constexpr, V_FMT: tl.constexpr, V_STATIC: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    x, offs_s, offs_d, valid = _load_tile(X, stride_xb, stride_xh, stride_xs, stride_xd, pid_s, pid_bh, H, S, D, BLOCK, DP)
-    amax = tl.load(AMAX + pid_bh * DP + offs_d)
-    base = pid_bh.to(tl.int64) * S_PAD * DP
-    if FP8:
-        inv = _rdiv(_FP8_MAX, amax)
-        y = tl.minimum(tl.maximum(x * inv[None, :], -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
-        # stored transposed, (DP, S_PAD): the FP8 MMA wants V K-major
-        tl.store(OUT + base + offs_d[:, None] * S_PAD + offs_s[None, :], tl.trans(y))
-        qmax = _FP8_MAX
+    # One launch for Q, K and V: programs [0, NQ) take Q_BLOCK tokens of Q, the rest one K quantization
+    # block and the same tokens of V.
+    pid = tl.program_id(0)
+    if pid < NQ:
+        n_s = SQ_PAD // Q_BLOCK
+        _quant_q_block(
+            Q, QAMAX, Q8, QS, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
+            pid % n_s, pid // n_s, H, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, Q_STATIC,
+        )
     else:
-        inv = _rdiv(_INT8_MAX, amax)
-        y = tl.minimum(tl.maximum(x * inv[None, :], -_INT8_MAX), _INT8_MAX)
-        tl.store(OUT + base + offs_s[:, None] * DP + offs_d[None, :], _round_half_even(y).to(tl.int8))
-        qmax = _INT8_MAX
-    if pid_s == 0:
-        tl.store(SCALE + pid_bh * DP + offs_d, tl.math.div_rn(amax, amax * 0.0 + qmax))
+        n_s = SK_PAD // K_BLOCK
+        _quant_kv_block(
+            K, KSUM, KAMAX, K8, KS, V, VMAX, VAMAX, V8, VS,
+            stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
+            stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
+            (pid - NQ) % n_s, (pid - NQ) // n_s, H_KV, SK, D, SK_PAD, N_CHUNKS,
+            K_BLOCK, DP, SMOOTH, K_STATIC, V_FMT, V_STATIC,
+        )
+
+
+@triton.jit
+def _quant_q_block(
+    Q, QAMAX, Q8, QS, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
+    pid_s, pid_bh, H, SQ, D, SQ_PAD, scale_mult,
+    BLOCK: tl.constexpr, DP: tl.constexpr, STATIC: tl.constexpr,
+):
+    x, offs_s, offs_d, _ = _load_tile(Q, stride_qb, stride_qh, stride_qs, stride_qd, pid_s, pid_bh, H, SQ, D, BLOCK, DP)
+    q8, qs = _quant_int8(x, QAMAX + (pid_bh // H) * stride_qab + (pid_bh % H) * stride_qah, True, STATIC)
+    tl.store(Q8 + pid_bh.to(tl.int64) * SQ_PAD * DP + offs_s[:, None] * DP + offs_d[None, :], q8)
+    tl.store(QS + pid_bh * SQ_PAD + offs_s, qs * scale_mult)
+
+
+@triton.jit
+def _quant_kv_block(
+    K, KSUM, KAMAX, K8, KS, V, VMAX, VAMAX, V8, VS,
+    stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
+    pid_s, pid_bh, H, S, D, S_PAD, N_CHUNKS,
+    BLOCK: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
+    V_FMT: tl.constexpr, V_STATIC: tl.constexpr,
+):
+    # One K quantization block and the same tokens of V (V_FMT: 0 none, 1 FP8, 2 INT8). K's mean and
+    # V's range are finished here from kv_partials' chunk partials (V's read from VAMAX if V_STATIC).
+    b, h = pid_bh // H, pid_bh % H
+    x, offs_s, offs_d, valid = _load_tile(K, stride_kb, stride_kh, stride_ks, stride_kd, pid_s, pid_bh, H, S, D, BLOCK, DP)
+    if SMOOTH:
+        x = tl.where(valid, x - _finish_k_mean(KSUM, pid_bh, S, N_CHUNKS, DP)[None, :], 0.0)
+    k8, ks = _quant_int8(x, KAMAX + b * stride_kab + h * stride_kah, False, STATIC)
+    base = pid_bh.to(tl.int64) * S_PAD * DP
+    tl.store(K8 + base + offs_s[:, None] * DP + offs_d[None, :], k8)
+    tl.store(KS + pid_bh * (S_PAD // BLOCK) + pid_s, ks)
+    if V_FMT != 0:
+        # the range as reference.v_channel_amax gives it: floored, NaN where non-finite, padded with 1
+        if V_STATIC:
+            amax = tl.load(VAMAX + b * stride_vab + h * stride_vah + offs_d * stride_vad, mask=offs_d < D, other=1.0)
+        else:
+            amax = _finish_v_range(VMAX, pid_bh, N_CHUNKS, DP)
+        amax = tl.where(offs_d < D, tl.maximum(amax, _AMAX_FLOOR) + amax * 0.0, 1.0)
+        v, _, _, _ = _load_tile(V, stride_vb, stride_vh, stride_vs, stride_vd, pid_s, pid_bh, H, S, D, BLOCK, DP)
+        if V_FMT == 1:
+            inv = _rdiv(_FP8_MAX, amax)
+            y = tl.minimum(tl.maximum(v * inv[None, :], -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
+            # stored transposed, (DP, S_PAD): the FP8 MMA wants V K-major
+            tl.store(V8 + base + offs_d[:, None] * S_PAD + offs_s[None, :], tl.trans(y))
+            qmax = _FP8_MAX
+        else:
+            inv = _rdiv(_INT8_MAX, amax)
+            y = tl.minimum(tl.maximum(v * inv[None, :], -_INT8_MAX), _INT8_MAX)
+            tl.store(V8 + base + offs_s[:, None] * DP + offs_d[None, :], _round_half_even(y).to(tl.int8))
+            qmax = _INT8_MAX
+        if pid_s == 0:
+            tl.store(VS + pid_bh * DP + offs_d, tl.math.div_rn(amax, amax * 0.0 + qmax))
 
 
 @triton.jit
@@ -126,13 +163,11 @@ def _kv_stats_kernel(
     K, V, KSUM, VMAX,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
-    H, S, D, N_CHUNKS,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr, FINAL: tl.constexpr,
+    H, S, D, N_CHUNKS, chunk,
+    BLOCK: tl.constexpr, DP: tl.constexpr, HAS_V: tl.constexpr,
 ):
-    # One (batch, head, chunk of CHUNK tokens): partial K column sums and V column |max|, in fp32.
-    # FINAL (one chunk holds every token): K's mean and V's range as reference.v_channel_amax gives it
-    # (floored, NaN where a NaN/Inf was seen, padded with 1), sparing the host the small ops that
-    # finish the partials — at short sequences their launches cost more than the pass itself.
+    # One (batch, head, chunk of tokens): K's column sums and V's column |max| over the chunk, in fp32.
+    # V's partial is NaN where a NaN/Inf was seen (the GPU's max drops NaN, so a sum of x·0 carries it).
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -143,102 +178,142 @@ def _kv_stats_kernel(
     vpoison = tl.zeros([DP], tl.float32)
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    for start in range(0, CHUNK, BLOCK):
-        offs_s = pid_c * CHUNK + start + tl.arange(0, BLOCK)
+    for start in range(0, chunk, BLOCK):
+        offs_s = pid_c * chunk + start + tl.arange(0, BLOCK)
         valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
         k = tl.load(k_base + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd, mask=valid, other=0.0)
-        v = tl.load(v_base + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd, mask=valid, other=0.0)
         ksum += tl.sum(k.to(tl.float32), axis=0)
-        v = v.to(tl.float32)
-        vmax = tl.maximum(vmax, tl.max(tl.abs(v), axis=0))
-        vpoison += tl.sum(v * 0.0, axis=0)  # NaN iff a NaN/Inf was seen (GPU max drops NaN)
+        if HAS_V:
+            v = tl.load(v_base + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd, mask=valid, other=0.0)
+            v = v.to(tl.float32)
+            vmax = tl.maximum(vmax, tl.max(tl.abs(v), axis=0))
+            vpoison += tl.sum(v * 0.0, axis=0)
     out = pid_bh * N_CHUNKS * DP + pid_c * DP + offs_d
-    vmax = vmax + vpoison
-    if FINAL:
-        ksum = tl.math.div_rn(ksum, ksum * 0.0 + S)
-        vmax = tl.where(offs_d < D, tl.maximum(vmax, _AMAX_FLOOR) + vmax * 0.0, 1.0)
     tl.store(KSUM + out, ksum)
-    tl.store(VMAX + out, vmax)
+    if HAS_V:
+        tl.store(VMAX + out, vmax + vpoison)
 
 
-_STATS_CHUNK = 1024
+@triton.jit
+def _finish_k_mean(KSUM, pid_bh, S, N_CHUNKS, DP: tl.constexpr):
+    """K's token mean from the chunk sums: summed in chunk order, one rounded division."""
+    offs_d = tl.arange(0, DP)
+    ksum = tl.zeros([DP], tl.float32)
+    for c in range(N_CHUNKS):
+        ksum += tl.load(KSUM + (pid_bh * N_CHUNKS + c) * DP + offs_d)
+    return tl.math.div_rn(ksum, ksum * 0.0 + S)
+
+
+@triton.jit
+def _finish_v_range(VMAX, pid_bh, N_CHUNKS, DP: tl.constexpr):
+    """V's per-channel |max| from the chunk maxima, NaN where any chunk's is."""
+    offs_d = tl.arange(0, DP)
+    vmax = tl.zeros([DP], tl.float32)
+    poison = tl.zeros([DP], tl.float32)
+    for c in range(N_CHUNKS):
+        part = tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DP + offs_d)
+        vmax = tl.maximum(vmax, part)
+        poison += part * 0.0
+    return vmax + poison
+
+
+def _stats_chunk(S: int) -> int:
+    # at most ~16 chunks: each quantization program folds its (batch, head)'s partials again
+    return max(512, triton.cdiv(triton.cdiv(S, 16), 64) * 64)
+
+
+def kv_partials(k: torch.Tensor, v: torch.Tensor | None):
+    """One pass over K (and V): per-chunk K column sums and V column |max|, (B, H, n_chunks, DP) float32
+    each (V's None when ``v`` is). ``quantize_qkv`` finishes them inside its kernel."""
+    B, H, S, D = k.shape
+    dp = padded_head_dim(D)
+    chunk = _stats_chunk(S)
+    n_chunks = triton.cdiv(S, chunk)
+    ksum = torch.empty((B, H, n_chunks, dp), dtype=torch.float32, device=k.device)
+    vmax = None if v is None else torch.empty_like(ksum)
+    vv = k if v is None else v
+    _kv_stats_kernel[(n_chunks, B * H)](
+        k, vv, ksum, ksum if vmax is None else vmax, *k.stride(), *vv.stride(), H, S, D, n_chunks, chunk,
+        BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_V=v is not None,
+    )
+    return ksum, vmax
 
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
-    """K's token mean (B, H, D) and V's range ``reference.v_channel_amax(v)`` (B, H, DP), float32, in one
-    pass over K and V (the range is None when ``v`` is).
+    """K's token mean (B, H, D) and V's range ``reference.v_channel_amax(v)`` (B, H, DP), float32, as
+    the quantization kernel computes them (the range is None when ``v`` is).
 
-    Replaces ``reference.k_mean`` and ``reference.v_channel_amax`` on the GPU: PyTorch's reductions
-    over the token dim allocate float32 copies. Chunk partials are combined in a fixed order, so the
-    result is deterministic; the mean may differ from PyTorch's in the last bit.
+    The Triton twin of ``reference.k_mean`` and ``reference.v_channel_amax``: the chunk sums are added
+    in chunk order, so the mean is deterministic but may differ from ``torch.mean`` in the last bit.
     """
-    B, H, S, D = k.shape
-    dp = padded_head_dim(D)
-    n_chunks = triton.cdiv(S, _STATS_CHUNK)
-    ksum = torch.empty((B, H, n_chunks, dp), dtype=torch.float32, device=k.device)
-    vmax = torch.empty_like(ksum)
-    vv = k if v is None else v
-    final = n_chunks == 1
-    _kv_stats_kernel[(n_chunks, B * H)](
-        k, vv, ksum, vmax, *k.stride(), *vv.stride(), H, S, D, n_chunks,
-        CHUNK=_STATS_CHUNK, BLOCK=64 if dp <= 128 else 32, DP=dp, FINAL=final,
-    )
-    if final:
-        return ksum[:, :, 0, :D], (None if v is None else vmax[:, :, 0])
-    mean = ksum.sum(2)[..., :D] / S
+    S, D = k.shape[2], k.shape[3]
+    ksum, vmax = kv_partials(k, v)
+    total = ksum[:, :, 0]
+    for c in range(1, ksum.shape[2]):
+        total = total + ksum[:, :, c]
+    mean = torch.div(total, torch.full_like(total, S))[..., :D]  # tensor / tensor: one rounding, as div_rn
     return mean, (None if v is None else v_channel_amax(v, vmax.amax(2)[..., :D]))
 
 
-def _grid_rows(s_pad: int, block: int, bh: int):
-    return (s_pad // block, bh)
+def quantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sm_scale: float,
+    block_n: int,
+    pv: PV,
+    *,
+    smooth_k: bool = True,
+    q_amax: torch.Tensor | None = None,
+    k_amax: torch.Tensor | None = None,
+    v_amax: torch.Tensor | None = None,
+):
+    """Triton twin of ``reference.quantize_q``, ``quantize_k`` and ``quantize_v``: Q, K and V in one
+    launch, after one ``kv_partials`` pass when K is smoothed or V's range is measured.
 
-
-def quantize_q(q: torch.Tensor, sm_scale: float, q_amax: torch.Tensor | None = None):
-    """Triton twin of ``reference.quantize_q``: q (B, H, S, D) -> q8 (B, H, S_pad, DP), qs (B, H, S_pad)."""
-    B, H, S, D = q.shape
-    s_pad, dp = padded_len(S), padded_head_dim(D)
-    q8 = torch.empty((B, H, s_pad, dp), dtype=torch.int8, device=q.device)
-    qs = torch.empty((B, H, s_pad), dtype=torch.float32, device=q.device)
-    amax, sa = _static_amax(q_amax, B, H, q)
-    _quant_qk_kernel[_grid_rows(s_pad, _ROW_BLOCK, B * H)](
-        q, q, amax, q8, qs, *q.stride(), *sa, H, S, D, s_pad, s_pad, sm_scale * LOG2E,
-        BLOCK=_ROW_BLOCK, DP=dp, PER_TOKEN=True, SMOOTH=False, STATIC=q_amax is not None,
+    q: (B, H, Sq, D); k, v: (B, H_kv, Sk, D); any strides. q_amax / k_amax: static ranges broadcastable
+    to (B, H) / (B, H_kv) (``k_amax`` of the smoothed K); v_amax: static per-channel range
+    broadcastable to (B, H_kv, D). V is quantized only when ``pv`` is FP8 or INT8.
+    Returns q8 (B, H, Sq_pad, DP) int8, qs (B, H, Sq_pad) float32 (sm_scale·log2(e) folded in),
+    k8 (B, H_kv, Sk_pad, DP) int8, ks (B, H_kv, Sk_pad // block_n) float32, and v8 / vs as
+    ``reference.quantize_v`` gives them (None, None for fp16 P·V).
+    """
+    B, H, Sq, D = q.shape
+    H_kv, Sk = k.shape[1], k.shape[2]
+    sq_pad, sk_pad, dp = padded_len(Sq), padded_len(Sk), padded_head_dim(D)
+    dev = q.device
+    v_fmt = {PV.FP16: 0, PV.FP8: 1, PV.INT8: 2}[pv]
+    measure_v = v_fmt != 0 and v_amax is None
+    ksum = vmax = None
+    if smooth_k or measure_v:
+        ksum, vmax = kv_partials(k, v if measure_v else None)
+    q8 = torch.empty((B, H, sq_pad, dp), dtype=torch.int8, device=dev)
+    qs = torch.empty((B, H, sq_pad), dtype=torch.float32, device=dev)
+    k8 = torch.empty((B, H_kv, sk_pad, dp), dtype=torch.int8, device=dev)
+    ks = torch.empty((B, H_kv, sk_pad // block_n), dtype=torch.float32, device=dev)
+    v8 = vs = None
+    if v_fmt:
+        shape = (B, H_kv, dp, sk_pad) if v_fmt == 1 else (B, H_kv, sk_pad, dp)
+        v8 = torch.empty(shape, dtype=torch.float8_e4m3fn if v_fmt == 1 else torch.int8, device=dev)
+        vs = torch.empty((B, H_kv, dp), dtype=torch.float32, device=dev)
+    qa, qa_strides = _static_amax(q_amax, (B, H), qs)
+    ka, ka_strides = _static_amax(k_amax, (B, H_kv), qs)
+    va, va_strides = _static_amax(v_amax, (B, H_kv, D), qs)
+    nq = sq_pad // _ROW_BLOCK * B * H
+    _quant_qkv_kernel[(nq + sk_pad // block_n * B * H_kv,)](
+        q, qa, q8, qs, k, qs if ksum is None else ksum, ka, k8, ks,
+        v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs,
+        *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides,
+        H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq, 0 if ksum is None else ksum.shape[2], sm_scale * LOG2E,
+        Q_BLOCK=_ROW_BLOCK, K_BLOCK=block_n, DP=dp, SMOOTH=smooth_k,
+        Q_STATIC=q_amax is not None, K_STATIC=k_amax is not None, V_FMT=v_fmt, V_STATIC=v_amax is not None,
     )
-    return q8, qs
+    return q8, qs, k8, ks, v8, vs
 
 
-def quantize_k(k: torch.Tensor, block_n: int, mean: torch.Tensor | None, k_amax: torch.Tensor | None = None):
-    """Triton twin of ``reference.quantize_k``; ``mean`` is ``reference.k_mean(k)`` or None (no smoothing)."""
-    B, H, S, D = k.shape
-    s_pad, dp = padded_len(S), padded_head_dim(D)
-    k8 = torch.empty((B, H, s_pad, dp), dtype=torch.int8, device=k.device)
-    ks = torch.empty((B, H, s_pad // block_n), dtype=torch.float32, device=k.device)
-    amax, sa = _static_amax(k_amax, B, H, k)
-    _quant_qk_kernel[_grid_rows(s_pad, block_n, B * H)](
-        k, k if mean is None else mean.contiguous(), amax, k8, ks, *k.stride(), *sa,
-        H, S, D, s_pad, s_pad // block_n, 1.0,
-        BLOCK=block_n, DP=dp, PER_TOKEN=False, SMOOTH=mean is not None, STATIC=k_amax is not None,
-    )
-    return k8, ks
-
-
-def quantize_v(v: torch.Tensor, pv: PV, amax: torch.Tensor):
-    """Triton twin of ``reference.quantize_v``; ``amax`` is ``reference.v_channel_amax(v, ...)``."""
-    B, H, S, D = v.shape
-    s_pad, dp = padded_len(S), padded_head_dim(D)
-    fp8 = pv is PV.FP8
-    shape = (B, H, dp, s_pad) if fp8 else (B, H, s_pad, dp)
-    v8 = torch.empty(shape, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=v.device)
-    vs = torch.empty((B, H, dp), dtype=torch.float32, device=v.device)
-    _quant_v_kernel[_grid_rows(s_pad, _ROW_BLOCK, B * H)](
-        v, amax.contiguous(), v8, vs, *v.stride(), H, S, D, s_pad, BLOCK=_ROW_BLOCK, DP=dp, FP8=fp8,
-    )
-    return v8, vs
-
-
-def _static_amax(amax: torch.Tensor | None, B: int, H: int, like: torch.Tensor):
-    """A (B, H) float32 view of a static range, or a placeholder, and its two strides."""
+def _static_amax(amax: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor):
+    """A float32 view of a static range broadcast to ``shape``, and its strides; or a placeholder."""
     if amax is None:
-        return like, (0, 0)
-    a = amax.float().expand(B, H)
+        return like, (0,) * len(shape)
+    a = amax.float().expand(shape)
     return a, a.stride()
