@@ -1,0 +1,68 @@
+"""Compile kernel variants for sm_90 on a machine without a GPU (run by test_compile.py).
+
+The interpreter accepts code that the compiler rejects (branch-dependent types, non-constexpr globals);
+this catches it in CI. Usage: python tests/compile_sm90.py [all]
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)  # must precede the kernels' import
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from diffusion_int8.kernels import attention as A  # noqa: E402
+from diffusion_int8.kernels import quantize as Qz  # noqa: E402
+from diffusion_int8.kernels.config import PV, padded_head_dim, tile_config  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+_PV_PTR = {PV.FP16: None, PV.FP8: "*fp8e4nv", PV.INT8: "*i8"}
+
+
+def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict):
+    sig = {n: "constexpr" if n in constexprs else ptrs.get(n) or ("fp32" if n in floats else "i32") for n in fn.arg_names}
+    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=TARGET)
+
+
+def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
+    ptrs = {n: "*fp32" for n in ("QAMAX", "QS", "KSUM", "KAMAX", "KS", "VMAX", "VAMAX", "VS")}
+    ptrs.update(Q="*" + dt, K="*" + dt, V="*" + dt, Q8="*i8", K8="*i8", V8="*fp8e4nv" if v_fmt == 1 else "*i8")
+    dp = padded_head_dim(D)
+    compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
+        Q_BLOCK=64, K_BLOCK=tile_config(D, PV.FP8).block_n, DP=dp, SMOOTH=smooth, Q_STATIC=static,
+        K_STATIC=static, V_FMT=v_fmt, V_STATIC=static))
+    compile_kernel(Qz._kv_stats_kernel, dict(K="*" + dt, V="*" + dt, KSUM="*fp32", VMAX="*fp32"), set(),
+                   dict(BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_V=v_fmt != 0))
+
+
+def attention_variant(D, pv, mask, dt="fp16"):
+    ptrs = dict(Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V=_PV_PTR[pv] or "*" + dt, VS="*fp32",
+                MASK_PTR={0: "*fp32", 1: "*u8", 2: "*" + dt}[mask], O="*" + dt)
+    cfg = tile_config(D, pv)
+    compile_kernel(A._attn_fwd_kernel, ptrs, set(), dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=A._PV_CODE[pv], MASK=mask))
+
+
+def main(everything: bool) -> int:
+    if everything:
+        quant = list(itertools.product((40, 64, 72, 128, 256), (0, 1, 2), (True, False), (True, False), ("fp16", "bf16")))
+        attn = list(itertools.product((40, 64, 72, 128, 256), list(PV), (0, 1, 2), ("fp16", "bf16")))
+    else:  # every branch at least once
+        quant = [(40, 1, True, False), (72, 2, False, True, "bf16"), (128, 0, True, False), (256, 1, True, True)]
+        attn = [(40, PV.FP16, 0), (64, PV.FP8, 1, "bf16"), (72, PV.INT8, 2), (128, PV.FP8, 0), (256, PV.INT8, 0)]
+    for args in quant:
+        quantize_variant(*args)
+    for args in attn:
+        attention_variant(*args)
+    print(f"compiled {len(quant) * 2 + len(attn)} kernels for {TARGET}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:] == ["all"]))
