@@ -6,7 +6,8 @@ Full-size architecture configs with random weights (no downloads), built directl
 or bf16. Where a model is cut to fewer blocks, the table says so: every block has the same attention
 shape, so a cut model's step speedup is the full model's minus the share of embeddings and output
 layers. Deviation is the PSNR of one denoiser output against the stock output on the same inputs.
-Times are medians of CUDA-event-timed steps after warm-up.
+Times are medians of CUDA-event-timed steps after warm-up; with ``--graph``, of replays of one step
+captured in a CUDA graph (the GPU time alone, as under ``torch.compile(mode="reduce-overhead")``).
 """
 
 from __future__ import annotations
@@ -104,19 +105,30 @@ def _cast(x, dtype):
     return x
 
 
-def _time(model, x, n):
+def _time(model, x, n, graph=False):
+    """Median ms of ``n`` denoiser calls after warm-up; ``graph``: of replays of one captured call."""
     times = []
     with torch.no_grad():
         for _ in range(3):
             model(**x, return_dict=False)
+        step = lambda: model(**x, return_dict=False)[0]  # noqa: E731
+        if graph:
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                captured = step()
+
+            def step():
+                g.replay()
+                return captured
         for _ in range(n):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            out = model(**x, return_dict=False)[0]
+            out = step()
             b.record()
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b))
-    return statistics.median(times), out
+    return statistics.median(times), out.clone()
 
 
 def _profile(model, x, label):
@@ -143,9 +155,13 @@ def main():
     ap.add_argument("--steps", type=int, default=10, help="timed denoiser calls per variant")
     ap.add_argument("--out", default="bench_out/pipeline.json")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step per INT8 mode")
+    ap.add_argument("--graph", action="store_true",
+                    help="time replays of a CUDA graph of the step (no host overhead), as torch.compile's "
+                         "reduce-overhead mode would run it")
     args = ap.parse_args()
     builders = _models()
-    results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}}
+    results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                        "date": time.strftime("%Y-%m-%d"), "cuda_graph": args.graph}}
     print("| model | config | mode | step ms | speedup | peak GiB | PSNR vs stock (dB) |\n|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         with torch.device("cuda"):
@@ -156,7 +172,7 @@ def main():
         for mode in ("stock", "int8_fp16v", "int8"):
             handle = None if mode == "stock" else diffusion_int8.enable(model, mode)
             torch.cuda.reset_peak_memory_stats()
-            ms, out = _time(model, x, args.steps)
+            ms, out = _time(model, x, args.steps, args.graph)
             peak = torch.cuda.max_memory_allocated() / 2**30
             if args.profile and handle is not None:
                 _profile(model, x, f"{name} {mode}")
