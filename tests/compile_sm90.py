@@ -46,7 +46,7 @@ def attention_variant(D, pv, mask, dt="fp16"):
                 MASK_PTR={0: "*fp32", 1: "*u8", 2: "*" + dt}[mask], O="*" + dt)
     cfg = tile_config(D, pv)
     compile_kernel(A._attn_fwd_kernel, ptrs, set(), dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=A._PV_CODE[pv], MASK=mask))
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=pv.code, MASK=mask))
 
 
 def main(everything: bool) -> int:

@@ -16,7 +16,6 @@ from .quantize import _rdiv
 from .config import FP8_P_SHIFT, INT8_MAX, LOG2E, PV, tile_config
 from .reference import P_FLOOR, padded_len, to_bhsd
 
-_PV_CODE = {PV.FP16: 0, PV.FP8: 1, PV.INT8: 2}
 # Compiled kernels may only read globals that are constexpr.
 _LOG2E = tl.constexpr(LOG2E)
 _INT8_MAX = tl.constexpr(INT8_MAX)
@@ -212,7 +211,7 @@ def triton_attention(
         *vb.stride(), *mstride, *ob.stride(),
         H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=q8.shape[-1],
-        PV=_PV_CODE[pv], MASK=mask_kind,
+        PV=pv.code, MASK=mask_kind,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -56,6 +56,14 @@ class PV(str, enum.Enum):
     FP8 = "fp8"  # P·256 and per-channel-scaled V in e4m3, FP32 accumulation across blocks
     INT8 = "int8"  # P per row and block in INT8, per-channel-scaled V in INT8
 
+    @property
+    def code(self) -> int:
+        """The kernels' constexpr for this format (0 fp16, 1 FP8, 2 INT8)."""
+        return _PV_CODES[self]
+
+
+_PV_CODES = {PV.FP16: 0, PV.FP8: 1, PV.INT8: 2}
+
 
 class Backend(str, enum.Enum):
     TRITON = "triton"

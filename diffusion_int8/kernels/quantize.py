@@ -282,7 +282,7 @@ def quantize_qkv(
     H_kv, Sk = k.shape[1], k.shape[2]
     sq_pad, sk_pad, dp = padded_len(Sq), padded_len(Sk), padded_head_dim(D)
     dev = q.device
-    v_fmt = {PV.FP16: 0, PV.FP8: 1, PV.INT8: 2}[pv]
+    v_fmt = pv.code
     measure_v = v_fmt != 0 and v_amax is None
     ksum = vmax = None
     if smooth_k or measure_v:
