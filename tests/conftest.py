@@ -41,5 +41,7 @@ def kdev(request, monkeypatch) -> str:
 @pytest.fixture(autouse=True)
 def _seed():
     # Fresh inputs every run: realistic_qkv draws its seed from torch's generator, seeded from the clock.
-    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch seed {seed}")  # shown with a failure's captured output, to replay it
     yield

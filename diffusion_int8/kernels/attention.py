@@ -99,7 +99,7 @@ def _attn_fwd_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_FULL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
-    PV: tl.constexpr, MASK: tl.constexpr,
+    PV: tl.constexpr, MASK: tl.constexpr, V_ALIGN8: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(DP >= 32)
@@ -121,8 +121,15 @@ def _attn_fwd_kernel(
     k_ptrs = K8 + off_kv * SK_PAD * DP + offs_n[None, :] * DP + offs_d[:, None]  # Kᵀ tile (DP, BLOCK_N)
     ks_ptr = KS + off_kv * (SK_PAD // BLOCK_N)
     if PV == 0:
-        v_ptrs = (V + b.to(tl.int64) * stride_vb + (h // (H // H_KV)).to(tl.int64) * stride_vh
+        v_offs = (b.to(tl.int64) * stride_vb + (h // (H // H_KV)).to(tl.int64) * stride_vh
                   + offs_n[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd)
+        if V_ALIGN8:
+            # V is read in place: the wrapper checked that D and V's strides are multiples of 8, which
+            # Triton cannot see below 16; told so (and D written as a multiple of 8 for the column mask),
+            # it copies V tiles asynchronously (cp.async, pipelined) instead of element by element
+            v_offs = tl.multiple_of(v_offs, [1, 8])
+            D = D // 8 * 8
+        v_ptrs = V + v_offs
         v_step = BLOCK_N * stride_vs
     elif PV == 1:
         v_ptrs = V + off_kv * DP * SK_PAD + offs_d[None, :] * SK_PAD + offs_n[:, None]  # from (DP, SK_PAD)
@@ -212,6 +219,7 @@ def triton_attention(
         H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=q8.shape[-1],
         PV=pv.code, MASK=mask_kind,
+        V_ALIGN8=pv is PV.FP16 and D % 8 == 0 and vb.stride(3) == 1 and all(s % 8 == 0 for s in vb.stride()[:3]),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
