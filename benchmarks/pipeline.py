@@ -5,7 +5,8 @@
 Full-size architecture configs with random weights (no downloads), built directly on the GPU in fp16
 or bf16. Where a model is cut to fewer blocks, the table says so: every block has the same attention
 shape, so a cut model's step speedup is the full model's minus the share of embeddings and output
-layers. Deviation is the PSNR of one denoiser output against the stock output on the same inputs.
+layers. Deviation is the PSNR against stock of one denoiser output on the same inputs, and of the final
+latents of a short Euler trajectory from the same start (``--denoise-steps``), where errors accumulate.
 Times are medians of CUDA-event-timed steps after warm-up; with ``--graph``, of replays of one step
 captured in a CUDA graph (the GPU time alone, as under ``torch.compile(mode="reduce-overhead")``).
 """
@@ -131,6 +132,34 @@ def _time(model, x, n, graph=False):
     return statistics.median(times), out.clone()
 
 
+def _latent_key(x: dict) -> str:
+    return "sample" if "sample" in x else "hidden_states"
+
+
+def _denoise(model, x, steps):
+    """Final latents of ``steps`` Euler steps from the inputs' latents, σ going 1 → 0 in equal steps.
+
+    The update x ← x + (σ_next − σ)·f(x, σ) is the flow-matching Euler step; for ε- or v-predicting
+    models with random weights it is simply a fixed, deterministic trajectory on which the modes'
+    errors accumulate as they would over a generation. Outputs with extra channels (a learned
+    variance) are cut to the latents' channels. The timestep is σ in the scale the inputs use (× 1000
+    unless the given timestep is at most 1).
+    """
+    key = _latent_key(x)
+    lat, t0 = x[key], x["timestep"]
+    scale = 1.0 if float(t0.max()) <= 1.0 else 1000.0
+    sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
+    with torch.no_grad():
+        for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+            t = torch.full_like(t0, round(s * scale) if not t0.is_floating_point() else s * scale)
+            out = model(**{**x, key: lat, "timestep": t}, return_dict=False)[0]
+            for d, (n_out, n_lat) in enumerate(zip(out.shape, lat.shape)):
+                if n_out != n_lat:
+                    out = out.narrow(d, 0, n_lat)
+            lat = (lat.float() + (s_next - s) * out.float()).to(lat.dtype)
+    return lat
+
+
 def _profile(model, x, label):
     from torch.profiler import ProfilerActivity, profile
 
@@ -154,6 +183,8 @@ def main():
     ap.add_argument("--models", default="flux,wan,sdxl,dit,pixart,sd35,cogvideox")
     ap.add_argument("--steps", type=int, default=10, help="timed denoiser calls per variant")
     ap.add_argument("--out", default="bench_out/pipeline.json")
+    ap.add_argument("--denoise-steps", type=int, default=10,
+                    help="Euler steps from the same start whose final latents are compared with stock's (0: skip)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step per INT8 mode")
     ap.add_argument("--graph", action="store_true",
                     help="time replays of a CUDA graph of the step (no host overhead), as torch.compile's "
@@ -162,7 +193,8 @@ def main():
     builders = _models()
     results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                         "date": time.strftime("%Y-%m-%d"), "cuda_graph": args.graph}}
-    print("| model | config | mode | step ms | speedup | peak GiB | PSNR vs stock (dB) |\n|---|---|---|---|---|---|---|")
+    print(f"| model | config | mode | step ms | speedup | peak GiB | PSNR of one step vs stock (dB) | PSNR of the final latents "
+          f"after {args.denoise_steps} steps (dB) |\n|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         with torch.device("cuda"):
             model, x, dtype, note = builders[name]()
@@ -174,18 +206,21 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             ms, out = _time(model, x, args.steps, args.graph)
             peak = torch.cuda.max_memory_allocated() / 2**30
+            final = _denoise(model, x, args.denoise_steps) if args.denoise_steps else None
             if args.profile and handle is not None:
                 _profile(model, x, f"{name} {mode}")
             if handle is not None:
                 handle.disable()
             if mode == "stock":
-                ref = out
-            rows[mode] = {"ms": ms, "peak_gib": peak, "psnr": psnr(out, ref) if mode != "stock" else None}
+                ref, ref_final = out, final
+            stock = mode == "stock"
+            rows[mode] = {"ms": ms, "peak_gib": peak, "psnr": None if stock else psnr(out, ref),
+                          "psnr_final": None if stock or final is None else psnr(final, ref_final)}
             rows[mode]["speedup"] = rows["stock"]["ms"] / ms
-            p = "—" if mode == "stock" else f"{rows[mode]['psnr']:.1f}"
-            print(f"| {name} | {note} | {mode} | {ms:.1f} | {rows[mode]['speedup']:.2f}x | {peak:.1f} | {p} |", flush=True)
+            p, pf = ("—", "—") if stock else (f"{rows[mode]['psnr']:.1f}", "—" if final is None else f"{rows[mode]['psnr_final']:.1f}")
+            print(f"| {name} | {note} | {mode} | {ms:.1f} | {rows[mode]['speedup']:.2f}x | {peak:.1f} | {p} | {pf} |", flush=True)
         results[name] = {"config": note, "dtype": str(dtype), "rows": rows}
-        del model, x, ref, out
+        del model, x, ref, out, ref_final, final
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
