@@ -132,10 +132,6 @@ def _time(model, x, n, graph=False):
     return statistics.median(times), out.clone()
 
 
-def _latent_key(x: dict) -> str:
-    return "sample" if "sample" in x else "hidden_states"
-
-
 def _denoise(model, x, steps):
     """Final latents of ``steps`` Euler steps from the inputs' latents, σ going 1 → 0 in equal steps.
 
@@ -145,7 +141,7 @@ def _denoise(model, x, steps):
     variance) are cut to the latents' channels. The timestep is σ in the scale the inputs use (× 1000
     unless the given timestep is at most 1).
     """
-    key = _latent_key(x)
+    key = "sample" if "sample" in x else "hidden_states"  # UNets name their latents "sample"
     lat, t0 = x[key], x["timestep"]
     scale = 1.0 if float(t0.max()) <= 1.0 else 1000.0
     sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()

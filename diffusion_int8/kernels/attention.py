@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import quantize as tq
-from .quantize import _rdiv
+from .quantize import _rdiv, _round_to_int8
 from .config import FP8_P_SHIFT, INT8_MAX, LOG2E, PV, tile_config
 from .reference import P_FLOOR, padded_len, to_bhsd
 
@@ -79,9 +79,7 @@ def _attn_block(
         v = tl.load(v_ptrs)
         p_max = tl.maximum(tl.max(p, 1), _P_FLOOR)
         y = tl.minimum(p * _rdiv(_INT8_MAX, p_max)[:, None], _INT8_MAX)
-        # round half to even and take the integer from the bits (0 <= y <= 127): no F2I conversion,
-        # which runs on the quarter-rate pipe that exp2 also needs
-        p8 = ((y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000).to(tl.int8)
+        p8 = _round_to_int8(y)
         if DP > 128:
             # Triton 3.6 miscompiles this INT8 dot at N=256 on sm_90 (columns past 128 are wrong).
             # Small integers are exact in fp16 and every fp32 partial sum stays below 2^24, so the

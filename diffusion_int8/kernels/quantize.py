@@ -29,10 +29,12 @@ def _rdiv(c, x):
 
 
 @triton.jit
-def _round_half_even(y):
-    # y is clamped to |y| <= 448, so adding 1.5·2²³ leaves no fractional bits: the fp32 add rounds
-    # half to even. The clamp before it keeps the compiler from fusing the scale multiply into an FMA.
-    return (y + 12582912.0) - 12582912.0
+def _round_to_int8(y):
+    # y is clamped to |y| <= 127, so adding 1.5·2²³ leaves no fractional bits: the fp32 add rounds
+    # half to even, and the integer is read from the sum's low mantissa bits (no F2I conversion, which
+    # runs on the quarter-rate pipe exp2 needs). The clamp before it keeps the compiler from fusing the
+    # scale multiply into an FMA.
+    return ((y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000).to(tl.int8)
 
 
 @triton.jit
@@ -70,7 +72,7 @@ def _quant_int8(x, AMAX, PER_TOKEN: tl.constexpr, STATIC: tl.constexpr):
     else:
         y = x * inv
     y = tl.minimum(tl.maximum(y, -_INT8_MAX), _INT8_MAX)
-    return _round_half_even(y).to(tl.int8), tl.math.div_rn(amax, amax * 0.0 + _INT8_MAX)
+    return _round_to_int8(y), tl.math.div_rn(amax, amax * 0.0 + _INT8_MAX)
 
 
 @triton.jit
@@ -152,7 +154,7 @@ def _quant_kv_block(
         else:
             inv = _rdiv(_INT8_MAX, amax)
             y = tl.minimum(tl.maximum(v * inv[None, :], -_INT8_MAX), _INT8_MAX)
-            tl.store(V8 + base + offs_s[:, None] * DP + offs_d[None, :], _round_half_even(y).to(tl.int8))
+            tl.store(V8 + base + offs_s[:, None] * DP + offs_d[None, :], _round_to_int8(y))
             qmax = _INT8_MAX
         if pid_s == 0:
             tl.store(VS + pid_bh * DP + offs_d, tl.math.div_rn(amax, amax * 0.0 + qmax))
