@@ -26,7 +26,7 @@ from inputs import realistic_qkv  # noqa: E402
 
 from diffusion_int8.kernels import attention as kattn  # noqa: E402
 from diffusion_int8.kernels import quantize as tq  # noqa: E402
-from diffusion_int8.kernels.config import PV, TileConfig, tile_config  # noqa: E402
+from diffusion_int8.kernels.config import PV, TileConfig, padded_head_dim, tile_config  # noqa: E402
 from diffusion_int8.kernels.reference import attention_ref, k_mean  # noqa: E402
 
 SHAPES = {  # name: (B, H, N, D), from ../shared/ANCHORS.md
@@ -94,6 +94,10 @@ def run_shape(name, shape, dtype, sweep):
     scale = D**-0.5
     for label, pv in (("int8_fp16v", PV.FP16), ("int8 (fp8 P·V)", PV.FP8), ("int8 (int8 P·V)", PV.INT8)):
         add(label, lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale))
+    if kattn.hopper is not None and kattn.hopper.supports(q, v, PV.FP8, padded_head_dim(D), False):
+        # the portable Triton kernel where the sm_90 Gluon kernel takes the calls above
+        for label, pv in (("int8_fp16v, portable kernel", PV.FP16), ("int8 (fp8 P·V), portable kernel", PV.FP8)):
+            add(label, lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale, sm90=False))
 
     def quant_only(pv=PV.FP8):
         return tq.quantize_qkv(q, k, v, scale, tile_config(D, pv).block_n, pv)

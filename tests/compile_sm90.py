@@ -17,6 +17,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from diffusion_int8.kernels import attention as A  # noqa: E402
+from diffusion_int8.kernels import hopper as Hp  # noqa: E402
 from diffusion_int8.kernels import quantize as Qz  # noqa: E402
 from diffusion_int8.kernels.config import PV, padded_head_dim, tile_config  # noqa: E402
 
@@ -50,6 +51,31 @@ def attention_variant(D, pv, mask, dt="fp16"):
         V_ALIGN8=pv is PV.FP16 and D % 8 == 0))
 
 
+def hopper_variant(pv, dt="fp16"):
+    """The Gluon sm_90 kernel, with its tensor descriptors typed as the launcher builds them."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = Hp._attn_fwd_sm90
+    dp = 128
+    block_m, num_warps, stages = Hp._tiles(dp, pv)
+    block_n = tile_config(dp, pv).block_n
+    gl_v = {"fp16": gl.float16, "bf16": gl.bfloat16}[dt]
+
+    def desc(ty, block, gl_dtype):
+        return f"tensordesc<{ty}{list(block)},{Hp._smem_layout(tuple(block), gl_dtype)!r}>"
+
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(q_desc=desc("i8", [block_m, dp], gl.int8), k_desc=desc("i8", [block_n, dp], gl.int8),
+               v_desc=desc("fp8e4nv", [dp, block_n], gl.float8e4nv) if pv is PV.FP8
+               else desc(dt, [1, 1, block_n, dp], gl_v),
+               QS="*fp32", KS="*fp32", VS="*fp32", O="*" + dt)
+    constexprs = dict(PV=pv.code, STAGES=stages, num_warps=num_warps)
+    sig.update({n: "constexpr" for n in constexprs})
+    src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps))
+
+
 def main(everything: bool) -> int:
     if everything:
         quant = list(itertools.product((40, 64, 72, 128, 256), (0, 1, 2), (True, False), (True, False), ("fp16", "bf16")))
@@ -61,7 +87,10 @@ def main(everything: bool) -> int:
         quantize_variant(*args)
     for args in attn:
         attention_variant(*args)
-    print(f"compiled {len(quant) * 2 + len(attn)} kernels for {TARGET}")
+    hopper = [(PV.FP8,), (PV.FP16,), (PV.FP16, "bf16")]
+    for args in hopper:
+        hopper_variant(*args)
+    print(f"compiled {len(quant) * 2 + len(attn) + len(hopper)} kernels for {TARGET}")
     return 0
 
 

@@ -85,6 +85,27 @@ def test_layouts_dtypes_gqa(kdev, layout, dtype, pv):
         assert out.dtype == dtype and out.shape == q.shape
 
 
+@pytest.mark.parametrize("pv", [PV.FP8, PV.FP16])
+def test_sm90_kernel_against_portable(kdev, pv):
+    # On sm_90 the Gluon kernel (kernels/hopper.py) takes D = 128 without masks; every other test there
+    # runs it too where it applies. Here: it is really the one chosen, and it and the portable kernel
+    # both match the emulation, on odd lengths, GQA, both layouts and both 16-bit types.
+    from diffusion_int8.kernels import hopper
+    from diffusion_int8.kernels.reference import to_bhsd
+
+    if kdev == "cpu" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    cases = [(1, 2, 2, 1, 129, "BHSD", torch.float16), (2, 4, 2, 333, 1537, "BSHD", torch.bfloat16),
+             (1, 3, 1, 4224, 4200, "BSHD", torch.float16), (2, 2, 2, 2000, 17550, "BHSD", torch.float16)]
+    for B, H, H_kv, Sq, Sk, layout, dtype in cases:
+        q, k, v = realistic_qkv(B, H, Sq, Sk, 128, H_kv=H_kv, dtype=dtype, layout=layout, device=kdev)
+        assert hopper.supports(q, to_bhsd(v, layout), pv, 128, False)
+        kw = dict(layout=layout, pv=pv)
+        emu, ref = R.emulate_attention(q, k, v, **kw), R.attention_ref(q, k, v, layout=layout)
+        check(run_kernel(q, k, v, **kw), emu, ref, pv, dtype)
+        check(run_kernel(q, k, v, sm90=False, **kw), emu, ref, pv, dtype)
+
+
 def test_strided_inputs_without_copy(kdev):
     # q/k/v as slices of one fused projection (B, S, 3, H, D): non-contiguous, read through strides
     B, S, H, D = 2, 96, 4, 64

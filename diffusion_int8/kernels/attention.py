@@ -16,6 +16,11 @@ from .quantize import _rdiv, _round_to_int8
 from .config import FP8_P_SHIFT, INT8_MAX, LOG2E, PV, tile_config
 from .reference import P_FLOOR, padded_len, to_bhsd
 
+try:  # Gluon ships with Triton >= 3.5; without it every call takes the portable kernel
+    from . import hopper
+except ImportError:  # pragma: no cover
+    hopper = None
+
 # Compiled kernels may only read globals that are constexpr.
 _LOG2E = tl.constexpr(LOG2E)
 _INT8_MAX = tl.constexpr(INT8_MAX)
@@ -182,12 +187,14 @@ def triton_attention(
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    sm90: bool = True,
 ) -> torch.Tensor:
     """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
 
     Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype). Three launches
     (K/V statistics, Q/K/V quantization, attention; two without smoothing and with a static V range)
-    and no host synchronization.
+    and no host synchronization. On sm_90 the attention launch is the Gluon kernel of ``hopper`` where
+    it applies (``sm90=False`` forces the portable Triton kernel, for comparisons).
     """
     qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
     B, H, Sq, D = qb.shape
@@ -201,6 +208,9 @@ def triton_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ob = to_bhsd(out, layout)
+    if sm90 and hopper is not None and hopper.supports(q, vb, pv, q8.shape[-1], attn_mask is not None):
+        hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D)
+        return out
 
     if attn_mask is None:
         mask, mask_kind, mstride = qs, _MASK_NONE, (0, 0, 0, 0)
