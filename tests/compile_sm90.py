@@ -66,9 +66,9 @@ def hopper_variant(pv, dt="fp16"):
         return f"tensordesc<{ty}{list(block)},{Hp._smem_layout(tuple(block), gl_dtype)!r}>"
 
     sig = {n: "i32" for n in fn.arg_names}
-    sig.update(q_desc=desc("i8", [block_m, dp], gl.int8), k_desc=desc("i8", [block_n, dp], gl.int8),
-               v_desc=desc("fp8e4nv", [dp, block_n], gl.float8e4nv) if pv is PV.FP8
-               else desc(dt, [1, 1, block_n, dp], gl_v),
+    v_desc = (desc("fp8e4nv", [dp, block_n], gl.float8e4nv) if pv is PV.FP8
+              else desc(dt, [1, 1, block_n, dp], gl_v))
+    sig.update(q_desc=desc("i8", [block_m, dp], gl.int8), k_desc=desc("i8", [block_n, dp], gl.int8), v_desc=v_desc,
                QS="*fp32", KS="*fp32", VS="*fp32", O="*" + dt)
     constexprs = dict(PV=pv.code, STAGES=stages, num_warps=num_warps)
     sig.update({n: "constexpr" for n in constexprs})

@@ -31,14 +31,16 @@ _P_SHIFT = gl.constexpr(FP8_P_SHIFT)
 @gluon.constexpr_function
 def _mma_layout(num_warps, n, operand_bits):
     # one warpgroup per 64 rows; the instruction's K depth is 32 bytes of the operand type
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 256 // operand_bits])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, n, 256 // operand_bits])
 
 
 @gluon.constexpr_function
 def _store_layout(num_warps, dp):
     # 16-byte stores of 8 contiguous 16-bit outputs
     cols = dp // 8
-    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // cols, cols], warps_per_cta=[num_warps, 1], order=[1, 0])
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // cols, cols],
+                            warps_per_cta=[num_warps, 1], order=[1, 0])
 
 
 @gluon.jit
@@ -47,7 +49,8 @@ def _load_k(k_desc, k_bufs, k_bars, j, k_row, N_BLOCKS, STAGES: gl.constexpr):
     pred = j < N_BLOCKS
     bar = k_bars.index(slot)
     mbarrier.expect(bar, k_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [k_row + j * k_desc.block_type.shape[0], 0], bar, k_bufs.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [k_row + j * k_desc.block_type.shape[0], 0], bar, k_bufs.index(slot),
+                                    pred=pred)
 
 
 @gluon.jit
