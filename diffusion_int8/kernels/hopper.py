@@ -261,6 +261,12 @@ def _tiles(dp: int, pv: PV) -> tuple[int, int, int] | None:
     return (64, 4, 2) if pv is PV.FP8 else (128, 4, 2)
 
 
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int | None) -> bool:
+    # wgmma exists on sm_90 only; asked once per device, not per call
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def supports(q: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, has_mask: bool) -> bool:
     """Whether the sm_90 kernel takes this call (else the portable kernel does).
 
@@ -269,7 +275,7 @@ def supports(q: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, has_mask: bool)
     """
     if has_mask or pv is PV.INT8 or q.device.type != "cuda" or _tiles(dp, pv) is None:
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not _is_sm90(q.device.index):
         return False
     if pv is PV.FP16:  # whole rows, 16-byte aligned strides and base
         elem = vb.element_size()
