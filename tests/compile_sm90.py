@@ -52,28 +52,30 @@ def attention_variant(D, pv, mask, dt="fp16"):
 
 
 def hopper_variant(pv, dt="fp16"):
-    """The Gluon sm_90 kernel, with its tensor descriptors typed as the launcher builds them."""
+    """A Gluon sm_90 kernel, with its tensor descriptors typed as the launcher builds them."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = Hp._attn_fwd_sm90
     dp = 128
-    block_m, num_warps, stages = Hp._tiles(dp, pv)
+    plan = Hp._plan(dp, pv)
     block_n = tile_config(dp, pv).block_n
     gl_v = {"fp16": gl.float16, "bf16": gl.bfloat16}[dt]
 
     def desc(ty, block, gl_dtype):
         return f"tensordesc<{ty}{list(block)},{Hp._smem_layout(tuple(block), gl_dtype)!r}>"
 
+    if pv is PV.FP8:
+        fn, v_desc = Hp._attn_fwd_sm90_pingpong, desc("fp8e4nv", [dp, block_n], gl.float8e4nv)
+        constexprs, options = dict(STAGES=plan.stages, num_warps=plan.num_warps), dict(maxnreg=Hp._PINGPONG_MAXNREG)
+    else:
+        fn, v_desc = Hp._attn_fwd_sm90, desc(dt, [1, 1, block_n, dp], gl_v)
+        constexprs, options = dict(PV=pv.code, STAGES=plan.stages, num_warps=plan.num_warps), {}
     sig = {n: "i32" for n in fn.arg_names}
-    v_desc = (desc("fp8e4nv", [dp, block_n], gl.float8e4nv) if pv is PV.FP8
-              else desc(dt, [1, 1, block_n, dp], gl_v))
-    sig.update(q_desc=desc("i8", [block_m, dp], gl.int8), k_desc=desc("i8", [block_n, dp], gl.int8), v_desc=v_desc,
-               QS="*fp32", KS="*fp32", VS="*fp32", O="*" + dt)
-    constexprs = dict(PV=pv.code, STAGES=stages, num_warps=num_warps)
+    sig.update(q_desc=desc("i8", [plan.block_m, dp], gl.int8), k_desc=desc("i8", [block_n, dp], gl.int8),
+               v_desc=v_desc, QS="*fp32", KS="*fp32", VS="*fp32", O="*" + dt)
     sig.update({n: "constexpr" for n in constexprs})
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=plan.num_warps, **options))
 
 
 def main(everything: bool) -> int:

@@ -1,9 +1,15 @@
-"""The sm_90 attention kernel, in Gluon: the same numerics as ``attention._attn_fwd_kernel``, scheduled by hand.
+"""The sm_90 attention kernels, in Gluon: the same numerics as ``attention._attn_fwd_kernel``, scheduled by hand.
 
 Triton 3.6 waits for every ``tl.dot`` right after issuing it, so the portable kernel runs its MMAs and
 its softmax one after the other (NOTES v11). Here the wgmmas are asynchronous: while the softmax of
 block j runs, the tensor cores compute P·V of block j-1 (FlashAttention-3's intra-warpgroup overlap),
-and K/V tiles arrive by TMA into a ring of shared-memory stages ahead of their use.
+and K/V tiles arrive by TMA into a ring of shared-memory stages ahead of their use. Two kernels:
+
+- ``_attn_fwd_sm90_pingpong`` (FP8 P·V): two consumer warpgroups of 64 query rows and a producer warp
+  (``gl.warp_specialize``). The consumers take turns at the tensor cores, so one's softmax runs under the
+  other's MMAs (FlashAttention-3's ping-pong), and they share every K/V tile (NOTES v14).
+- ``_attn_fwd_sm90`` (16-bit P·V): one warpgroup of 128 rows that loads its own tiles. Its 64-key steps
+  are too short for the ping-pong: the handshakes cost more than they hide (NOTES v14).
 
 Covers the hot path only: sm_90, no attention mask, a padded head dim of 128 (at 64 it did not beat the
 portable kernel: NOTES v12), P·V in FP8 or in V's 16-bit type with V readable by TMA.
@@ -13,6 +19,7 @@ portable kernel: NOTES v12), P·V in FP8 or in V's 16-bit type with V readable b
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -25,7 +32,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .config import FP8_P_SHIFT, PV
 
+# FP8 P·V: P is scaled by 2^P_SHIFT into e4m3's normal range through the exponent's offset
 _P_SHIFT = gl.constexpr(FP8_P_SHIFT)
+# 12 warps (two consumer warpgroups, the producer's) at 168 registers fill the 64K register file; the
+# partitions then re-split it as 240 / 240 / 24 per thread (setmaxnreg)
+_PINGPONG_MAXNREG = 168
 
 
 @gluon.constexpr_function
@@ -82,7 +93,7 @@ def _issue_pv(p_bufs, j, acc, v_bufs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
     FP8 products go into a fresh accumulator: Hopper's FP8 MMA accumulates with fewer than fp32's
     mantissa bits, which across a long sequence cost accuracy (cos 0.9997 -> 0.9985 at 17550 keys), so
-    blocks are summed in fp32 by ``_add_pv``; 16-bit MMAs accumulate in full fp32 and take ``acc``.
+    blocks are summed in fp32 by the caller; 16-bit MMAs accumulate in full fp32 and take ``acc``.
     """
     v = _v_operand(v_bufs, j % STAGES, BLOCK_N, DP, PV)
     p = p_bufs.index(j % 2)
@@ -90,14 +101,6 @@ def _issue_pv(p_bufs, j, acc, v_bufs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
         return warpgroup_mma(p, v, gl.zeros([BLOCK_M, DP], gl.float32, o_layout), use_acc=False, is_async=True)
     else:
         return warpgroup_mma(p, v, acc, is_async=True)
-
-
-@gluon.jit
-def _add_pv(acc, pv, PV: gl.constexpr):
-    if PV == 1:
-        return acc + pv
-    else:
-        return pv
 
 
 @gluon.jit
@@ -137,21 +140,38 @@ def _softmax(qk, qs, ks, m_i, l_i, start_n, SK, BLOCK_N: gl.constexpr, P_SHIFT: 
 
 
 @gluon.jit
+def _epilogue(acc, l_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, b, h, off_kv, SQ, D,
+              BLOCK_M: gl.constexpr, DP: gl.constexpr, PV: gl.constexpr, o_layout: gl.constexpr,
+              st_layout: gl.constexpr):
+    """Normalize rows row0.. (l >= 1 after the first block: no masks here), apply V's channel scales, store."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc * gl.div_rn(gl.full_like(l_o, 1.0), l_o)[:, None]
+    out = gl.convert_layout(out, st_layout)
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+    cols = gl.arange(0, DP, layout=gl.SliceLayout(0, st_layout))
+    if PV == 1:
+        out = out * gl.load(VS + off_kv * DP + cols)[None, :]
+    o_ptrs = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+              + rows[:, None].to(gl.int64) * stride_os + cols[None, :] * stride_od)
+    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(rows[:, None] < SQ) & (cols[None, :] < D))
+
+
+@gluon.jit
 def _step(acc, m_i, l_i, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc, v_desc, qs, ks_ptr,
           k_row, v_row, b, h_kv, SK, N_BLOCKS,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr, STAGES: gl.constexpr, PV: gl.constexpr,
-          P_SHIFT: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+          MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Block j's Q·Kᵀ and block j-1's P·V in flight together; block j's softmax runs under the P·V."""
     s_tok = _issue_qk(q_smem, k_bufs, k_bars, j, BLOCK_M, BLOCK_N, STAGES, s_layout)
     mbarrier.wait(v_bars.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
     pv_tok = _issue_pv(p_bufs, j - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, PV, o_layout)
     qk = warpgroup_mma_wait(1, deps=[s_tok])
-    p, m_i, l_i, alpha = _softmax(qk, qs, gl.load(ks_ptr + j), m_i, l_i, j * BLOCK_N, SK, BLOCK_N, P_SHIFT,
-                                  MASKED, s_layout)
+    p, m_i, l_i, alpha = _softmax(qk, qs, gl.load(ks_ptr + j), m_i, l_i, j * BLOCK_N, SK, BLOCK_N, 0.0, MASKED,
+                                  s_layout)
     # P's other buffer was last read by block j-2's P·V, waited for in the previous step
     _stage_p(p, p_bufs, j)
-    pv = warpgroup_mma_wait(0, deps=[pv_tok])
-    acc = _add_pv(acc, pv, PV) * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    # the MMA added block j-1 into acc; rescaled to block j's max before the next one adds to it
+    acc = warpgroup_mma_wait(0, deps=[pv_tok]) * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     # every warp is past its wgmmas on K_j and V_{j-1} and has stored its rows of P_j
     gl.thread_barrier()
     _load_k(k_desc, k_bufs, k_bars, j + STAGES, k_row, N_BLOCKS, STAGES)
@@ -166,14 +186,14 @@ def _attn_fwd_sm90(
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS,
     PV: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
+    """16-bit P·V (accumulated inside the MMA); one warpgroup per CTA, which also issues its TMA loads."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     DP: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    gl.static_assert(PV == 0)
     gl.static_assert(BLOCK_M % (16 * num_warps) == 0)
     s_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N, 8)
-    o_layout: gl.constexpr = _mma_layout(num_warps, DP, v_desc.dtype.primitive_bitwidth)
-    # FP8 P·V: P is scaled by 2^P_SHIFT into e4m3's normal range through the exponent's offset
-    P_SHIFT: gl.constexpr = _P_SHIFT if PV == 1 else 0.0
+    o_layout: gl.constexpr = _mma_layout(num_warps, DP, 16)
 
     pid_m = gl.program_id(0)
     off_bh = gl.program_id(1)
@@ -212,7 +232,7 @@ def _attn_fwd_sm90(
     qk = warpgroup_mma_wait(0, deps=[_issue_qk(q_smem, k_bufs, k_bars, 0, BLOCK_M, BLOCK_N, STAGES, s_layout)])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    p, m_i, l_i, _ = _softmax(qk, qs, gl.load(ks_ptr), m_i, l_i, 0, SK, BLOCK_N, P_SHIFT, True, s_layout)
+    p, m_i, l_i, _ = _softmax(qk, qs, gl.load(ks_ptr), m_i, l_i, 0, SK, BLOCK_N, 0.0, True, s_layout)
     _stage_p(p, p_bufs, 0)
     gl.thread_barrier()
     _load_k(k_desc, k_bufs, k_bars, STAGES, k_row, N_BLOCKS, STAGES)
@@ -221,44 +241,213 @@ def _attn_fwd_sm90(
     for j in range(1, N_BLOCKS - 1):
         acc, m_i, l_i = _step(acc, m_i, l_i, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc, v_desc,
                               qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, BLOCK_M, BLOCK_N, DP, STAGES,
-                              PV, P_SHIFT, False, s_layout, o_layout)
+                              PV, False, s_layout, o_layout)
     if N_BLOCKS > 1:  # the last block holds the sequence's tail
         acc, m_i, l_i = _step(acc, m_i, l_i, N_BLOCKS - 1, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc,
                               v_desc, qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, BLOCK_M, BLOCK_N, DP,
-                              STAGES, PV, P_SHIFT, True, s_layout, o_layout)
+                              STAGES, PV, True, s_layout, o_layout)
     mbarrier.wait(v_bars.index((N_BLOCKS - 1) % STAGES), ((N_BLOCKS - 1) // STAGES) & 1)
     pv_tok = _issue_pv(p_bufs, N_BLOCKS - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, PV, o_layout)
-    acc = _add_pv(acc, warpgroup_mma_wait(0, deps=[pv_tok]), PV)
+    acc = warpgroup_mma_wait(0, deps=[pv_tok])
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
 
-    # -- normalize (l >= 1 after the first block: no masks here), V's channel scales, store --
-    st_layout: gl.constexpr = _store_layout(num_warps, DP)
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = acc * gl.div_rn(gl.full_like(l_o, 1.0), l_o)[:, None]
-    out = gl.convert_layout(out, st_layout)
-    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
-    cols = gl.arange(0, DP, layout=gl.SliceLayout(0, st_layout))
-    if PV == 1:
-        out = out * gl.load(VS + off_kv * DP + cols)[None, :]
-    o_ptrs = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-              + rows[:, None].to(gl.int64) * stride_os + cols[None, :] * stride_od)
-    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(rows[:, None] < SQ) & (cols[None, :] < D))
+    _epilogue(acc, l_i, pid_m * BLOCK_M, O, stride_ob, stride_oh, stride_os, stride_od, VS, b, h, off_kv, SQ, D,
+              BLOCK_M, DP, PV, o_layout, _store_layout(num_warps, DP))
 
 
-def _tiles(dp: int, pv: PV) -> tuple[int, int, int] | None:
-    """(block_m, num_warps, stages) where the sm_90 kernel beats the portable one, else None.
+# ---- FP8 P·V: two consumer warpgroups in ping-pong and a producer warp ----
 
-    From the sweep in NOTES v12 (ratios to the portable kernel in one run, CUDA graphs): at D = 128,
-    +4–7% (FP8 P·V, 64 rows) and +4–6% (fp16 P·V, 128 rows on one warpgroup); at D = 64, −5% to +2%.
-    The key tile is K's quantization block (``config.tile_config``).
+@gluon.jit
+def _turn_wait(my_turn, cid: gl.constexpr, r):
+    # round r of consumer 1 follows round r of consumer 0, which follows round r-1 of consumer 1; consumer
+    # 0's barrier starts out as if completed
+    mbarrier.wait(my_turn, (r & 1) ^ (1 - cid))
+
+
+@gluon.jit
+def _pp_step(acc, m_i, l_i, alpha_prev, ks_j, j, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs,
+             my_turn, other_turn, qs, ks_ptr, SK, N_BLOCKS, cid: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, DP: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+             s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One consumer's step j: Q·Kᵀ_j and P·V_{j-1} issued in its turn, block j's softmax under the other's MMAs."""
+    _turn_wait(my_turn, cid, j)
+    s_tok = _issue_qk(q_smem, k_bufs, k_ready, j, BLOCK_M, BLOCK_N, STAGES, s_layout)
+    mbarrier.wait(v_ready.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
+    pv_tok = _issue_pv(p_bufs, j - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, 1, o_layout)
+    mbarrier.arrive(other_turn, count=1)
+    # block j+1's K scale, read now so that its latency hides under this step (3% at Flux)
+    ks_next = gl.load(ks_ptr + gl.minimum(j + 1, N_BLOCKS - 1))
+    qk = warpgroup_mma_wait(1, deps=[s_tok])
+    p, m_i, l_i, alpha = _softmax(qk, qs, ks_j, m_i, l_i, j * BLOCK_N, SK, BLOCK_N, _P_SHIFT, MASKED, s_layout)
+    # P's other buffer was last read by block j-2's P·V, waited for in the previous step
+    _stage_p(p, p_bufs, j)
+    pv = warpgroup_mma_wait(0, deps=[pv_tok])
+    # acc holds blocks < j-1 at block j-2's max: one FMA per element moves it to block j-1's max (the
+    # alpha of the previous step) and adds block j-1's fresh FP8 product
+    acc = acc * gl.convert_layout(alpha_prev, gl.SliceLayout(1, o_layout))[:, None] + pv
+    # the whole warpgroup is past its wgmmas on K_j and V_{j-1} before their stages are released
+    gl.thread_barrier()
+    mbarrier.arrive(kv_free.index(j % STAGES), count=1)
+    return acc, m_i, l_i, alpha, ks_next
+
+
+@gluon.jit
+def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs, my_turn, other_turn,
+                 QS, KS, VS, O, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, off_kv,
+                 SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS,
+                 cid: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr,
+                 STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, st_layout: gl.constexpr):
+    """Consumer ``cid``: query rows [cid·64, cid·64 + 64) of the CTA's 128, one round per key block + 1."""
+    q_smem = q_bufs.index(cid)
+    row0 = pid_m * (2 * BLOCK_M) + cid * BLOCK_M
+    qs = gl.load(QS + off_bh * SQ_PAD + row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))
+    ks_ptr = KS + off_kv * (SK_PAD // BLOCK_N)
+
+    # round 0: block 0's Q·Kᵀ alone (masked: it may be the only block)
+    mbarrier.wait(q_bars.index(cid), 0)
+    _turn_wait(my_turn, cid, 0)
+    s_tok = _issue_qk(q_smem, k_bufs, k_ready, 0, BLOCK_M, BLOCK_N, STAGES, s_layout)
+    mbarrier.arrive(other_turn, count=1)
+    ks_j = gl.load(ks_ptr + gl.minimum(1, N_BLOCKS - 1))
+    qk = warpgroup_mma_wait(0, deps=[s_tok])
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    p, m_i, l_i, alpha = _softmax(qk, qs, gl.load(ks_ptr), m_i, l_i, 0, SK, BLOCK_N, _P_SHIFT, True, s_layout)
+    _stage_p(p, p_bufs, 0)
+    gl.thread_barrier()
+    mbarrier.arrive(kv_free.index(0), count=1)
+    acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
+
+    for j in range(1, N_BLOCKS - 1):
+        acc, m_i, l_i, alpha, ks_j = _pp_step(
+            acc, m_i, l_i, alpha, ks_j, j, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs, my_turn,
+            other_turn, qs, ks_ptr, SK, N_BLOCKS, cid, BLOCK_M, BLOCK_N, DP, STAGES, False, s_layout, o_layout)
+    if N_BLOCKS > 1:  # the last block holds the sequence's tail
+        acc, m_i, l_i, alpha, ks_j = _pp_step(
+            acc, m_i, l_i, alpha, ks_j, N_BLOCKS - 1, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs,
+            my_turn, other_turn, qs, ks_ptr, SK, N_BLOCKS, cid, BLOCK_M, BLOCK_N, DP, STAGES, True, s_layout,
+            o_layout)
+    # last round: the last block's P·V alone
+    last = N_BLOCKS - 1
+    _turn_wait(my_turn, cid, N_BLOCKS)
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    pv_tok = _issue_pv(p_bufs, last, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, 1, o_layout)
+    mbarrier.arrive(other_turn, count=1)
+    pv = warpgroup_mma_wait(0, deps=[pv_tok])
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
+    _epilogue(acc, l_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, b, h, off_kv, SQ, D,
+              BLOCK_M, DP, 1, o_layout, st_layout)
+
+
+@gluon.jit
+def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free,
+                 pid_m, off_bh, b, h_kv, k_row, v_row, SQ_PAD, N_BLOCKS,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: both consumers' Q tiles, then K/V tiles by TMA as ring stages free up."""
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_bh * SQ_PAD + pid_m * (2 * BLOCK_M) + c * BLOCK_M, 0],
+                                        q_bars.index(c), q_bufs.index(c))
+    for j in range(N_BLOCKS):
+        # K_j and V_j replace K_{j-S} (read in step j-S) and V_{j-S} (read in step j-S+1), so wait for step
+        # t = j-S+1 = u-S: completion t // S of kv_free[t % S], of parity ((u // S) & 1) ^ 1; for j < S-1 the
+        # wait is for parity 1 on a fresh barrier, which passes
+        u = j + 1
+        mbarrier.wait(kv_free.index(u % STAGES), ((u // STAGES) & 1) ^ 1)
+        _load_k(k_desc, k_bufs, k_ready, j, k_row, N_BLOCKS, STAGES)
+        _load_v(v_desc, v_bufs, v_ready, j, v_row, b, h_kv, N_BLOCKS, BLOCK_N, STAGES, 1)
+
+
+@gluon.jit
+def _attn_fwd_sm90_pingpong(
+    q_desc, k_desc, v_desc, QS, KS, VS, O,
+    stride_ob, stride_oh, stride_os, stride_od,
+    H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS,
+    STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """FP8 P·V; 128 query rows per CTA: two consumer warpgroups (the default partition and worker 0) of 64
+    rows each, and a producer warp (worker 1) that loads Q and the K/V ring.
+
+    The consumers issue their wgmmas in turns (mbarriers ``turn0``/``turn1``), so one's softmax runs while
+    the tensor cores work for the other; each also keeps the intra-warpgroup overlap. Step j of both
+    consumers (``kv_free``, count 2) releases K_j's and V_{j-1}'s stages. Needs ``maxnreg=168``: 240
+    registers per consumer thread, 24 for the producer's warpgroup.
+    """
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    DP: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    gl.static_assert(num_warps == 4)
+    gl.static_assert(BLOCK_M == 64)
+    # layouts are built here: the partitions receive them as constexpr arguments
+    s_layout: gl.constexpr = _mma_layout(4, BLOCK_N, 8)
+    o_layout: gl.constexpr = _mma_layout(4, DP, 8)
+    st_layout: gl.constexpr = _store_layout(4, DP)
+
+    pid_m = gl.program_id(0)
+    off_bh = gl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    h_kv = h // (H // H_KV)
+    off_kv = b * H_KV + h_kv
+
+    q_bufs = gl.allocate_shared_memory(gl.int8, [2, BLOCK_M, DP], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, DP], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, DP, BLOCK_N], v_desc.layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv)
+    p_bufs0 = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], p_layout)
+    p_bufs1 = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], p_layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # separate allocations, so the compiler sees no hazard between one turn's wait and the other's arrive
+    turn0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turn1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=2)
+    mbarrier.init(turn0, count=1)
+    mbarrier.init(turn1, count=1)
+
+    gl.warp_specialize([
+        (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs0, turn0, turn1,
+                        QS, KS, VS, O, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, off_kv,
+                        SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS,
+                        0, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout)),
+        (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs1, turn1, turn0,
+                        QS, KS, VS, O, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, off_kv,
+                        SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS,
+                        1, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout)),
+        (_pp_producer, (q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free,
+                        pid_m, off_bh, b, h_kv, off_kv * SK_PAD, off_kv * DP, SQ_PAD, N_BLOCKS,
+                        BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [240, 24])
+
+
+class _Plan(NamedTuple):
+    rows: int  # query rows per CTA
+    block_m: int  # query rows per warpgroup: Q's TMA box
+    num_warps: int
+    stages: int
+
+
+def _plan(dp: int, pv: PV) -> _Plan | None:
+    """The sm_90 kernel's tiles where it beats the portable kernel, else None.
+
+    The key tile is K's quantization block (``config.tile_config``). From the same-run sweeps in NOTES v12
+    and v14: at D = 128 the ping-pong kernel for FP8 P·V (3 stages: 2 exposed the TMA latency, 4 was no
+    better) and one warpgroup of 128 rows for 16-bit P·V; at D = 64 nothing beat the portable kernel.
     """
     if dp != 128:
         return None
-    return (64, 4, 2) if pv is PV.FP8 else (128, 4, 2)
+    return _Plan(128, 64, 4, 3) if pv is PV.FP8 else _Plan(128, 128, 4, 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,7 +462,7 @@ def supports(q: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, has_mask: bool)
     vb: V viewed (B, H_kv, Sk, D). Needs an sm_90 GPU, no mask, FP8 or 16-bit P·V at a head dim the
     tile table covers, and for 16-bit P·V a V that TMA can read in place.
     """
-    if has_mask or pv is PV.INT8 or q.device.type != "cuda" or _tiles(dp, pv) is None:
+    if has_mask or pv is PV.INT8 or q.device.type != "cuda" or _plan(dp, pv) is None:
         return False
     if not _is_sm90(q.device.index):
         return False
@@ -304,16 +493,21 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
     """
     B, _, sq_pad, dp = q8.shape
     sk_pad = k8.shape[2]
-    block_m, num_warps, stages = _tiles(dp, pv)
-    q_desc = _desc(q8.view(-1, dp), [block_m, dp], gl.int8)
+    plan = _plan(dp, pv)
+    q_desc = _desc(q8.view(-1, dp), [plan.block_m, dp], gl.int8)
     k_desc = _desc(k8.view(-1, dp), [block_n, dp], gl.int8)
+    grid = (triton.cdiv(Sq, plan.rows), B * H)
     if pv is PV.FP8:
         v_desc = _desc(v.view(-1, sk_pad), [dp, block_n], gl.float8e4nv)
+        _attn_fwd_sm90_pingpong[grid](
+            q_desc, k_desc, v_desc, qs, ks, vs, ob, *ob.stride(),
+            H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
+            STAGES=plan.stages, num_warps=plan.num_warps, maxnreg=_PINGPONG_MAXNREG,
+        )
     else:
         v_desc = _desc(v, [1, 1, block_n, dp], _GL_DTYPES[v.dtype])
-    grid = (triton.cdiv(Sq, block_m), B * H)
-    _attn_fwd_sm90[grid](
-        q_desc, k_desc, v_desc, qs, ks, vs, ob, *ob.stride(),
-        H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
-        PV=pv.code, STAGES=stages, num_warps=num_warps,
-    )
+        _attn_fwd_sm90[grid](
+            q_desc, k_desc, v_desc, qs, ks, vs, ob, *ob.stride(),
+            H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
+            PV=pv.code, STAGES=plan.stages, num_warps=plan.num_warps,
+        )
