@@ -38,13 +38,18 @@ def check(out, emu, ref, pv, dtype):
     # kernel == emulation up to rounding of the output dtype; with 8-bit P, the GPU's exp2 can flip
     # the rounding of a rare P element by one FP8/INT8 step, so allow a few such elements
     tol = 2e-3 if dtype == torch.float16 else 1.6e-2
-    if pv is not PV.FP16:
-        close = torch.isclose(out.float(), emu.float(), atol=tol * ref.abs().max().item(), rtol=tol)
+    atol = tol * ref.abs().max().item()
+    if pv is PV.FP16:
+        torch.testing.assert_close(out.float(), emu.float(), atol=atol, rtol=tol)
+    else:
+        close = torch.isclose(out.float(), emu.float(), atol=atol, rtol=tol)
         # a flip moves one P by a whole FP8 step (1/16); seen at 1.9e-4 of elements (D=32, 1537 keys,
         # H100). Real bugs hit whole rows or tiles, far above 1e-3.
         assert (~close).float().mean() < 1e-3, f"{(~close).sum()} of {close.numel()} differ"
-        tol *= 4
-    torch.testing.assert_close(out.float(), emu.float(), atol=tol * ref.abs().max().item(), rtol=tol)
+        # and moves its row's outputs by at most one step of the row's largest P: 1/8 of it at e4m3's top
+        # (seen: 0.027 of the largest output, D=64, 8-bit P, H100)
+        err = (out.float() - emu.float()).abs().max().item()
+        assert err <= atol + ref.abs().max().item() / 8, f"largest difference {err:.4g}"
     min_cos, max_l1 = BOUNDS[pv]
     for name, o in (("kernel", out), ("emulation", emu)):
         cos, l1 = cos_l1(o, ref)
