@@ -55,6 +55,17 @@ def _store_layout(num_warps, dp):
 
 
 @gluon.jit
+def _program(H, H_KV):
+    """(query tile, batch·head, batch, head, its K/V head, batch·K/V head) of this program."""
+    pid_m = gl.program_id(0)
+    off_bh = gl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    h_kv = h // (H // H_KV)
+    return pid_m, off_bh, b, h, h_kv, b * H_KV + h_kv
+
+
+@gluon.jit
 def _load_k(k_desc, k_bufs, k_bars, j, k_row, N_BLOCKS, STAGES: gl.constexpr):
     slot = j % STAGES
     pred = j < N_BLOCKS
@@ -195,12 +206,7 @@ def _attn_fwd_sm90(
     s_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N, 8)
     o_layout: gl.constexpr = _mma_layout(num_warps, DP, 16)
 
-    pid_m = gl.program_id(0)
-    off_bh = gl.program_id(1)
-    b = off_bh // H
-    h = off_bh % H
-    h_kv = h // (H // H_KV)
-    off_kv = b * H_KV + h_kv
+    pid_m, off_bh, b, h, h_kv, off_kv = _program(H, H_KV)
     k_row = off_kv * SK_PAD
     v_row = off_kv * DP
 
@@ -387,12 +393,7 @@ def _attn_fwd_sm90_pingpong(
     o_layout: gl.constexpr = _mma_layout(4, DP, 8)
     st_layout: gl.constexpr = _store_layout(4, DP)
 
-    pid_m = gl.program_id(0)
-    off_bh = gl.program_id(1)
-    b = off_bh // H
-    h = off_bh % H
-    h_kv = h // (H // H_KV)
-    off_kv = b * H_KV + h_kv
+    pid_m, off_bh, b, h, h_kv, off_kv = _program(H, H_KV)
 
     q_bufs = gl.allocate_shared_memory(gl.int8, [2, BLOCK_M, DP], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, DP], k_desc.layout)
