@@ -69,7 +69,7 @@ def hopper_variant(pv, dt="fp16"):
         constexprs, options = dict(STAGES=plan.stages, num_warps=plan.num_warps), dict(maxnreg=Hp._PINGPONG_MAXNREG)
     else:
         fn, v_desc = Hp._attn_fwd_sm90, desc(dt, [1, 1, block_n, dp], gl_v)
-        constexprs, options = dict(PV=pv.code, STAGES=plan.stages, num_warps=plan.num_warps), {}
+        constexprs, options = dict(STAGES=plan.stages, num_warps=plan.num_warps), {}
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(q_desc=desc("i8", [plan.block_m, dp], gl.int8), k_desc=desc("i8", [block_n, dp], gl.int8),
                v_desc=v_desc, QS="*fp32", KS="*fp32", VS="*fp32", O="*" + dt)

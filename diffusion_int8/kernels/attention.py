@@ -14,7 +14,7 @@ import triton.language as tl
 from . import quantize as tq
 from .quantize import _rdiv, _round_to_int8
 from .config import FP8_P_SHIFT, INT8_MAX, LOG2E, PV, tile_config
-from .reference import P_FLOOR, padded_len, to_bhsd
+from .reference import P_FLOOR, padded_len, rows_16b_aligned, to_bhsd
 
 try:  # Gluon ships with Triton >= 3.5; without it every call takes the portable kernel
     from . import hopper
@@ -229,7 +229,7 @@ def triton_attention(
         H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=q8.shape[-1],
         PV=pv.code, MASK=mask_kind,
-        V_ALIGN8=pv is PV.FP16 and D % 8 == 0 and vb.stride(3) == 1 and all(s % 8 == 0 for s in vb.stride()[:3]),
+        V_ALIGN8=pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .config import FP8_P_SHIFT, PV
+from .reference import rows_16b_aligned
 
 # FP8 P·V: P is scaled by 2^P_SHIFT into e4m3's normal range through the exponent's offset
 _P_SHIFT = gl.constexpr(FP8_P_SHIFT)
@@ -195,13 +196,13 @@ def _attn_fwd_sm90(
     q_desc, k_desc, v_desc, QS, KS, VS, O,
     stride_ob, stride_oh, stride_os, stride_od,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS,
-    PV: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
     """16-bit P·V (accumulated inside the MMA); one warpgroup per CTA, which also issues its TMA loads."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     DP: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    gl.static_assert(PV == 0)
+    PV: gl.constexpr = 0  # the helpers' code for 16-bit P·V
     gl.static_assert(BLOCK_M % (16 * num_warps) == 0)
     s_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N, 8)
     o_layout: gl.constexpr = _mma_layout(num_warps, DP, 16)
@@ -468,9 +469,7 @@ def supports(q: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, has_mask: bool)
     if not _is_sm90(q.device.index):
         return False
     if pv is PV.FP16:  # whole rows, 16-byte aligned strides and base
-        elem = vb.element_size()
-        return (vb.shape[-1] == dp and vb.stride(3) == 1 and vb.data_ptr() % 16 == 0
-                and all(s * elem % 16 == 0 for s in vb.stride()[:3]))
+        return vb.shape[-1] == dp and vb.data_ptr() % 16 == 0 and rows_16b_aligned(vb)
     return True
 
 
@@ -510,5 +509,5 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
         _attn_fwd_sm90[grid](
             q_desc, k_desc, v_desc, qs, ks, vs, ob, *ob.stride(),
             H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
-            PV=pv.code, STAGES=plan.stages, num_warps=plan.num_warps,
+            STAGES=plan.stages, num_warps=plan.num_warps,
         )

@@ -40,6 +40,11 @@ def to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x if layout == "BHSD" else x.transpose(1, 2)
 
 
+def rows_16b_aligned(x: torch.Tensor) -> bool:
+    """Whether every stride but the last (which is 1) spans whole 16-byte units: vector loads and TMA."""
+    return x.stride(-1) == 1 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+
+
 def _pad(x: torch.Tensor, s_pad: int, dp: int) -> torch.Tensor:
     """Float32 copy of (B, H, S, D) zero-padded to (B, H, s_pad, dp)."""
     return F.pad(x.float(), (0, dp - x.shape[-1], 0, s_pad - x.shape[-2]))
