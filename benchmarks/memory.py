@@ -32,7 +32,7 @@ def main():
     bn = tile_config(D, PV.FP8).block_n
 
     steps = {
-        "kv_partials (K sums, V |max|)": lambda: tq.kv_partials(k, v),
+        "kv_moments (K mean, V |max|)": lambda: tq.kv_moments(k, v),
         "quantize_qkv fp8 (with the stats)": lambda: tq.quantize_qkv(q, k, v, 0.1, bn, PV.FP8),
         "whole op, int8 (fp8 P·V)": lambda: triton_attention(q, k, v, layout="BHSD", pv=PV.FP8, sm_scale=0.1),
         "whole op, int8_fp16v": lambda: triton_attention(q, k, v, layout="BHSD", pv=PV.FP16, sm_scale=0.1),

@@ -32,13 +32,14 @@ def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict):
 
 
 def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
-    ptrs = {n: "*fp32" for n in ("QAMAX", "QS", "KSUM", "KAMAX", "KS", "VMAX", "VAMAX", "VS")}
+    ptrs = {n: "*fp32" for n in ("QAMAX", "QS", "KMEAN", "KAMAX", "KS", "VRANGE", "VAMAX", "VS")}
     ptrs.update(Q="*" + dt, K="*" + dt, V="*" + dt, Q8="*i8", K8="*i8", V8="*fp8e4nv" if v_fmt == 1 else "*i8")
     dp = padded_head_dim(D)
     compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
         Q_BLOCK=64, K_BLOCK=tile_config(D, PV.FP8).block_n, DP=dp, SMOOTH=smooth, Q_STATIC=static,
         K_STATIC=static, V_FMT=v_fmt, V_STATIC=static))
-    compile_kernel(Qz._kv_stats_kernel, dict(K="*" + dt, V="*" + dt, KSUM="*fp32", VMAX="*fp32"), set(),
+    stats = dict(K="*" + dt, V="*" + dt, KSUM="*fp32", VMAX="*fp32", DONE="*i32", KMEAN="*fp32", VRANGE="*fp32")
+    compile_kernel(Qz._kv_stats_kernel, stats, set(),
                    dict(BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_V=v_fmt != 0))
 
 

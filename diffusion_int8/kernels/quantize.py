@@ -77,12 +77,12 @@ def _quant_int8(x, AMAX, PER_TOKEN: tl.constexpr, STATIC: tl.constexpr):
 
 @triton.jit
 def _quant_qkv_kernel(
-    Q, QAMAX, Q8, QS, K, KSUM, KAMAX, K8, KS, V, VMAX, VAMAX, V8, VS,
+    Q, QAMAX, Q8, QS, K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_qab, stride_qah, stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
-    H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, N_CHUNKS, scale_mult,
+    H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, scale_mult,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr,
     Q_STATIC: tl.constexpr, K_STATIC: tl.constexpr, V_FMT: tl.constexpr, V_STATIC: tl.constexpr,
 ):
@@ -98,10 +98,10 @@ def _quant_qkv_kernel(
     else:
         n_s = SK_PAD // K_BLOCK
         _quant_kv_block(
-            K, KSUM, KAMAX, K8, KS, V, VMAX, VAMAX, V8, VS,
+            K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS,
             stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
             stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
-            (pid - NQ) % n_s, (pid - NQ) // n_s, H_KV, SK, D, SK_PAD, N_CHUNKS,
+            (pid - NQ) % n_s, (pid - NQ) // n_s, H_KV, SK, D, SK_PAD,
             K_BLOCK, DP, SMOOTH, K_STATIC, V_FMT, V_STATIC,
         )
 
@@ -120,19 +120,19 @@ def _quant_q_block(
 
 @triton.jit
 def _quant_kv_block(
-    K, KSUM, KAMAX, K8, KS, V, VMAX, VAMAX, V8, VS,
+    K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS,
     stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
     stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
-    pid_s, pid_bh, H, S, D, S_PAD, N_CHUNKS,
+    pid_s, pid_bh, H, S, D, S_PAD,
     BLOCK: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
     V_FMT: tl.constexpr, V_STATIC: tl.constexpr,
 ):
-    # One K quantization block and the same tokens of V (V_FMT: 0 none, 1 FP8, 2 INT8). K's mean and
-    # V's range are finished here from kv_partials' chunk partials (V's read from VAMAX if V_STATIC).
+    # One K quantization block and the same tokens of V (V_FMT: 0 none, 1 FP8, 2 INT8), with K's mean
+    # and V's range from kv_moments (V's read from VAMAX instead if V_STATIC).
     b, h = pid_bh // H, pid_bh % H
     x, offs_s, offs_d, valid = _load_tile(K, stride_kb, stride_kh, stride_ks, stride_kd, pid_s, pid_bh, H, S, D, BLOCK, DP)
     if SMOOTH:
-        x = tl.where(valid, x - _finish_k_mean(KSUM, pid_bh, S, N_CHUNKS, DP)[None, :], 0.0)
+        x = tl.where(valid, x - tl.load(KMEAN + pid_bh * DP + offs_d)[None, :], 0.0)
     k8, ks = _quant_int8(x, KAMAX + b * stride_kab + h * stride_kah, False, STATIC)
     base = pid_bh.to(tl.int64) * S_PAD * DP
     tl.store(K8 + base + offs_s[:, None] * DP + offs_d[None, :], k8)
@@ -142,7 +142,7 @@ def _quant_kv_block(
         if V_STATIC:
             amax = tl.load(VAMAX + b * stride_vab + h * stride_vah + offs_d * stride_vad, mask=offs_d < D, other=1.0)
         else:
-            amax = _finish_v_range(VMAX, pid_bh, N_CHUNKS, DP)
+            amax = tl.load(VRANGE + pid_bh * DP + offs_d)
         amax = tl.where(offs_d < D, tl.maximum(amax, _AMAX_FLOOR) + amax * 0.0, 1.0)
         v, _, _, _ = _load_tile(V, stride_vb, stride_vh, stride_vs, stride_vd, pid_s, pid_bh, H, S, D, BLOCK, DP)
         if V_FMT == 1:
@@ -162,38 +162,49 @@ def _quant_kv_block(
 
 @triton.jit
 def _kv_stats_kernel(
-    K, V, KSUM, VMAX,
+    K, V, KSUM, VMAX, DONE, KMEAN, VRANGE,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     H, S, D, N_CHUNKS, chunk,
     BLOCK: tl.constexpr, DP: tl.constexpr, HAS_V: tl.constexpr,
 ):
-    # One (batch, head, chunk of tokens): K's column sums and V's column |max| over the chunk, in fp32.
-    # V's partial is NaN where a NaN/Inf was seen (the GPU's max drops NaN, so a sum of x·0 carries it).
+    # One (batch, head, chunk of tokens): K's column sums and V's column |max| over the chunk, in fp32,
+    # kept per element and reduced across rows once at the end rather than per tile. The chunk that
+    # finishes its (batch, head) last folds every chunk's partials, in chunk order, into K's mean and
+    # V's range, so the quantization programs read two finished vectors instead of folding them each.
+    # V's range is NaN where a NaN/Inf was seen (the GPU's max drops NaN, so a sum of x·0 carries it).
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     offs_d = tl.arange(0, DP)
-    ksum = tl.zeros([DP], tl.float32)
-    vmax = tl.zeros([DP], tl.float32)
-    vpoison = tl.zeros([DP], tl.float32)
+    ksum = tl.zeros([BLOCK, DP], tl.float32)
+    vmax = tl.zeros([BLOCK, DP], tl.float32)
+    vpoison = tl.zeros([BLOCK, DP], tl.float32)
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     for start in range(0, chunk, BLOCK):
         offs_s = pid_c * chunk + start + tl.arange(0, BLOCK)
         valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
         k = tl.load(k_base + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd, mask=valid, other=0.0)
-        ksum += tl.sum(k.to(tl.float32), axis=0)
+        ksum += k.to(tl.float32)
         if HAS_V:
             v = tl.load(v_base + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd, mask=valid, other=0.0)
             v = v.to(tl.float32)
-            vmax = tl.maximum(vmax, tl.max(tl.abs(v), axis=0))
-            vpoison += tl.sum(v * 0.0, axis=0)
-    out = pid_bh * N_CHUNKS * DP + pid_c * DP + offs_d
-    tl.store(KSUM + out, ksum)
+            vmax = tl.maximum(vmax, tl.abs(v))
+            vpoison += v * 0.0
+    out = (pid_bh * N_CHUNKS + pid_c) * DP + offs_d
+    tl.store(KSUM + out, tl.sum(ksum, axis=0))
     if HAS_V:
-        tl.store(VMAX + out, vmax + vpoison)
+        tl.store(VMAX + out, tl.max(vmax, axis=0) + tl.sum(vpoison, axis=0))
+    # The last of the (batch, head)'s chunks to get here finishes the statistics: the barrier orders
+    # every thread's stores before the counter's acq_rel increment, whose acquire side orders the
+    # finisher's loads after all the others' stores.
+    tl.debug_barrier()
+    if tl.atomic_add(DONE + pid_bh, 1) == N_CHUNKS - 1:
+        tl.store(KMEAN + pid_bh * DP + offs_d, _finish_k_mean(KSUM, pid_bh, S, N_CHUNKS, DP))
+        if HAS_V:
+            tl.store(VRANGE + pid_bh * DP + offs_d, _finish_v_range(VMAX, pid_bh, N_CHUNKS, DP))
 
 
 @triton.jit
@@ -202,7 +213,7 @@ def _finish_k_mean(KSUM, pid_bh, S, N_CHUNKS, DP: tl.constexpr):
     offs_d = tl.arange(0, DP)
     ksum = tl.zeros([DP], tl.float32)
     for c in range(N_CHUNKS):
-        ksum += tl.load(KSUM + (pid_bh * N_CHUNKS + c) * DP + offs_d)
+        ksum += tl.load(KSUM + (pid_bh * N_CHUNKS + c) * DP + offs_d, cache_modifier=".cg")
     return tl.math.div_rn(ksum, ksum * 0.0 + S)
 
 
@@ -213,32 +224,36 @@ def _finish_v_range(VMAX, pid_bh, N_CHUNKS, DP: tl.constexpr):
     vmax = tl.zeros([DP], tl.float32)
     poison = tl.zeros([DP], tl.float32)
     for c in range(N_CHUNKS):
-        part = tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DP + offs_d)
+        part = tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DP + offs_d, cache_modifier=".cg")
         vmax = tl.maximum(vmax, part)
         poison += part * 0.0
     return vmax + poison
 
 
 def _stats_chunk(S: int) -> int:
-    # at most ~16 chunks: each quantization program folds its (batch, head)'s partials again
-    return max(512, triton.cdiv(triton.cdiv(S, 16), 64) * 64)
+    # enough chunks to fill the GPU at a few (batch, head)s, few enough that the finishing chunk's
+    # fold of the partials stays small
+    return max(256, triton.cdiv(triton.cdiv(S, 32), 64) * 64)
 
 
-def kv_partials(k: torch.Tensor, v: torch.Tensor | None):
-    """One pass over K (and V): per-chunk K column sums and V column |max|, (B, H, n_chunks, DP) float32
-    each (V's None when ``v`` is). ``quantize_qkv`` finishes them inside its kernel."""
+def kv_moments(k: torch.Tensor, v: torch.Tensor | None):
+    """One pass over K (and V): K's token mean and V's per-channel |max|, (B, H, DP) float32 each,
+    padded channels 0 (V's None when ``v`` is; NaN in a channel holding a NaN/Inf). ``quantize_qkv``
+    reads both; ``kv_stats`` gives them in the reference's form."""
     B, H, S, D = k.shape
     dp = padded_head_dim(D)
     chunk = _stats_chunk(S)
     n_chunks = triton.cdiv(S, chunk)
-    ksum = torch.empty((B, H, n_chunks, dp), dtype=torch.float32, device=k.device)
-    vmax = None if v is None else torch.empty_like(ksum)
+    n = 1 if v is None else 2
+    partials = torch.empty((n, B, H, n_chunks, dp), dtype=torch.float32, device=k.device)
+    moments = torch.empty((n, B, H, dp), dtype=torch.float32, device=k.device)
+    done = torch.zeros((B * H,), dtype=torch.int32, device=k.device)  # chunks finished per (batch, head)
     vv = k if v is None else v
     _kv_stats_kernel[(n_chunks, B * H)](
-        k, vv, ksum, ksum if vmax is None else vmax, *k.stride(), *vv.stride(), H, S, D, n_chunks, chunk,
-        BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_V=v is not None,
+        k, vv, partials[0], partials[-1], done, moments[0], moments[-1], *k.stride(), *vv.stride(),
+        H, S, D, n_chunks, chunk, BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_V=v is not None,
     )
-    return ksum, vmax
+    return moments[0], (None if v is None else moments[1])
 
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
@@ -248,13 +263,9 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
     The Triton twin of ``reference.k_mean`` and ``reference.v_channel_amax``: the chunk sums are added
     in chunk order, so the mean is deterministic but may differ from ``torch.mean`` in the last bit.
     """
-    S, D = k.shape[2], k.shape[3]
-    ksum, vmax = kv_partials(k, v)
-    total = ksum[:, :, 0]
-    for c in range(1, ksum.shape[2]):
-        total = total + ksum[:, :, c]
-    mean = torch.div(total, torch.full_like(total, S))[..., :D]  # tensor / tensor: one rounding, as div_rn
-    return mean, (None if v is None else v_channel_amax(v, vmax.amax(2)[..., :D]))
+    D = k.shape[3]
+    mean, vmax = kv_moments(k, v)
+    return mean[..., :D], (None if v is None else v_channel_amax(v, vmax[..., :D]))
 
 
 def quantize_qkv(
@@ -271,7 +282,7 @@ def quantize_qkv(
     v_amax: torch.Tensor | None = None,
 ):
     """Triton twin of ``reference.quantize_q``, ``quantize_k`` and ``quantize_v``: Q, K and V in one
-    launch, after one ``kv_partials`` pass when K is smoothed or V's range is measured.
+    launch, after one ``kv_moments`` pass when K is smoothed or V's range is measured.
 
     q: (B, H, Sq, D); k, v: (B, H_kv, Sk, D); any strides. q_amax / k_amax: static ranges broadcastable
     to (B, H) / (B, H_kv) (``k_amax`` of the smoothed K); v_amax: static per-channel range
@@ -286,9 +297,9 @@ def quantize_qkv(
     dev = q.device
     v_fmt = pv.code
     measure_v = v_fmt != 0 and v_amax is None
-    ksum = vmax = None
+    kmean = vmax = None
     if smooth_k or measure_v:
-        ksum, vmax = kv_partials(k, v if measure_v else None)
+        kmean, vmax = kv_moments(k, v if measure_v else None)
     q8 = torch.empty((B, H, sq_pad, dp), dtype=torch.int8, device=dev)
     qs = torch.empty((B, H, sq_pad), dtype=torch.float32, device=dev)
     k8 = torch.empty((B, H_kv, sk_pad, dp), dtype=torch.int8, device=dev)
@@ -303,10 +314,10 @@ def quantize_qkv(
     va, va_strides = _static_amax(v_amax, (B, H_kv, D), qs)
     nq = sq_pad // _ROW_BLOCK * B * H
     _quant_qkv_kernel[(nq + sk_pad // block_n * B * H_kv,)](
-        q, qa, q8, qs, k, qs if ksum is None else ksum, ka, k8, ks,
+        q, qa, q8, qs, k, qs if kmean is None else kmean, ka, k8, ks,
         v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs,
         *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides,
-        H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq, 0 if ksum is None else ksum.shape[2], sm_scale * LOG2E,
+        H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq, sm_scale * LOG2E,
         Q_BLOCK=_ROW_BLOCK, K_BLOCK=block_n, DP=dp, SMOOTH=smooth_k,
         Q_STATIC=q_amax is not None, K_STATIC=k_amax is not None, V_FMT=v_fmt, V_STATIC=v_amax is not None,
     )
