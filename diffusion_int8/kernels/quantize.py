@@ -168,40 +168,45 @@ def _kv_stats_kernel(
     H, S, D, N_CHUNKS, chunk,
     BLOCK: tl.constexpr, DP: tl.constexpr, HAS_V: tl.constexpr,
 ):
-    # One (batch, head, chunk of tokens): K's column sums and V's column |max| over the chunk, in fp32,
-    # kept per element and reduced across rows once at the end rather than per tile. The chunk that
-    # finishes its (batch, head) last folds every chunk's partials, in chunk order, into K's mean and
-    # V's range, so the quantization programs read two finished vectors instead of folding them each.
-    # V's range is NaN where a NaN/Inf was seen (the GPU's max drops NaN, so a sum of x·0 carries it).
-    pid_c = tl.program_id(0)
+    # One (batch, head, chunk of tokens) of K (programs [0, N_CHUNKS)) or of V (the next N_CHUNKS): K's
+    # column sums or V's column |max| over the chunk, in fp32, kept per element and reduced across rows
+    # once at the end rather than per tile; K and V in separate programs hold half the registers. The
+    # program that finishes its (batch, head) last folds every chunk's partials, in chunk order, into
+    # K's mean and V's range, so the quantization programs read two finished vectors instead of
+    # folding them each. V's range is NaN where a NaN/Inf was seen (the GPU's max drops NaN, so a sum
+    # of x·0 carries it).
+    pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    pid_c = pid % N_CHUNKS
     b = pid_bh // H
     h = pid_bh % H
     offs_d = tl.arange(0, DP)
-    ksum = tl.zeros([BLOCK, DP], tl.float32)
-    vmax = tl.zeros([BLOCK, DP], tl.float32)
-    vpoison = tl.zeros([BLOCK, DP], tl.float32)
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    for start in range(0, chunk, BLOCK):
-        offs_s = pid_c * chunk + start + tl.arange(0, BLOCK)
-        valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
-        k = tl.load(k_base + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd, mask=valid, other=0.0)
-        ksum += k.to(tl.float32)
-        if HAS_V:
+    out = (pid_bh * N_CHUNKS + pid_c) * DP + offs_d
+    if pid < N_CHUNKS:
+        ksum = tl.zeros([BLOCK, DP], tl.float32)
+        k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+        for start in range(0, chunk, BLOCK):
+            offs_s = pid_c * chunk + start + tl.arange(0, BLOCK)
+            valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
+            k = tl.load(k_base + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd, mask=valid, other=0.0)
+            ksum += k.to(tl.float32)
+        tl.store(KSUM + out, tl.sum(ksum, axis=0))
+    else:
+        vmax = tl.zeros([BLOCK, DP], tl.float32)
+        vpoison = tl.zeros([BLOCK, DP], tl.float32)
+        v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+        for start in range(0, chunk, BLOCK):
+            offs_s = pid_c * chunk + start + tl.arange(0, BLOCK)
+            valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
             v = tl.load(v_base + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd, mask=valid, other=0.0)
             v = v.to(tl.float32)
             vmax = tl.maximum(vmax, tl.abs(v))
             vpoison += v * 0.0
-    out = (pid_bh * N_CHUNKS + pid_c) * DP + offs_d
-    tl.store(KSUM + out, tl.sum(ksum, axis=0))
-    if HAS_V:
         tl.store(VMAX + out, tl.max(vmax, axis=0) + tl.sum(vpoison, axis=0))
-    # The last of the (batch, head)'s chunks to get here finishes the statistics: the barrier orders
-    # every thread's stores before the counter's acq_rel increment, whose acquire side orders the
-    # finisher's loads after all the others' stores.
+    # The barrier orders every thread's stores before the counter's acq_rel increment, whose acquire
+    # side orders the finisher's loads after all the others' stores.
     tl.debug_barrier()
-    if tl.atomic_add(DONE + pid_bh, 1) == N_CHUNKS - 1:
+    if tl.atomic_add(DONE + pid_bh, 1) == N_CHUNKS * (2 if HAS_V else 1) - 1:
         tl.store(KMEAN + pid_bh * DP + offs_d, _finish_k_mean(KSUM, pid_bh, S, N_CHUNKS, DP))
         if HAS_V:
             tl.store(VRANGE + pid_bh * DP + offs_d, _finish_v_range(VMAX, pid_bh, N_CHUNKS, DP))
@@ -247,9 +252,9 @@ def kv_moments(k: torch.Tensor, v: torch.Tensor | None):
     n = 1 if v is None else 2
     partials = torch.empty((n, B, H, n_chunks, dp), dtype=torch.float32, device=k.device)
     moments = torch.empty((n, B, H, dp), dtype=torch.float32, device=k.device)
-    done = torch.zeros((B * H,), dtype=torch.int32, device=k.device)  # chunks finished per (batch, head)
+    done = torch.zeros((B * H,), dtype=torch.int32, device=k.device)  # K/V chunks finished per (batch, head)
     vv = k if v is None else v
-    _kv_stats_kernel[(n_chunks, B * H)](
+    _kv_stats_kernel[(n_chunks * n, B * H)](
         k, vv, partials[0], partials[-1], done, moments[0], moments[-1], *k.stride(), *vv.stride(),
         H, S, D, n_chunks, chunk, BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_V=v is not None,
     )
