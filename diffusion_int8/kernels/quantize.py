@@ -178,28 +178,20 @@ def _kv_stats_kernel(
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_c = pid % N_CHUNKS
-    b = pid_bh // H
-    h = pid_bh % H
     offs_d = tl.arange(0, DP)
     out = (pid_bh * N_CHUNKS + pid_c) * DP + offs_d
+    first = pid_c * (chunk // BLOCK)  # chunk is a multiple of BLOCK
     if pid < N_CHUNKS:
         ksum = tl.zeros([BLOCK, DP], tl.float32)
-        k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-        for start in range(0, chunk, BLOCK):
-            offs_s = pid_c * chunk + start + tl.arange(0, BLOCK)
-            valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
-            k = tl.load(k_base + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd, mask=valid, other=0.0)
-            ksum += k.to(tl.float32)
+        for i in range(0, chunk // BLOCK):
+            k, _, _, _ = _load_tile(K, stride_kb, stride_kh, stride_ks, stride_kd, first + i, pid_bh, H, S, D, BLOCK, DP)
+            ksum += k
         tl.store(KSUM + out, tl.sum(ksum, axis=0))
     else:
         vmax = tl.zeros([BLOCK, DP], tl.float32)
         vpoison = tl.zeros([BLOCK, DP], tl.float32)
-        v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-        for start in range(0, chunk, BLOCK):
-            offs_s = pid_c * chunk + start + tl.arange(0, BLOCK)
-            valid = (offs_s[:, None] < S) & (offs_d[None, :] < D)
-            v = tl.load(v_base + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd, mask=valid, other=0.0)
-            v = v.to(tl.float32)
+        for i in range(0, chunk // BLOCK):
+            v, _, _, _ = _load_tile(V, stride_vb, stride_vh, stride_vs, stride_vd, first + i, pid_bh, H, S, D, BLOCK, DP)
             vmax = tl.maximum(vmax, tl.abs(v))
             vpoison += v * 0.0
         tl.store(VMAX + out, tl.max(vmax, axis=0) + tl.sum(vpoison, axis=0))
