@@ -40,7 +40,7 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
         K_STATIC=static, V_FMT=v_fmt, V_STATIC=static))
     stats = dict(K="*" + dt, V="*" + dt, KSUM="*fp32", VMAX="*fp32", DONE="*i32", KMEAN="*fp32", VRANGE="*fp32")
     compile_kernel(Qz._kv_stats_kernel, stats, set(),
-                   dict(BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_V=v_fmt != 0))
+                   dict(BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_K=smooth, HAS_V=v_fmt != 0))
 
 
 def attention_variant(D, pv, mask, dt="fp16"):

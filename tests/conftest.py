@@ -34,7 +34,7 @@ def kdev(request, monkeypatch) -> str:
     # so the comparison is of the quantization and the attention, not of two summation orders.
     from diffusion_int8.kernels import quantize, reference
 
-    monkeypatch.setattr(reference, "k_mean", lambda k: quantize.kv_stats(k, None)[0])
+    monkeypatch.setattr(reference, "token_mean", lambda k: quantize.kv_stats(k, None)[0])
     return request.param
 
 

@@ -70,7 +70,12 @@ def test_opcheck_cpu(kdev):
     backend = config.select_backend(q.device).value
     mask = torch.rand(1, 1, 40, 72, device=kdev) > 0.3
     mask[..., 0] = True
-    args = (q, k, v, mask, None, None, None, "BHSD", "fp8", 0.125, True, backend)
+    args = (q, k, v, mask, None, None, None, None, "BHSD", "fp8", 0.125, True, backend)
+    torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
+    # every static input given: no statistics pass
+    static = (q.float().abs().amax((2, 3)), torch.full((1, 2), 3.0, device=kdev), v.float().abs().amax(2),
+              k.float().mean(2))
+    args = (q, k, v, None, *static, "BHSD", "fp8", 0.125, True, backend)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
 
 
@@ -100,6 +105,8 @@ def _qkv(**over):
         (dict(scale=-1.0), ValueError, "positive"),
         (dict(q_amax=torch.ones(3)), ValueError, "q_amax of shape"),
         (dict(v_amax=torch.ones(2, 64, dtype=torch.int32)), TypeError, "float tensor"),
+        (dict(k_mean=torch.ones(3, 64)), ValueError, r"k_mean of shape \(3, 64\) does not broadcast to \(1, 2, 64\)"),
+        (dict(k_mean=torch.zeros(64), smooth_k=False), ValueError, "needs smooth_k=True"),
         (dict(k=torch.randn(1, 2, 0, 64).half(), v=torch.randn(1, 2, 0, 64).half()), ValueError, ">= 1"),
     ],
 )

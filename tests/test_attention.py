@@ -173,6 +173,18 @@ def test_static_ranges_match_dynamic_when_exact(kdev):
     torch.testing.assert_close(emu, R.emulate_attention(q, k, v, q_amax=q_amax, **kw), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("pv", [PV.FP8, PV.FP16])
+def test_static_k_mean(kdev, pv):
+    # A calibrated K mean (near K's own, not equal to it) replaces the measured one, with K's range
+    # static too or measured per block.
+    q, k, v = realistic_qkv(1, 4, 200, 333, 64, H_kv=2, k_bias=4.0, device=kdev)
+    near = k.float().mean(2) + 0.05 * torch.randn(1, 2, 64, device=kdev)
+    ref = R.attention_ref(q, k, v)
+    for k_amax in ((k.float() - near[:, :, None]).abs().amax((2, 3)), None):
+        kw = dict(layout="BHSD", pv=pv, k_mean=near, k_amax=k_amax)
+        check(run_kernel(q, k, v, **kw), R.emulate_attention(q, k, v, **kw), ref, pv, q.dtype)
+
+
 def test_nonfinite_inputs_propagate(kdev):
     q, k, v = realistic_qkv(1, 2, 100, 100, 64, device=kdev)
     q[0, 0, 5, 3] = math.nan

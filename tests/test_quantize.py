@@ -56,6 +56,36 @@ def test_gqa_and_static_k_range_bit_exact(kdev):
     assert torch.equal(q8, want_q[0]) and torch.equal(qs, want_q[1])
 
 
+@pytest.mark.parametrize("pv", [PV.FP8, PV.FP16])
+def test_static_k_mean_bit_exact_and_skips_the_statistics_pass(kdev, pv, monkeypatch):
+    from diffusion_int8.kernels import quantize as TQ
+
+    q, k, v = realistic_qkv(2, 4, 150, 333, 72, H_kv=2, layout="BSHD", device=kdev)
+    q, k, v = (R.to_bhsd(t, "BSHD") for t in (q, k, v))
+    # any vector is a valid smoothing vector; this one is near K's mean, as a calibration's would be
+    mean = k.float().mean((0, 2)) + 0.1 * torch.randn(2, 72, device=kdev)  # (H_kv, D), broadcast over B
+    v_amax = v.float().abs().amax((0, 2)) * 0.9  # (H_kv, D): V's top values get clipped
+    real = TQ.kv_moments
+    measured = []
+    monkeypatch.setattr(TQ, "kv_moments", lambda k_, v_: measured.append((k_ is None, v_ is None)) or real(k_, v_))
+    block_n = tile_config(72, pv).block_n
+    q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, block_n, pv, k_mean=mean, v_amax=v_amax)
+    assert measured == []  # nothing left to measure: no statistics pass
+    want_k = R.quantize_k(k, block_n, True, None, mean)
+    assert torch.equal(k8, want_k[0]) and torch.equal(ks, want_k[1])
+    assert not torch.equal(k8, R.quantize_k(k, block_n, True)[0])  # the static mean was used
+    if pv is PV.FP8:
+        want_v = R.quantize_v(v, pv, R.v_channel_amax(v, v_amax))
+        assert torch.equal(_bits(v8), _bits(want_v[0])) and torch.equal(vs, want_v[1])
+        # static mean, measured V range: the pass reads V only
+        measured.clear()
+        _, _, k8, _, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, block_n, pv, k_mean=mean)
+        assert measured == [(True, False)]
+        assert torch.equal(k8, want_k[0])
+        want_v = R.quantize_v(v, pv, R.v_channel_amax(v))
+        assert torch.equal(_bits(v8), _bits(want_v[0])) and torch.equal(vs, want_v[1])
+
+
 @triton.jit
 def _qk_tile_kernel(Q8, K8, OUT, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     # The same INT8 tl.dot the attention kernel issues, on one (BM, BN) tile.
@@ -92,6 +122,7 @@ def test_kv_stats_match_pytorch(kdev, seq):
     torch.testing.assert_close(mean, k.float().mean(2), rtol=1e-5, atol=1e-5)
     assert torch.equal(vamax, R.v_channel_amax(v))  # a max is exact; floor and padding as the reference's
     assert TQ.kv_stats(k, None)[1] is None
+    assert TQ.kv_moments(None, v)[0] is None and torch.equal(TQ.kv_moments(None, v)[1], TQ.kv_moments(k, v)[1])
     v[1, 2, seq // 2, 5] = float("nan")
     _, vamax = TQ.kv_stats(k, v)
     assert torch.isnan(vamax[1, 2, 5]) and torch.isfinite(vamax[0]).all() and torch.isfinite(vamax[1, 2, 6:]).all()

@@ -25,6 +25,7 @@ def int8_attention(
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
     check_finite: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention with Q·Kᵀ on INT8 tensor cores.
@@ -45,6 +46,10 @@ def int8_attention(
         q_amax, k_amax: static quantization ranges broadcastable to (B, Hq) / (B, Hkv), e.g. per-head
             calibrated 99th percentiles (``k_amax`` is of the smoothed K). Values beyond are clipped.
         v_amax: static per-channel range of V, broadcastable to (B, Hkv, D).
+        k_mean: static smoothing vector, broadcastable to (B, Hkv, D), subtracted from every key instead
+            of K's measured token mean (exact for any vector: softmax is invariant to it; it only sets
+            what ``k_amax`` is a range of). With ``k_mean`` and ``v_amax`` given (``v_amax`` is not
+            needed for ``int8_fp16v``), no statistics pass over K and V runs.
         check_finite: raise ``ValueError`` on NaN/Inf inputs. This costs a host synchronization, so it
             is off by default; then a NaN/Inf in a row of Q makes that output row NaN, and one in K or V
             makes the rows that attend to its quantization block NaN. Non-finite values are never
@@ -72,8 +77,8 @@ def int8_attention(
         raise ValueError(f"scale must be a positive float, got {scale!r}")
 
     if mode is Mode.FP16:
-        if q_amax is not None or k_amax is not None or v_amax is not None:
-            raise ValueError("static quantization ranges (q_amax/k_amax/v_amax) do not apply to mode 'fp16'")
+        if any(t is not None for t in (q_amax, k_amax, v_amax, k_mean)):
+            raise ValueError("static quantization ranges (q_amax/k_amax/v_amax/k_mean) do not apply to mode 'fp16'")
         qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
             qb, kb, vb, attn_mask=attn_mask, scale=scale, enable_gqa=Hq != Hkv
@@ -83,10 +88,13 @@ def int8_attention(
     _check_amax("q_amax", q_amax, q, (B, Hq))
     _check_amax("k_amax", k_amax, q, (B, Hkv))
     _check_amax("v_amax", v_amax, q, (B, Hkv, D))
+    _check_amax("k_mean", k_mean, q, (B, Hkv, D))
+    if k_mean is not None and not smooth_k:
+        raise ValueError("k_mean is a smoothing vector: it needs smooth_k=True")
     backend = select_backend(q.device)
     pv = pv_for_mode(mode, q.device)
     return dispatch(
-        q, k, v, attn_mask, q_amax, k_amax, v_amax, layout, pv.value, float(scale), smooth_k, backend.value
+        q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, layout, pv.value, float(scale), smooth_k, backend.value
     )
 
 

@@ -186,14 +186,15 @@ def triton_attention(
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     sm90: bool = True,
 ) -> torch.Tensor:
     """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
 
     Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype). Three launches
-    (K/V statistics, Q/K/V quantization, attention; two without smoothing and with a static V range)
-    and no host synchronization. On sm_90 the attention launch is the Gluon kernel of ``hopper`` where
+    (K/V statistics, Q/K/V quantization, attention; two when K's mean and V's range are static or not
+    needed) and no host synchronization. On sm_90 the attention launch is the Gluon kernel of ``hopper`` where
     it applies (``sm90=False`` forces the portable Triton kernel, for comparisons).
     """
     qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
@@ -201,7 +202,8 @@ def triton_attention(
     H_kv, Sk = kb.shape[1], kb.shape[2]
     cfg = tile_config(D, pv)
     q8, qs, k8, ks, vk, vs = tq.quantize_qkv(
-        qb, kb, vb, sm_scale, cfg.block_n, pv, smooth_k=smooth_k, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax
+        qb, kb, vb, sm_scale, cfg.block_n, pv,
+        smooth_k=smooth_k, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
     )
     if pv is PV.FP16:
         vk, vs = vb, qs  # V read in place; vs unused

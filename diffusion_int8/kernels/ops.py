@@ -26,6 +26,7 @@ def _quantized_attention(
     q_amax: Optional[torch.Tensor],
     k_amax: Optional[torch.Tensor],
     v_amax: Optional[torch.Tensor],
+    k_mean: Optional[torch.Tensor],
     layout: str,
     pv: str,
     sm_scale: float,
@@ -35,7 +36,7 @@ def _quantized_attention(
     """INT8 Q·Kᵀ attention on validated inputs; ``backend`` is a ``Backend`` value, ``pv`` a ``PV`` value."""
     kwargs = dict(
         layout=layout, pv=PV(pv), sm_scale=sm_scale, smooth_k=smooth_k,
-        attn_mask=attn_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax,
+        attn_mask=attn_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
     )
     if backend == Backend.TRITON.value:
         from .attention import triton_attention  # imports triton lazily: CPU-only installs never need it
@@ -48,7 +49,7 @@ quantized_attention = torch.library.custom_op("diffusion_int8::quantized_attenti
 
 
 @quantized_attention.register_fake
-def _(q, k, v, attn_mask, q_amax, k_amax, v_amax, layout, pv, sm_scale, smooth_k, backend):
+def _(q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, layout, pv, sm_scale, smooth_k, backend):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

@@ -82,6 +82,7 @@ def _quant_qkv_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_qab, stride_qah, stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
+    stride_kmb, stride_kmh, stride_kmd,
     H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, scale_mult,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr,
     Q_STATIC: tl.constexpr, K_STATIC: tl.constexpr, V_FMT: tl.constexpr, V_STATIC: tl.constexpr,
@@ -100,7 +101,7 @@ def _quant_qkv_kernel(
         _quant_kv_block(
             K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS,
             stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
-            stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
+            stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
             (pid - NQ) % n_s, (pid - NQ) // n_s, H_KV, SK, D, SK_PAD,
             K_BLOCK, DP, SMOOTH, K_STATIC, V_FMT, V_STATIC,
         )
@@ -122,17 +123,19 @@ def _quant_q_block(
 def _quant_kv_block(
     K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS,
     stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
+    stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
     pid_s, pid_bh, H, S, D, S_PAD,
     BLOCK: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
     V_FMT: tl.constexpr, V_STATIC: tl.constexpr,
 ):
     # One K quantization block and the same tokens of V (V_FMT: 0 none, 1 FP8, 2 INT8), with K's mean
-    # and V's range from kv_moments (V's read from VAMAX instead if V_STATIC).
+    # (measured by kv_moments or static, read through strides) and V's range from kv_moments (read from
+    # VAMAX instead if V_STATIC).
     b, h = pid_bh // H, pid_bh % H
     x, offs_s, offs_d, valid = _load_tile(K, stride_kb, stride_kh, stride_ks, stride_kd, pid_s, pid_bh, H, S, D, BLOCK, DP)
     if SMOOTH:
-        x = tl.where(valid, x - tl.load(KMEAN + pid_bh * DP + offs_d)[None, :], 0.0)
+        mean = tl.load(KMEAN + b * stride_kmb + h * stride_kmh + offs_d * stride_kmd, mask=offs_d < D, other=0.0)
+        x = tl.where(valid, x - mean[None, :], 0.0)
     k8, ks = _quant_int8(x, KAMAX + b * stride_kab + h * stride_kah, False, STATIC)
     base = pid_bh.to(tl.int64) * S_PAD * DP
     tl.store(K8 + base + offs_s[:, None] * DP + offs_d[None, :], k8)
@@ -166,9 +169,9 @@ def _kv_stats_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     H, S, D, N_CHUNKS, chunk,
-    BLOCK: tl.constexpr, DP: tl.constexpr, HAS_V: tl.constexpr,
+    BLOCK: tl.constexpr, DP: tl.constexpr, HAS_K: tl.constexpr, HAS_V: tl.constexpr,
 ):
-    # One (batch, head, chunk of tokens) of K (programs [0, N_CHUNKS)) or of V (the next N_CHUNKS): K's
+    # One (batch, head, chunk of tokens) of K (programs [0, N_CHUNKS) if HAS_K) or of V (the rest): K's
     # column sums or V's column |max| over the chunk, in fp32, kept per element and reduced across rows
     # once at the end rather than per tile; K and V in separate programs hold half the registers. The
     # program that finishes its (batch, head) last folds every chunk's partials, in chunk order, into
@@ -181,7 +184,7 @@ def _kv_stats_kernel(
     offs_d = tl.arange(0, DP)
     out = (pid_bh * N_CHUNKS + pid_c) * DP + offs_d
     first = pid_c * (chunk // BLOCK)  # chunk is a multiple of BLOCK
-    if pid < N_CHUNKS:
+    if pid < N_CHUNKS * (1 if HAS_K else 0):
         ksum = tl.zeros([BLOCK, DP], tl.float32)
         for i in range(0, chunk // BLOCK):
             k, _, _, _ = _load_tile(K, stride_kb, stride_kh, stride_ks, stride_kd, first + i, pid_bh, H, S, D, BLOCK, DP)
@@ -198,8 +201,9 @@ def _kv_stats_kernel(
     # The barrier orders every thread's stores before the counter's acq_rel increment, whose acquire
     # side orders the finisher's loads after all the others' stores.
     tl.debug_barrier()
-    if tl.atomic_add(DONE + pid_bh, 1) == N_CHUNKS * (2 if HAS_V else 1) - 1:
-        tl.store(KMEAN + pid_bh * DP + offs_d, _finish_k_mean(KSUM, pid_bh, S, N_CHUNKS, DP))
+    if tl.atomic_add(DONE + pid_bh, 1) == N_CHUNKS * ((1 if HAS_K else 0) + (1 if HAS_V else 0)) - 1:
+        if HAS_K:
+            tl.store(KMEAN + pid_bh * DP + offs_d, _finish_k_mean(KSUM, pid_bh, S, N_CHUNKS, DP))
         if HAS_V:
             tl.store(VRANGE + pid_bh * DP + offs_d, _finish_v_range(VMAX, pid_bh, N_CHUNKS, DP))
 
@@ -233,24 +237,25 @@ def _stats_chunk(S: int) -> int:
     return max(256, triton.cdiv(triton.cdiv(S, 32), 64) * 64)
 
 
-def kv_moments(k: torch.Tensor, v: torch.Tensor | None):
-    """One pass over K (and V): K's token mean and V's per-channel |max|, (B, H, DP) float32 each,
-    padded channels 0 (V's None when ``v`` is; NaN in a channel holding a NaN/Inf). ``quantize_qkv``
-    reads both; ``kv_stats`` gives them in the reference's form."""
-    B, H, S, D = k.shape
+def kv_moments(k: torch.Tensor | None, v: torch.Tensor | None):
+    """One pass over K and/or V (either may be None, not both): K's token mean and V's per-channel
+    |max|, (B, H, DP) float32 each, padded channels 0 (None for an input not given; NaN in a channel
+    holding a NaN/Inf). ``quantize_qkv`` reads both; ``kv_stats`` gives them in the reference's form."""
+    x = k if k is not None else v
+    B, H, S, D = x.shape
     dp = padded_head_dim(D)
     chunk = _stats_chunk(S)
     n_chunks = triton.cdiv(S, chunk)
-    n = 1 if v is None else 2
-    partials = torch.empty((n, B, H, n_chunks, dp), dtype=torch.float32, device=k.device)
-    moments = torch.empty((n, B, H, dp), dtype=torch.float32, device=k.device)
-    done = torch.zeros((B * H,), dtype=torch.int32, device=k.device)  # K/V chunks finished per (batch, head)
-    vv = k if v is None else v
+    n = (k is not None) + (v is not None)
+    partials = torch.empty((n, B, H, n_chunks, dp), dtype=torch.float32, device=x.device)
+    moments = torch.empty((n, B, H, dp), dtype=torch.float32, device=x.device)
+    done = torch.zeros((B * H,), dtype=torch.int32, device=x.device)  # K/V chunks finished per (batch, head)
+    kk, vv = (x if t is None else t for t in (k, v))
     _kv_stats_kernel[(n_chunks * n, B * H)](
-        k, vv, partials[0], partials[-1], done, moments[0], moments[-1], *k.stride(), *vv.stride(),
-        H, S, D, n_chunks, chunk, BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_V=v is not None,
+        kk, vv, partials[0], partials[-1], done, moments[0], moments[-1], *kk.stride(), *vv.stride(),
+        H, S, D, n_chunks, chunk, BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_K=k is not None, HAS_V=v is not None,
     )
-    return moments[0], (None if v is None else moments[1])
+    return (None if k is None else moments[0]), (None if v is None else moments[-1])
 
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
@@ -277,13 +282,16 @@ def quantize_qkv(
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
 ):
     """Triton twin of ``reference.quantize_q``, ``quantize_k`` and ``quantize_v``: Q, K and V in one
-    launch, after one ``kv_moments`` pass when K is smoothed or V's range is measured.
+    launch, after one ``kv_moments`` pass when K's mean or V's range is measured.
 
     q: (B, H, Sq, D); k, v: (B, H_kv, Sk, D); any strides. q_amax / k_amax: static ranges broadcastable
     to (B, H) / (B, H_kv) (``k_amax`` of the smoothed K); v_amax: static per-channel range
-    broadcastable to (B, H_kv, D). V is quantized only when ``pv`` is FP8 or INT8.
+    broadcastable to (B, H_kv, D); k_mean: static smoothing mean broadcastable to (B, H_kv, D). With
+    ``k_mean`` and ``v_amax`` given (or no smoothing and fp16 P·V) there is no statistics pass. V is
+    quantized only when ``pv`` is FP8 or INT8.
     Returns q8 (B, H, Sq_pad, DP) int8, qs (B, H, Sq_pad) float32 (sm_scale·log2(e) folded in),
     k8 (B, H_kv, Sk_pad, DP) int8, ks (B, H_kv, Sk_pad // block_n) float32, and v8 / vs as
     ``reference.quantize_v`` gives them (None, None for fp16 P·V).
@@ -293,10 +301,11 @@ def quantize_qkv(
     sq_pad, sk_pad, dp = padded_len(Sq), padded_len(Sk), padded_head_dim(D)
     dev = q.device
     v_fmt = pv.code
+    measure_k = smooth_k and k_mean is None
     measure_v = v_fmt != 0 and v_amax is None
     kmean = vmax = None
-    if smooth_k or measure_v:
-        kmean, vmax = kv_moments(k, v if measure_v else None)
+    if measure_k or measure_v:
+        kmean, vmax = kv_moments(k if measure_k else None, v if measure_v else None)
     q8 = torch.empty((B, H, sq_pad, dp), dtype=torch.int8, device=dev)
     qs = torch.empty((B, H, sq_pad), dtype=torch.float32, device=dev)
     k8 = torch.empty((B, H_kv, sk_pad, dp), dtype=torch.int8, device=dev)
@@ -309,11 +318,15 @@ def quantize_qkv(
     qa, qa_strides = _static_amax(q_amax, (B, H), qs)
     ka, ka_strides = _static_amax(k_amax, (B, H_kv), qs)
     va, va_strides = _static_amax(v_amax, (B, H_kv, D), qs)
+    if kmean is None:
+        kmean, km_strides = _static_amax(k_mean, (B, H_kv, D), qs)
+    else:
+        km_strides = kmean.stride()
     nq = sq_pad // _ROW_BLOCK * B * H
     _quant_qkv_kernel[(nq + sk_pad // block_n * B * H_kv,)](
-        q, qa, q8, qs, k, qs if kmean is None else kmean, ka, k8, ks,
+        q, qa, q8, qs, k, kmean, ka, k8, ks,
         v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs,
-        *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides,
+        *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides, *km_strides,
         H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq, sm_scale * LOG2E,
         Q_BLOCK=_ROW_BLOCK, K_BLOCK=block_n, DP=dp, SMOOTH=smooth_k,
         Q_STATIC=q_amax is not None, K_STATIC=k_amax is not None, V_FMT=v_fmt, V_STATIC=v_amax is not None,
@@ -322,7 +335,7 @@ def quantize_qkv(
 
 
 def _static_amax(amax: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor):
-    """A float32 view of a static range broadcast to ``shape``, and its strides; or a placeholder."""
+    """A float32 view of a static range (or mean) broadcast to ``shape``, and its strides; or a placeholder."""
     if amax is None:
         return like, (0,) * len(shape)
     a = amax.float().expand(shape)

@@ -8,8 +8,9 @@ CPUs and on GPUs the kernel does not support. ``attention_ref`` is plain attenti
 Numerics shared by both backends (``q``, ``k``, ``v`` in (B, H, S, D), D padded to ``DP``):
 
 * Q, per token: ``q8 = round(clamp(q · 127/amax, ±127))``, scale ``amax/127 · sm_scale · log2(e)``.
-* K, per block of ``block_n`` tokens, after subtracting the per-(batch, head) token mean (smoothing,
-  which softmax is invariant to): ``k8 = round(clamp(k · 127/amax, ±127))``, scale ``amax/127``.
+* K, per block of ``block_n`` tokens, after subtracting the per-(batch, head) token mean or a given
+  static mean (smoothing: softmax is invariant to subtracting any one vector from every key):
+  ``k8 = round(clamp(k · 127/amax, ±127))``, scale ``amax/127``.
 * V, per channel over all tokens: FP8 e4m3 with range 448 or INT8 with range 127.
 * Any NaN/Inf in a quantization block makes that block's scale NaN, so it shows in the output.
 """
@@ -88,22 +89,30 @@ def quantize_q(q: torch.Tensor, sm_scale: float, q_amax: torch.Tensor | None = N
     return q8, qs
 
 
-def k_mean(k: torch.Tensor) -> torch.Tensor:
+def token_mean(k: torch.Tensor) -> torch.Tensor:
     """Token mean of K per (batch, head) in float32: (B, H, S, D) -> (B, H, D)."""
     return k.mean(dim=2, dtype=torch.float32)
 
 
-def quantize_k(k: torch.Tensor, block_n: int, smooth_k: bool = True, k_amax: torch.Tensor | None = None):
+def quantize_k(
+    k: torch.Tensor,
+    block_n: int,
+    smooth_k: bool = True,
+    k_amax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+):
     """Per-block INT8 K after mean subtraction.
 
     k: (B, H, S, D). k_amax: optional static range (of the smoothed K) broadcastable to (B, H).
+    k_mean: optional static mean subtracted instead of K's token mean, broadcastable to (B, H, D).
     Returns k8 (B, H, S_pad, DP) int8 and ks (B, H, S_pad // block_n) float32.
     """
     B, H, S, D = k.shape
     s_pad, dp = padded_len(S), padded_head_dim(D)
     x = k.float()
     if smooth_k:
-        x = x - k_mean(k)[:, :, None, :]
+        mean = token_mean(k) if k_mean is None else k_mean.float().expand(B, H, D)
+        x = x - mean[:, :, None, :]
     x = _pad(x, s_pad, dp).view(B, H, s_pad // block_n, block_n, dp)
     nonfinite = (x * 0.0).sum((-2, -1))
     if k_amax is None:
@@ -165,6 +174,7 @@ def emulate_attention(
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """What the Triton kernel computes, in PyTorch. Same arguments as the kernel wrapper.
@@ -180,7 +190,7 @@ def emulate_attention(
         sm_scale = D**-0.5
     block_n = block_n or tile_config(D, pv).block_n
     q8, qs = quantize_q(qb, sm_scale, q_amax)
-    k8, ks = quantize_k(kb, block_n, smooth_k, k_amax)
+    k8, ks = quantize_k(kb, block_n, smooth_k, k_amax, k_mean)
     idx = _gqa_index(H, H_kv, q.device)
     if pv is PV.FP16:
         vq = F.pad(vb, (0, q8.shape[-1] - D, 0, k8.shape[2] - Sk)).index_select(1, idx)
