@@ -71,7 +71,8 @@ def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
               *, ranges=None):
     """``scaled_dot_product_attention``'s signature (BHSD), in ``mode``; cases the kernel does not cover go to SDPA.
 
-    ``ranges``: optional static ``(q_amax, k_amax, v_amax)`` for ``int8_attention``, shaped (1, H), (1, H), (1, H, D).
+    ``ranges``: optional static ``(q_amax, k_amax, v_amax, k_mean)`` for ``int8_attention``, shaped (1, H),
+    (1, H), (1, H, D), (1, H, D) (``Calibration.ranges``; ``k_mean`` may be None).
     """
     mode = Mode.parse(mode)
     D = query.shape[-1]
@@ -86,9 +87,9 @@ def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         query, key, value = (t.to(torch.float16) for t in (query, key, value))
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(torch.float32)
-    q_amax, k_amax, v_amax = ranges if ranges is not None else (None, None, None)
+    q_amax, k_amax, v_amax, k_mean = ranges if ranges is not None else (None, None, None, None)
     out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,
-                         q_amax=q_amax, k_amax=k_amax, v_amax=v_amax)
+                         q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean)
     return out.to(dtype)
 
 
@@ -150,7 +151,8 @@ class Int8DiffusionProcessor:
             every call from ``state.timestep`` (``enable`` keeps it current). Until a timestep is known,
             ``fp16`` runs.
         calibration: a ``Calibration`` (or its file): its fitted per-head ranges at the current noise level
-            become the kernel's static quantization ranges for module ``name`` (no amax pass). Needs the timestep.
+            and K means become the kernel's static quantization ranges and smoothing vector for module ``name``
+            (no statistics pass over K and V). Needs the timestep.
         inner: the stock processor to wrap; inferred per module when None (``stock_processor_for``).
         state: the ``Int8State`` to read the timestep from and record into.
         name: the module's name, for the trace and the calibration.

@@ -46,6 +46,7 @@ def test_input_stats_direct():
             assert st["q_p99"][b, h] == pytest.approx(float(torch.quantile(q[b, h].abs().flatten(), 0.99)), rel=1e-5)
             ks = k[b, h] - k[b, h].mean(0)
             assert st["k_p99"][b, h] == pytest.approx(float(torch.quantile(ks.abs().flatten(), 0.99)), rel=1e-5)
+            torch.testing.assert_close(st["k_mean"][b, h], k[b, h].mean(0))
             torch.testing.assert_close(st["v_amax"][b, h], v[b, h].abs().amax(0))
 
 
@@ -88,6 +89,8 @@ def test_collected_percentiles_equal_direct_computation():
             torch.testing.assert_close(st["q_p99"][:, step], per_head, rtol=1e-5, atol=1e-6)
             vmax = torch.stack([v.float().abs().amax(2).amax(0) for _, _, v in inputs]).amax(0)
             torch.testing.assert_close(st["v_amax"][..., step], vmax)
+            kmean = torch.cat([k.float().mean(2) for _, k, _ in inputs]).mean(0)  # over every image
+            torch.testing.assert_close(st["k_mean"][..., step], kmean, rtol=1e-5, atol=1e-6)
             for mode in ("int8", "int8_fp16v"):
                 e = st[f"err.{mode}.rel_l1"][:, step]
                 assert (e > 0).all() and (e < 0.1).all()
@@ -134,6 +137,19 @@ def test_file_round_trip_and_no_overwrite(tmp_path):
     assert path.name == "calibration.safetensors"
 
 
+def test_schema_1_file_loads_without_k_mean(tmp_path):
+    # files written before K's mean was recorded: the same ranges, the kernel's measured smoothing
+    _, cal = make_calibration()
+    old = Calibration({**cal.meta, "schema_version": 1}, cal.timesteps, cal.noise,
+                      {n: {k: t for k, t in st.items() if k not in ("k_mean", "fit.m")} for n, st in cal.layers.items()})
+    back = Calibration.load(old.save(tmp_path / "v1.safetensors"))
+    layer = next(iter(cal.layers))
+    *ranges, k_mean = back.ranges(layer, 500.0)
+    assert k_mean is None
+    for got, want in zip(ranges, cal.ranges(layer, 500.0)[:3]):
+        assert torch.equal(got, want)
+
+
 def test_validation_against_models():
     model, cal = make_calibration()
     cal.validate(model)  # the model it was made on
@@ -163,11 +179,12 @@ def test_fit_recovers_a_quadratic_and_ranges_follow_it():
 
     _, cal = make_calibration()
     layer = next(iter(cal.layers))
-    qa, ka, va = cal.ranges(layer, 500.0)
+    qa, ka, va, km = cal.ranges(layer, 500.0)
     H, D = cal.meta["layers"][layer]["heads"], cal.meta["layers"][layer]["head_dim"]
-    assert qa.shape == (1, H) and ka.shape == (1, H) and va.shape == (1, H, D)
+    assert qa.shape == (1, H) and ka.shape == (1, H) and va.shape == (1, H, D) and km.shape == (1, H, D)
     # three steps, a quadratic through them: exact at the calibrated noise levels
     torch.testing.assert_close(qa[0], cal.layers[layer]["q_p99"][:, 1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(km[0], cal.layers[layer]["k_mean"][..., 1], rtol=1e-4, atol=1e-5)
 
 
 def test_static_ranges_reach_the_kernel(monkeypatch):
@@ -178,13 +195,23 @@ def test_static_ranges_reach_the_kernel(monkeypatch):
     seen = []
     real = P.int8_attention
     monkeypatch.setattr(P, "int8_attention", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
-    handle = enable(model, mode="int8", calibration=cal)
+    inputs = dict(x, timestep=torch.tensor([500, 500]))
     with torch.no_grad():
-        model(**dict(x, timestep=torch.tensor([500, 500])))
-    handle.disable()
-    assert seen and all(kw["q_amax"] is not None and kw["v_amax"] is not None for kw in seen)
+        exact = model(**inputs).sample
+        handle = enable(model, mode="int8")
+        dynamic = model(**inputs).sample
+        handle.disable()
+        seen.clear()
+        handle = enable(model, mode="int8", calibration=cal)
+        static = model(**inputs).sample
+        handle.disable()
+    assert seen and all(kw[n] is not None for kw in seen for n in ("q_amax", "k_amax", "v_amax", "k_mean"))
     layer = next(iter(cal.layers))
-    torch.testing.assert_close(seen[0]["q_amax"], cal.ranges(layer, 500.0)[0])
+    for name, want in zip(("q_amax", "k_amax", "v_amax", "k_mean"), cal.ranges(layer, 500.0)):
+        torch.testing.assert_close(seen[0][name], want)
+    # the calibrated ranges and K mean do about as well as measuring them at every call
+    err = {n: float((o - exact).abs().sum() / exact.abs().sum()) for n, o in (("static", static), ("dynamic", dynamic))}
+    assert 0 < err["static"] < max(2 * err["dynamic"], 1e-3), err
 
 
 def crafted(errors_int8, errors_fp16v, noise):

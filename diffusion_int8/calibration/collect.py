@@ -13,7 +13,7 @@ import torch
 from ..kernels import Mode
 from .stats import QUANTIZED_MODES, input_stats, output_errors
 
-MEAN_STATS = ("q_p99", "k_p99")  # averaged over images
+MEAN_STATS = ("q_p99", "k_p99", "k_mean")  # averaged over images
 MAX_STATS = ("v_amax",)  # maximum over images
 
 
@@ -60,7 +60,7 @@ class Collector:
                 entry[key] = entry[key] + t if key in entry else t
 
     def record(self, index: int) -> dict:
-        """This batch's statistics as plain tensors, ``(H, T)`` sums / ``(H, D, T)`` maxima, then reset.
+        """This batch's statistics as plain tensors, ``(H, T)`` or ``(H, D, T)`` sums and maxima, then reset.
 
         ``index`` orders the batch for ``merge``.
         """
@@ -82,7 +82,7 @@ class Collector:
 def merge(records: list[dict]) -> tuple[list[float], dict[str, dict[str, torch.Tensor]]]:
     """Add up batch records in their index order; means for ``MEAN_STATS`` and errors, maxima for ``MAX_STATS``.
 
-    Returns the timesteps and, per layer, float32 tensors ``(H, T)`` (``v_amax``: ``(H, D, T)``).
+    Returns the timesteps and, per layer, float32 tensors ``(H, T)`` (``k_mean``, ``v_amax``: ``(H, D, T)``).
     The result depends only on the set of records, not on how they were split among processes.
     """
     if not records:

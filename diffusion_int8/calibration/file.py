@@ -4,8 +4,10 @@ The file is safetensors (``calibration.safetensors``): tensors named ``{layer}::
 global ``timesteps`` and ``noise``, with JSON metadata under the key ``diffusion_int8`` (model,
 model class, diffusers version, scheduler, steps, prompt hash, schema version). Nothing is unpickled.
 
-Ranges are also fitted as quadratics in the noise level (``fit.q``, ``fit.k`` (H, 3), ``fit.v``
-(H, D, 3), coefficients of 1, n, n²), so ``ranges`` gives static scales at any step of any schedule.
+Ranges and K's mean are also fitted as quadratics in the noise level (``fit.q``, ``fit.k`` (H, 3),
+``fit.v``, ``fit.m`` (H, D, 3), coefficients of 1, n, n²), so ``ranges`` gives static scales and the
+smoothing vector at any step of any schedule. Schema 1 files (before K's mean was recorded) still load;
+their ranges keep the kernel's measured smoothing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 from ..kernels.config import MAX_HEAD_DIM
 from ..schedule import noise_level
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 FILE_NAME = "calibration.safetensors"
 _META_KEY = "diffusion_int8"
 _FIT_OF = {"q": "q_p99", "k": "k_p99", "v": "v_amax"}
@@ -60,8 +63,9 @@ class Calibration:
         meta: provenance (see module docstring) and ``layers``: ``{name: {"heads": H, "head_dim": D}}``.
         timesteps: (T,) the timesteps the denoiser was called with, in order.
         noise: (T,) the same as noise levels in [0, 1] (``schedule.noise_level``).
-        layers: ``{name: {stat: tensor}}``: ``q_p99``, ``k_p99`` (H, T); ``v_amax`` (H, D, T);
-            ``err.{mode}.rel_l1`` and ``err.{mode}.cos`` (H, T); ``fit.q``, ``fit.k`` (H, 3), ``fit.v`` (H, D, 3).
+        layers: ``{name: {stat: tensor}}``: ``q_p99``, ``k_p99`` (H, T); ``k_mean``, ``v_amax`` (H, D, T);
+            ``err.{mode}.rel_l1`` and ``err.{mode}.cos`` (H, T); ``fit.q``, ``fit.k`` (H, 3), ``fit.v``,
+            ``fit.m`` (H, D, 3).
     """
 
     meta: dict
@@ -80,6 +84,7 @@ class Calibration:
             st = dict(st)
             for short, stat in _FIT_OF.items():
                 st[f"fit.{short}"] = fit_quadratic(noise, st[stat]).float()
+            st["fit.m"] = fit_quadratic(noise, st["k_mean"]).float()
             layers[name] = st
         meta = {**meta, "schema_version": SCHEMA_VERSION, "steps": len(timesteps),
                 "layers": {n: {"heads": int(s["q_p99"].shape[0]), "head_dim": int(s["v_amax"].shape[1])}
@@ -117,9 +122,9 @@ class Calibration:
             if raw is None:
                 raise ValueError(f"{path} is a safetensors file but not a diffusion-int8 calibration (no metadata)")
             meta = json.loads(raw)
-            if meta.get("schema_version") != SCHEMA_VERSION:
+            if meta.get("schema_version") not in READABLE_SCHEMAS:
                 raise ValueError(f"{path} has calibration schema {meta.get('schema_version')}; "
-                                 f"this version of diffusion-int8 reads schema {SCHEMA_VERSION}")
+                                 f"this version of diffusion-int8 reads schemas {READABLE_SCHEMAS}")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         layers: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
@@ -154,7 +159,8 @@ class Calibration:
             raise ValueError(f"calibration of {self.meta.get('model', '?')} does not match this model: " + "; ".join(problems))
 
     def ranges(self, layer: str, timestep: float, device: torch.device | str = "cpu"):
-        """Static ``(q_amax (1, H), k_amax (1, H), v_amax (1, H, D))`` at ``timestep``, float32 on ``device``."""
+        """Static ``(q_amax (1, H), k_amax (1, H), v_amax (1, H, D), k_mean (1, H, D))`` at ``timestep``,
+        float32 on ``device``: ``int8_attention``'s static inputs. ``k_mean`` is None for schema 1 files."""
         st = self.layers[layer]
         n = noise_level(timestep, self.meta.get("num_train_timesteps"), self.meta.get("timestep_scale"))
         out = []
@@ -162,9 +168,9 @@ class Calibration:
             measured = st[_FIT_OF[short]]
             # the fit can undershoot between steps; never below a tenth of the smallest measured range
             floor = measured.amin(-1).clamp_min(1e-6) * 0.1
-            val = torch.maximum(evaluate_fit(st[f"fit.{short}"].double(), n)[..., 0], floor.double())
-            out.append(val.float()[None].to(device, non_blocking=True))
-        return tuple(out)
+            out.append(torch.maximum(evaluate_fit(st[f"fit.{short}"].double(), n)[..., 0], floor.double()))
+        out.append(evaluate_fit(st["fit.m"].double(), n)[..., 0] if "fit.m" in st else None)
+        return tuple(None if t is None else t.float()[None].to(device, non_blocking=True) for t in out)
 
     # ------------------------------------------------------------------------------------ summary
     def modes(self) -> list[str]:

@@ -27,15 +27,16 @@ def input_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, percentile: f
     """Per (batch, head) ranges of BHSD attention inputs, in float32.
 
     Returns ``q_p99`` and ``k_p99`` (B, H): the ``percentile`` of |Q| and of |K - mean_tokens(K)| (K as the
-    kernel quantizes it, after smoothing) over tokens and channels; ``v_amax`` (B, H, D): |V|'s maximum
-    over tokens, per channel.
+    kernel quantizes it, after smoothing) over tokens and channels; ``k_mean`` (B, H, D): K's token mean,
+    the smoothing vector; ``v_amax`` (B, H, D): |V|'s maximum over tokens, per channel.
     """
     qf, kf, vf = (t.float() for t in (q, k, v))
-    ks = kf - kf.mean(dim=2, keepdim=True)
+    mean = kf.mean(dim=2, keepdim=True)
     p = percentile / 100.0
     return {
         "q_p99": quantile_lastdim(qf.abs().flatten(2), p),
-        "k_p99": quantile_lastdim(ks.abs().flatten(2), p),
+        "k_p99": quantile_lastdim((kf - mean).abs().flatten(2), p),
+        "k_mean": mean[:, :, 0],
         "v_amax": vf.abs().amax(dim=2),
     }
 
