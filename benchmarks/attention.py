@@ -27,7 +27,7 @@ from inputs import realistic_qkv  # noqa: E402
 from diffusion_int8.kernels import attention as kattn  # noqa: E402
 from diffusion_int8.kernels import quantize as tq  # noqa: E402
 from diffusion_int8.kernels.config import PV, TileConfig, padded_head_dim, tile_config  # noqa: E402
-from diffusion_int8.kernels.reference import attention_ref, k_mean  # noqa: E402
+from diffusion_int8.kernels.reference import attention_ref, token_mean  # noqa: E402
 
 SHAPES = {  # name: (B, H, N, D), from ../shared/ANCHORS.md
     "flux": (2, 24, 4608, 128),
@@ -103,11 +103,14 @@ def run_shape(name, shape, dtype, sweep):
         return tq.quantize_qkv(q, k, v, scale, tile_config(D, pv).block_n, pv)
     add("quantization only (K/V stats, then Q/K/V, fp8)", quant_only, acc=False)
     add("[graph] quantization only", graphed(quant_only), acc=False)
-    q_amax = q.float().abs().amax((2, 3))
-    k_amax = (k.float() - k_mean(k)[:, :, None]).abs().amax((2, 3))
-    v_amax = v.float().abs().amax(2)
+    # static ranges and K mean, as a calibration gives them: no statistics pass
+    k_mean = token_mean(k)
+    static = dict(q_amax=q.float().abs().amax((2, 3)), k_amax=(k.float() - k_mean[:, :, None]).abs().amax((2, 3)),
+                  v_amax=v.float().abs().amax(2), k_mean=k_mean)
     add("int8 (fp8 P·V), static ranges", lambda: kattn.triton_attention(
-        q, k, v, layout="BHSD", pv=PV.FP8, sm_scale=scale, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax))
+        q, k, v, layout="BHSD", pv=PV.FP8, sm_scale=scale, **static))
+    add("[graph] quantization only, static ranges", graphed(
+        lambda: tq.quantize_qkv(q, k, v, scale, tile_config(D, PV.FP8).block_n, PV.FP8, **static)), acc=False)
 
     # the same calls replayed from CUDA graphs (as under torch.compile mode="reduce-overhead")
     def cudnn():
@@ -116,6 +119,8 @@ def run_shape(name, shape, dtype, sweep):
     add("[graph] sdpa_cudnn_fp16", graphed(cudnn), acc=False)
     for label, pv in (("[graph] int8_fp16v", PV.FP16), ("[graph] int8 (fp8 P·V)", PV.FP8)):
         add(label, graphed(lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale)), acc=False)
+        add(f"{label}, static ranges", graphed(
+            lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale, **static)), acc=False)
 
     try:
         from sageattention import sageattn

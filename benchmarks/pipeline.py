@@ -9,6 +9,9 @@ layers. Deviation is the PSNR against stock of one denoiser output on the same i
 latents of a short Euler trajectory from the same start (``--denoise-steps``), where errors accumulate.
 Times are medians of CUDA-event-timed steps after warm-up; with ``--graph``, of replays of one step
 captured in a CUDA graph (the GPU time alone, as under ``torch.compile(mode="reduce-overhead")``).
+With ``--calibrated``, a further ``int8`` row runs with static ranges and K means from a calibration
+recorded on the same Euler trajectory (in-sample: the best case for its deviation), so no statistics
+pass runs.
 """
 
 from __future__ import annotations
@@ -156,6 +159,22 @@ def _denoise(model, x, steps):
     return lat
 
 
+def _calibrate(model, x, steps):
+    """A ``Calibration`` of ``model`` recorded on ``_denoise``'s trajectory (ranges and K means only)."""
+    import diffusion_int8
+    from diffusion_int8.calibration import Calibration, Collector, merge
+
+    col = Collector(modes=())
+    handle = diffusion_int8.enable(model, mode="fp16", observer=col)
+    try:
+        _denoise(model, x, steps)
+    finally:
+        handle.disable()
+    timesteps, stats = merge([col.record(0)])
+    meta = {"model_class": type(model).__name__, "timestep_scale": 1000.0 if timesteps[0] > 1.0 else 1.0}
+    return Calibration.from_stats(meta, timesteps, stats)
+
+
 def _profile(model, x, label):
     from torch.profiler import ProfilerActivity, profile
 
@@ -185,6 +204,8 @@ def main():
     ap.add_argument("--graph", action="store_true",
                     help="time replays of a CUDA graph of the step (no host overhead), as torch.compile's "
                          "reduce-overhead mode would run it")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="also int8 with static ranges and K means calibrated on the trajectory (no statistics pass)")
     args = ap.parse_args()
     builders = _models()
     results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -197,8 +218,15 @@ def main():
         model = model.to(dtype).eval()
         x = _cast(x, dtype)
         rows = {}
-        for mode in ("stock", "int8_fp16v", "int8"):
-            handle = None if mode == "stock" else diffusion_int8.enable(model, mode)
+        variants = ("stock", "int8_fp16v", "int8") + (("int8+calibration",) if args.calibrated else ())
+        for mode in variants:
+            if mode == "stock":
+                handle = None
+            elif mode == "int8+calibration":
+                cal = _calibrate(model, x, max(args.denoise_steps, 3))
+                handle = diffusion_int8.enable(model, "int8", calibration=cal)
+            else:
+                handle = diffusion_int8.enable(model, mode)
             torch.cuda.reset_peak_memory_stats()
             ms, out = _time(model, x, args.steps, args.graph)
             peak = torch.cuda.max_memory_allocated() / 2**30
