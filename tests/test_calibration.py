@@ -47,6 +47,7 @@ def test_input_stats_direct():
             ks = k[b, h] - k[b, h].mean(0)
             assert st["k_p99"][b, h] == pytest.approx(float(torch.quantile(ks.abs().flatten(), 0.99)), rel=1e-5)
             torch.testing.assert_close(st["k_mean"][b, h], k[b, h].mean(0))
+            assert st["q_max"][b, h] == q[b, h].abs().max() and st["k_max"][b, h] == pytest.approx(float(ks.abs().max()))
             torch.testing.assert_close(st["v_amax"][b, h], v[b, h].abs().amax(0))
 
 
@@ -138,15 +139,16 @@ def test_file_round_trip_and_no_overwrite(tmp_path):
 
 
 def test_schema_1_file_loads_without_k_mean(tmp_path):
-    # files written before K's mean was recorded: the same ranges, the kernel's measured smoothing
+    # files written before K's mean and the Q/K maxima were recorded: p99 ranges, measured smoothing
     _, cal = make_calibration()
+    schema_2 = ("q_max", "k_max", "k_mean", "fit.qmax", "fit.kmax", "fit.m")
     old = Calibration({**cal.meta, "schema_version": 1}, cal.timesteps, cal.noise,
-                      {n: {k: t for k, t in st.items() if k not in ("k_mean", "fit.m")} for n, st in cal.layers.items()})
+                      {n: {k: t for k, t in st.items() if k not in schema_2} for n, st in cal.layers.items()})
     back = Calibration.load(old.save(tmp_path / "v1.safetensors"))
     layer = next(iter(cal.layers))
     *ranges, k_mean = back.ranges(layer, 500.0)
     assert k_mean is None
-    for got, want in zip(ranges, cal.ranges(layer, 500.0)[:3]):
+    for got, want in zip(ranges, cal.ranges(layer, 500.0, clip="p99")[:3]):
         assert torch.equal(got, want)
 
 
@@ -183,8 +185,15 @@ def test_fit_recovers_a_quadratic_and_ranges_follow_it():
     H, D = cal.meta["layers"][layer]["heads"], cal.meta["layers"][layer]["head_dim"]
     assert qa.shape == (1, H) and ka.shape == (1, H) and va.shape == (1, H, D) and km.shape == (1, H, D)
     # three steps, a quadratic through them: exact at the calibrated noise levels
-    torch.testing.assert_close(qa[0], cal.layers[layer]["q_p99"][:, 1], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(km[0], cal.layers[layer]["k_mean"][..., 1], rtol=1e-4, atol=1e-5)
+    st = cal.layers[layer]
+    for got, stat in zip((qa, ka, va, km), ("q_max", "k_max", "v_amax", "k_mean")):
+        torch.testing.assert_close(got[0], st[stat][..., 1], rtol=1e-4, atol=1e-5)
+    qp, kp, _, _ = cal.ranges(layer, 500.0, clip="p99")
+    torch.testing.assert_close(qp[0], st["q_p99"][:, 1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kp[0], st["k_p99"][:, 1], rtol=1e-4, atol=1e-5)
+    assert (qp < qa).all() and (kp < ka).all()
+    with pytest.raises(ValueError, match="'max' or 'p99'"):
+        cal.ranges(layer, 500.0, clip="p90")
 
 
 def test_static_ranges_reach_the_kernel(monkeypatch):

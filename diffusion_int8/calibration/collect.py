@@ -13,7 +13,7 @@ import torch
 from ..kernels import Mode
 from .stats import QUANTIZED_MODES, input_stats, output_errors
 
-MEAN_STATS = ("q_p99", "k_p99", "k_mean")  # averaged over images
+MEAN_STATS = ("q_p99", "k_p99", "q_max", "k_max", "k_mean")  # averaged over images
 MAX_STATS = ("v_amax",)  # maximum over images
 
 

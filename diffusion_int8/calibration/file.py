@@ -4,10 +4,10 @@ The file is safetensors (``calibration.safetensors``): tensors named ``{layer}::
 global ``timesteps`` and ``noise``, with JSON metadata under the key ``diffusion_int8`` (model,
 model class, diffusers version, scheduler, steps, prompt hash, schema version). Nothing is unpickled.
 
-Ranges and K's mean are also fitted as quadratics in the noise level (``fit.q``, ``fit.k`` (H, 3),
-``fit.v``, ``fit.m`` (H, D, 3), coefficients of 1, n, n²), so ``ranges`` gives static scales and the
-smoothing vector at any step of any schedule. Schema 1 files (before K's mean was recorded) still load;
-their ranges keep the kernel's measured smoothing.
+Ranges and K's mean are also fitted as quadratics in the noise level (``fit.q``, ``fit.k``, ``fit.qmax``,
+``fit.kmax`` (H, 3), ``fit.v``, ``fit.m`` (H, D, 3), coefficients of 1, n, n²), so ``ranges`` gives static
+scales and the smoothing vector at any step of any schedule. Schema 1 files (before K's mean and the
+Q/K maxima were recorded) still load; their ranges are the p99 ones, with the kernel's measured smoothing.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 FILE_NAME = "calibration.safetensors"
 _META_KEY = "diffusion_int8"
-_FIT_OF = {"q": "q_p99", "k": "k_p99", "v": "v_amax"}
+_FIT_OF = {"q": "q_p99", "k": "k_p99", "v": "v_amax"}  # what the summary reports
+_FIT_EXTRA = {"qmax": "q_max", "kmax": "k_max", "m": "k_mean"}  # schema 2
 
 
 def fit_quadratic(noise: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -63,9 +64,9 @@ class Calibration:
         meta: provenance (see module docstring) and ``layers``: ``{name: {"heads": H, "head_dim": D}}``.
         timesteps: (T,) the timesteps the denoiser was called with, in order.
         noise: (T,) the same as noise levels in [0, 1] (``schedule.noise_level``).
-        layers: ``{name: {stat: tensor}}``: ``q_p99``, ``k_p99`` (H, T); ``k_mean``, ``v_amax`` (H, D, T);
-            ``err.{mode}.rel_l1`` and ``err.{mode}.cos`` (H, T); ``fit.q``, ``fit.k`` (H, 3), ``fit.v``,
-            ``fit.m`` (H, D, 3).
+        layers: ``{name: {stat: tensor}}``: ``q_p99``, ``k_p99``, ``q_max``, ``k_max`` (H, T); ``k_mean``,
+            ``v_amax`` (H, D, T); ``err.{mode}.rel_l1`` and ``err.{mode}.cos`` (H, T); ``fit.q``, ``fit.k``,
+            ``fit.qmax``, ``fit.kmax`` (H, 3), ``fit.v``, ``fit.m`` (H, D, 3).
     """
 
     meta: dict
@@ -82,9 +83,8 @@ class Calibration:
         layers = {}
         for name, st in stats.items():
             st = dict(st)
-            for short, stat in _FIT_OF.items():
+            for short, stat in {**_FIT_OF, **_FIT_EXTRA}.items():
                 st[f"fit.{short}"] = fit_quadratic(noise, st[stat]).float()
-            st["fit.m"] = fit_quadratic(noise, st["k_mean"]).float()
             layers[name] = st
         meta = {**meta, "schema_version": SCHEMA_VERSION, "steps": len(timesteps),
                 "layers": {n: {"heads": int(s["q_p99"].shape[0]), "head_dim": int(s["v_amax"].shape[1])}
@@ -158,14 +158,23 @@ class Calibration:
         if problems:
             raise ValueError(f"calibration of {self.meta.get('model', '?')} does not match this model: " + "; ".join(problems))
 
-    def ranges(self, layer: str, timestep: float, device: torch.device | str = "cpu"):
+    def ranges(self, layer: str, timestep: float, device: torch.device | str = "cpu", clip: str = "max"):
         """Static ``(q_amax (1, H), k_amax (1, H), v_amax (1, H, D), k_mean (1, H, D))`` at ``timestep``,
-        float32 on ``device``: ``int8_attention``'s static inputs. ``k_mean`` is None for schema 1 files."""
+        float32 on ``device``: ``int8_attention``'s static inputs.
+
+        ``clip``: Q's and K's ranges from their maxima (``"max"``, the default: nothing clipped on the
+        calibration's data) or from their recorded percentile (``"p99"``, which clips the outliers the
+        kernel's per-token/per-block scales would follow). Schema 1 files have neither the maxima nor
+        K's mean: their ranges are the percentiles and ``k_mean`` is None.
+        """
+        if clip not in ("max", "p99"):
+            raise ValueError(f"clip must be 'max' or 'p99', got {clip!r}")
         st = self.layers[layer]
         n = noise_level(timestep, self.meta.get("num_train_timesteps"), self.meta.get("timestep_scale"))
+        shorts = ("qmax", "kmax", "v") if clip == "max" and "fit.qmax" in st else ("q", "k", "v")
         out = []
-        for short in ("q", "k", "v"):
-            measured = st[_FIT_OF[short]]
+        for short in shorts:
+            measured = st[{**_FIT_OF, **_FIT_EXTRA}[short]]
             # the fit can undershoot between steps; never below a tenth of the smallest measured range
             floor = measured.amin(-1).clamp_min(1e-6) * 0.1
             out.append(torch.maximum(evaluate_fit(st[f"fit.{short}"].double(), n)[..., 0], floor.double()))

@@ -27,15 +27,19 @@ def input_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, percentile: f
     """Per (batch, head) ranges of BHSD attention inputs, in float32.
 
     Returns ``q_p99`` and ``k_p99`` (B, H): the ``percentile`` of |Q| and of |K - mean_tokens(K)| (K as the
-    kernel quantizes it, after smoothing) over tokens and channels; ``k_mean`` (B, H, D): K's token mean,
-    the smoothing vector; ``v_amax`` (B, H, D): |V|'s maximum over tokens, per channel.
+    kernel quantizes it, after smoothing) over tokens and channels; ``q_max`` and ``k_max`` (B, H): their
+    maxima; ``k_mean`` (B, H, D): K's token mean, the smoothing vector; ``v_amax`` (B, H, D): |V|'s
+    maximum over tokens, per channel.
     """
     qf, kf, vf = (t.float() for t in (q, k, v))
     mean = kf.mean(dim=2, keepdim=True)
+    qa, ka = qf.abs().flatten(2), (kf - mean).abs().flatten(2)
     p = percentile / 100.0
     return {
-        "q_p99": quantile_lastdim(qf.abs().flatten(2), p),
-        "k_p99": quantile_lastdim((kf - mean).abs().flatten(2), p),
+        "q_p99": quantile_lastdim(qa, p),
+        "k_p99": quantile_lastdim(ka, p),
+        "q_max": qa.amax(-1),
+        "k_max": ka.amax(-1),
         "k_mean": mean[:, :, 0],
         "v_amax": vf.abs().amax(dim=2),
     }
