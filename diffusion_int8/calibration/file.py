@@ -26,7 +26,7 @@ READABLE_SCHEMAS = (1, 2)
 FILE_NAME = "calibration.safetensors"
 _META_KEY = "diffusion_int8"
 _FIT_OF = {"q": "q_p99", "k": "k_p99", "v": "v_amax"}  # what the summary reports
-_FIT_EXTRA = {"qmax": "q_max", "kmax": "k_max", "m": "k_mean"}  # schema 2
+_FITS = {**_FIT_OF, "qmax": "q_max", "kmax": "k_max", "m": "k_mean"}  # every fit; the last three since schema 2
 
 
 def fit_quadratic(noise: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ class Calibration:
         layers = {}
         for name, st in stats.items():
             st = dict(st)
-            for short, stat in {**_FIT_OF, **_FIT_EXTRA}.items():
+            for short, stat in _FITS.items():
                 st[f"fit.{short}"] = fit_quadratic(noise, st[stat]).float()
             layers[name] = st
         meta = {**meta, "schema_version": SCHEMA_VERSION, "steps": len(timesteps),
@@ -174,7 +174,7 @@ class Calibration:
         shorts = ("qmax", "kmax", "v") if clip == "max" and "fit.qmax" in st else ("q", "k", "v")
         out = []
         for short in shorts:
-            measured = st[{**_FIT_OF, **_FIT_EXTRA}[short]]
+            measured = st[_FITS[short]]
             # the fit can undershoot between steps; never below a tenth of the smallest measured range
             floor = measured.amin(-1).clamp_min(1e-6) * 0.1
             out.append(torch.maximum(evaluate_fit(st[f"fit.{short}"].double(), n)[..., 0], floor.double()))

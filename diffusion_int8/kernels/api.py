@@ -44,7 +44,8 @@ def int8_attention(
         smooth_k: subtract K's token mean per (batch, head) before quantizing (softmax is invariant
             to it; it removes the channel bias that breaks naive INT8 K).
         q_amax, k_amax: static quantization ranges broadcastable to (B, Hq) / (B, Hkv), e.g. per-head
-            calibrated 99th percentiles (``k_amax`` is of the smoothed K). Values beyond are clipped.
+            calibrated ranges (``Calibration.ranges``; ``k_amax`` is of the smoothed K). Values beyond
+            are clipped.
         v_amax: static per-channel range of V, broadcastable to (B, Hkv, D).
         k_mean: static smoothing vector, broadcastable to (B, Hkv, D), subtracted from every key instead
             of K's measured token mean (exact for any vector: softmax is invariant to it; it only sets
