@@ -112,7 +112,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="record per-layer ranges and per-precision errors over the schedule",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--percentile", type=float, default=99.0, help="percentile of |Q| and |K| to record")
+    p.add_argument("--percentile", type=float, default=99.0, help="percentile of |Q| and |K| to record (their maxima are recorded too; static ranges use the maxima unless Calibration.ranges(clip=\"p99\"))")
     p.add_argument("--budget", type=float, default=0.02,
                    help="largest relative L1 attention error the derived schedule accepts (default 0.02)")
     p.add_argument("--per-layer", action="store_true", help="derive the schedule per layer as well as per step")
