@@ -28,13 +28,13 @@ from diffusion_int8.kernels.config import PV  # noqa: E402
 
 SHAPES = {"flux": (2, 24, 4608, 128), "long": (1, 16, 16384, 128), "cogvideox": (1, 24, 17550, 64), "sdxl": (2, 10, 4096, 64)}
 
-_FAST_PATH_EXP = "        p = tl.math.exp2(qk.to(tl.float32) * qsk[:, None] - (m_safe - P_SHIFT)[:, None])\n"
+_FAST_PATH_EXP = ("        p4 = tl.math.exp2(qk4.to(tl.float32) * qsk[:, None, :, None] - (m_safe - P_SHIFT)[:, None, None, None])\n")
 VARIANTS = {  # name: (what is removed, [(old, new), ...])
     "baseline": ("nothing", []),
     "no_exp2": ("exp2 of the scores (MUFU): p = the exponent's argument",
-                [(_FAST_PATH_EXP, "        p = qk.to(tl.float32) * qsk[:, None] - (m_safe - P_SHIFT)[:, None]\n")]),
+                [(_FAST_PATH_EXP, "        p4 = qk4.to(tl.float32) * qsk[:, None, :, None] - (m_safe - P_SHIFT)[:, None, None, None]\n")]),
     "no_rowmax": ("the running max: m = 0 (no reduction, no alpha rescale)",
-                  [("        m_new = tl.maximum(m_i, tl.max(qk, 1).to(tl.float32) * qsk)\n",
+                  [("        m_new = tl.maximum(m_i, tl.max(gmax, 1))\n",
                     "        m_new = m_i * 0.0\n")]),
     "no_pv_mma": ("the P·V MMA and V loads: the FP8 P row sums go into acc instead",
                   [("        v = tl.load(v_ptrs)\n        p8 = p.to(tl.float8e4nv)  # already scaled by 2^P_SHIFT through the exponent\n"

@@ -66,6 +66,12 @@ def accuracy(out, ref):
     return cos, ((out - ref).abs().sum() / ref.abs().sum()).item()
 
 
+def _k_tiles(D, pv):
+    """(block_n, k_groups): K's quantization tile and groups, as the op uses them."""
+    cfg = tile_config(D, pv)
+    return cfg.block_n, cfg.k_groups
+
+
 def run_shape(name, shape, dtype, sweep):
     B, H, N, D = shape
     q, k, v = realistic_qkv(B, H, N, N, D, dtype=dtype, device="cuda")
@@ -100,7 +106,7 @@ def run_shape(name, shape, dtype, sweep):
             add(label, lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale, sm90=False))
 
     def quant_only(pv=PV.FP8):
-        return tq.quantize_qkv(q, k, v, scale, tile_config(D, pv).block_n, pv)
+        return tq.quantize_qkv(q, k, v, scale, *_k_tiles(D, pv), pv)
     add("quantization only (K/V stats, then Q/K/V, fp8)", quant_only, acc=False)
     add("[graph] quantization only", graphed(quant_only), acc=False)
     # static ranges and K mean, as a calibration gives them: no statistics pass
@@ -110,7 +116,7 @@ def run_shape(name, shape, dtype, sweep):
     add("int8 (fp8 P·V), static ranges", lambda: kattn.triton_attention(
         q, k, v, layout="BHSD", pv=PV.FP8, sm_scale=scale, **static))
     add("[graph] quantization only, static ranges", graphed(
-        lambda: tq.quantize_qkv(q, k, v, scale, tile_config(D, PV.FP8).block_n, PV.FP8, **static)), acc=False)
+        lambda: tq.quantize_qkv(q, k, v, scale, *_k_tiles(D, PV.FP8), PV.FP8, **static)), acc=False)
 
     # the same calls replayed from CUDA graphs (as under torch.compile mode="reduce-overhead")
     def cudnn():
@@ -153,7 +159,7 @@ def sweep_tiles(q, k, v, D, scale, block_ns):
         for pv in (PV.FP16, PV.FP8):
             timings = []
             for (bm, warps), bn, stages in itertools.product(programs, block_ns, (2, 3)):
-                cfg = TileConfig(bm, bn, warps, stages)
+                cfg = TileConfig(bm, bn, warps, stages, original(D, pv).k_groups)
                 kattn.tile_config = lambda *_ , cfg=cfg: cfg
                 try:
                     ms = bench(lambda: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale))

@@ -35,8 +35,9 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
     ptrs = {n: "*fp32" for n in ("QAMAX", "QS", "KMEAN", "KAMAX", "KS", "VRANGE", "VAMAX", "VS")}
     ptrs.update(Q="*" + dt, K="*" + dt, V="*" + dt, Q8="*i8", K8="*i8", V8="*fp8e4nv" if v_fmt == 1 else "*i8")
     dp = padded_head_dim(D)
+    cfg = tile_config(D, PV.FP8)
     compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
-        Q_BLOCK=64, K_BLOCK=tile_config(D, PV.FP8).block_n, DP=dp, SMOOTH=smooth, Q_STATIC=static,
+        Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=smooth, Q_STATIC=static,
         K_STATIC=static, V_FMT=v_fmt, V_STATIC=static))
     stats = dict(K="*" + dt, V="*" + dt, KSUM="*fp32", VMAX="*fp32", DONE="*i32", KMEAN="*fp32", VRANGE="*fp32")
     compile_kernel(Qz._kv_stats_kernel, stats, set(),
@@ -49,7 +50,7 @@ def attention_variant(D, pv, mask, dt="fp16"):
     cfg = tile_config(D, pv)
     compile_kernel(A._attn_fwd_kernel, ptrs, set(), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=pv.code, MASK=mask,
-        V_ALIGN8=pv is PV.FP16 and D % 8 == 0))
+        V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups))
 
 
 def hopper_variant(pv, dt="fp16"):

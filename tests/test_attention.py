@@ -204,8 +204,9 @@ def test_nonfinite_inputs_propagate(kdev):
 @pytest.mark.parametrize("D", [40, 64, 72, 128, 256])
 @pytest.mark.parametrize("pv", list(PV))
 def test_worst_case_accuracy_over_seeds(D, pv):
-    # Guards the tile table: K's quantization block is the kernel's BLOCK_N, so a faster tile can cost
-    # accuracy. The emulation computes exactly what the kernel does; the bound holds for the worst draw.
+    # Guards the tile table: K's quantization follows the kernel's tiles (BLOCK_N, K groups), so a faster
+    # tile can cost accuracy. The emulation computes exactly what the kernel does; the bound holds for the
+    # worst draw.
     worst_cos, worst_l1 = 1.0, 0.0
     for seed in range(64):
         q, k, v = realistic_qkv(1, 2, 113, 113, D, seed=seed)
@@ -213,3 +214,18 @@ def test_worst_case_accuracy_over_seeds(D, pv):
         worst_cos, worst_l1 = min(worst_cos, cos), max(worst_l1, l1)
     min_cos, max_l1 = BOUNDS[pv]
     assert worst_cos >= min_cos and worst_l1 <= max_l1, (worst_cos, worst_l1)
+
+
+def test_k_groups_lift_the_short_sequence_tail():
+    # With one K scale per 64-key tile, 1 draw in ~300 at ~100 keys fell below int8_fp16v's bound (a sink
+    # key inflates its tile's range; NOTES v17). Four interleaved groups per tile, free in the kernel,
+    # must keep every draw above it and cut the worst error.
+    worst = {1: 1.0, 4: 1.0}
+    for seed in range(120):
+        q, k, v = realistic_qkv(2, 6, 100, 100, 64, H_kv=1, seed=seed)
+        ref = R.attention_ref(q, k, v)
+        for groups in worst:
+            cos, _ = cos_l1(R.emulate_attention(q, k, v, pv=PV.FP16, block_n=64, k_groups=groups), ref)
+            worst[groups] = min(worst[groups], cos)
+    assert worst[4] >= BOUNDS[PV.FP16][0], worst
+    assert 1 - worst[4] < 0.8 * (1 - worst[1]), worst

@@ -27,13 +27,14 @@ def test_quantization_bit_exact(kdev, D, dtype, layout):
     S = 300 if kdev == "cpu" else 4224
     q, k, v = realistic_qkv(2, 3, S, S, D, dtype=dtype, layout=layout, device=kdev)
     q, k, v = (R.to_bhsd(t, layout) for t in (q, k, v))  # strided views, as the op passes them
-    block_n = tile_config(D, PV.FP8).block_n
     q_amax = torch.full((3,), 2.5, device=kdev)
     v_amax = torch.rand(v.shape[-1], device=kdev) + 0.5
-    cases = [(PV.FP16, True, None, None), (PV.FP8, False, q_amax, None), (PV.INT8, True, None, None), (PV.FP8, True, None, v_amax)]
-    for pv, smooth, qa, va in cases:
-        q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.125, block_n, pv, smooth_k=smooth, q_amax=qa, v_amax=va)
-        want_q, want_k = R.quantize_q(q, 0.125, qa), R.quantize_k(k, block_n, smooth)
+    # K tiles of 64 and 128 keys, with one scale or 4 groups
+    cases = [(PV.FP16, True, None, None, 64, 4), (PV.FP8, False, q_amax, None, 128, 1), (PV.INT8, True, None, None, 64, 1),
+             (PV.FP8, True, None, v_amax, 128, 4)]
+    for pv, smooth, qa, va, bn, groups in cases:
+        q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.125, bn, groups, pv, smooth_k=smooth, q_amax=qa, v_amax=va)
+        want_q, want_k = R.quantize_q(q, 0.125, qa), R.quantize_k(k, bn, groups, smooth)
         assert torch.equal(q8, want_q[0]) and torch.equal(qs, want_q[1]), pv
         assert torch.equal(k8, want_k[0]) and torch.equal(ks, want_k[1]), pv
         if pv is PV.FP16:
@@ -48,10 +49,11 @@ def test_gqa_and_static_k_range_bit_exact(kdev):
 
     q, k, v = realistic_qkv(1, 4, 150, 200, 64, H_kv=2, device=kdev)
     amax = torch.rand(1, 2, device=kdev) * 3 + 0.5  # smaller than the data: values get clipped
-    q8, qs, k8, ks, _, _ = TQ.quantize_qkv(q, k, v, 0.5, 64, PV.FP16, k_amax=amax)
-    want_k = R.quantize_k(k, 64, True, amax)
-    assert torch.equal(k8, want_k[0]) and torch.equal(ks, want_k[1])
-    assert (k8.abs() == 127).float().mean() > 0.01  # clipping happened
+    for groups in (1, 4):
+        q8, qs, k8, ks, _, _ = TQ.quantize_qkv(q, k, v, 0.5, 64, groups, PV.FP16, k_amax=amax)
+        want_k = R.quantize_k(k, 64, groups, True, amax)
+        assert torch.equal(k8, want_k[0]) and torch.equal(ks, want_k[1])
+        assert (k8.abs() == 127).float().mean() > 0.01  # clipping happened
     want_q = R.quantize_q(q, 0.5)
     assert torch.equal(q8, want_q[0]) and torch.equal(qs, want_q[1])
 
@@ -68,18 +70,19 @@ def test_static_k_mean_bit_exact_and_skips_the_statistics_pass(kdev, pv, monkeyp
     real = TQ.kv_moments
     measured = []
     monkeypatch.setattr(TQ, "kv_moments", lambda k_, v_: measured.append((k_ is None, v_ is None)) or real(k_, v_))
-    block_n = tile_config(72, pv).block_n
-    q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, block_n, pv, k_mean=mean, v_amax=v_amax)
+    cfg = tile_config(72, pv)
+    tiles = (cfg.block_n, cfg.k_groups)
+    q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, *tiles, pv, k_mean=mean, v_amax=v_amax)
     assert measured == []  # nothing left to measure: no statistics pass
-    want_k = R.quantize_k(k, block_n, True, None, mean)
+    want_k = R.quantize_k(k, *tiles, True, None, mean)
     assert torch.equal(k8, want_k[0]) and torch.equal(ks, want_k[1])
-    assert not torch.equal(k8, R.quantize_k(k, block_n, True)[0])  # the static mean was used
+    assert not torch.equal(k8, R.quantize_k(k, *tiles, True)[0])  # the static mean was used
     if pv is PV.FP8:
         want_v = R.quantize_v(v, pv, R.v_channel_amax(v, v_amax))
         assert torch.equal(_bits(v8), _bits(want_v[0])) and torch.equal(vs, want_v[1])
         # static mean, measured V range: the pass reads V only
         measured.clear()
-        _, _, k8, _, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, block_n, pv, k_mean=mean)
+        _, _, k8, _, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, *tiles, pv, k_mean=mean)
         assert measured == [(True, False)]
         assert torch.equal(k8, want_k[0])
         want_v = R.quantize_v(v, pv, R.v_channel_amax(v))
@@ -102,7 +105,7 @@ def test_int8_qk_dot_bit_exact(kdev, D):
     S = 256 if kdev == "cpu" else 4096
     q, k, _ = realistic_qkv(1, 1, S, S, D, device=kdev)
     q8, _ = R.quantize_q(q, 1.0)
-    k8, _ = R.quantize_k(k, 64, True)
+    k8, _ = R.quantize_k(k, 64, 4)
     q8, k8 = q8[0, 0].contiguous(), k8[0, 0].contiguous()
     cfg = tile_config(D, PV.FP8)
     out = torch.full((S, S), -(2**31), dtype=torch.int32, device=kdev)

@@ -1,8 +1,8 @@
 """The fused INT8 attention kernel (Triton) and its launcher.
 
 One program computes ``BLOCK_M`` query rows of one (batch, head): an INT8 Q·Kᵀ per K tile, scores
-dequantized with one multiply (per-token Q scale × per-tile K scale, softmax scale and log2(e)
-already folded in), online softmax in FP32 with exp2, and P·V in the precision chosen by ``PV``.
+dequantized with one multiply (per-token Q scale × the K scale of the key's group, softmax scale and
+log2(e) already folded in), online softmax in FP32 with exp2, and P·V in the precision chosen by ``PV``.
 """
 
 from __future__ import annotations
@@ -35,15 +35,20 @@ def _attn_block(
     SQ, SK, D,
     stride_vs, stride_mn,
     BLOCK_N: tl.constexpr, DP: tl.constexpr, PV: tl.constexpr, MASK: tl.constexpr, TAIL: tl.constexpr,
-    P_SHIFT: tl.constexpr,
+    P_SHIFT: tl.constexpr, K_GROUPS: tl.constexpr,
 ):
     # -- S = Q·Kᵀ on INT8 tensor cores; logits in base 2 are qk · (q scale · k scale) --
     k = tl.load(k_ptrs)
     qk = tl.dot(q, k)
-    qsk = qs * tl.load(ks_ptr)
+    # The tile's keys in their K groups, (BLOCK_M, BLOCK_N // 8, K_GROUPS, 8 // K_GROUPS): key j is in
+    # group (j mod 8) div (8 / K_GROUPS), which the MMA's accumulator layout keeps inside one thread, so
+    # this reshape moves no data and the group's scale is one multiplier per row and thread.
+    G: tl.constexpr = K_GROUPS
+    qk4 = tl.reshape(qk, [qk.shape[0], BLOCK_N // 8, G, 8 // G])
+    qsk = qs[:, None] * tl.load(ks_ptr + (8 // G) * tl.arange(0, G))[None, :]  # (BLOCK_M, G)
     cols = start_n + offs_n
     if TAIL or MASK != 0:
-        s = qk.to(tl.float32) * qsk[:, None]
+        s = tl.reshape(qk4.to(tl.float32) * qsk[:, None, :, None], [qk.shape[0], BLOCK_N])
         if TAIL:
             s = tl.where(cols[None, :] < SK, s, float("-inf"))
         if MASK != 0:
@@ -60,11 +65,13 @@ def _attn_block(
             m_safe = m_new
         p = tl.math.exp2(s - (m_safe - P_SHIFT)[:, None])
     else:
-        # the scale is positive, so the row max is taken on the INT32 scores and the exponent's
-        # argument is a single FMA per score
-        m_new = tl.maximum(m_i, tl.max(qk, 1).to(tl.float32) * qsk)
+        # the scales are positive, so each group's max is taken on the INT32 scores (first over the
+        # thread's own columns) and the exponent's argument is a single FMA per score
+        gmax = tl.max(tl.max(qk4, 1), 2).to(tl.float32) * qsk
+        m_new = tl.maximum(m_i, tl.max(gmax, 1))
         m_safe = m_new
-        p = tl.math.exp2(qk.to(tl.float32) * qsk[:, None] - (m_safe - P_SHIFT)[:, None])
+        p4 = tl.math.exp2(qk4.to(tl.float32) * qsk[:, None, :, None] - (m_safe - P_SHIFT)[:, None, None, None])
+        p = tl.reshape(p4, [qk.shape[0], BLOCK_N])
     # -- update running max and sum --
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -104,7 +111,7 @@ def _attn_fwd_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_FULL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
-    PV: tl.constexpr, MASK: tl.constexpr, V_ALIGN8: tl.constexpr,
+    PV: tl.constexpr, MASK: tl.constexpr, V_ALIGN8: tl.constexpr, K_GROUPS: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(DP >= 32)
@@ -124,7 +131,7 @@ def _attn_fwd_kernel(
     q = tl.load(Q8 + off_bh.to(tl.int64) * SQ_PAD * DP + offs_m[:, None] * DP + offs_d[None, :])
     qs = tl.load(QS + off_bh.to(tl.int64) * SQ_PAD + offs_m)
     k_ptrs = K8 + off_kv * SK_PAD * DP + offs_n[None, :] * DP + offs_d[:, None]  # Kᵀ tile (DP, BLOCK_N)
-    ks_ptr = KS + off_kv * (SK_PAD // BLOCK_N)
+    ks_ptr = KS + off_kv * SK_PAD  # K's scales, stored per key
     if PV == 0:
         v_offs = (b.to(tl.int64) * stride_vb + (h // (H // H_KV)).to(tl.int64) * stride_vh
                   + offs_n[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd)
@@ -151,16 +158,16 @@ def _attn_fwd_kernel(
     for start_n in range(0, N_FULL, BLOCK_N):
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, start_n, offs_m, offs_n, offs_d,
-            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT,
+            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS,
         )
         k_ptrs += BLOCK_N * DP
         v_ptrs += v_step
-        ks_ptr += 1
+        ks_ptr += BLOCK_N
         mask_ptrs += BLOCK_N * stride_mn
     if N_FULL < SK:
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, N_FULL, offs_m, offs_n, offs_d,
-            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT,
+            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS,
         )
 
     # -- normalize; rows with every key masked give 0 --
@@ -202,7 +209,7 @@ def triton_attention(
     H_kv, Sk = kb.shape[1], kb.shape[2]
     cfg = tile_config(D, pv)
     q8, qs, k8, ks, vk, vs = tq.quantize_qkv(
-        qb, kb, vb, sm_scale, cfg.block_n, pv,
+        qb, kb, vb, sm_scale, cfg.block_n, cfg.k_groups, pv,
         smooth_k=smooth_k, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
     )
     if pv is PV.FP16:
@@ -231,7 +238,7 @@ def triton_attention(
         H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=q8.shape[-1],
         PV=pv.code, MASK=mask_kind,
-        V_ALIGN8=pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb),
+        V_ALIGN8=pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), K_GROUPS=cfg.k_groups,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

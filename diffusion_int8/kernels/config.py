@@ -72,10 +72,19 @@ class Backend(str, enum.Enum):
 
 @dataclass(frozen=True)
 class TileConfig:
+    """Tiles of the portable attention kernel, and K's quantization, which follows them.
+
+    K has ``k_groups`` scales per tile of ``block_n`` keys: 1, or 4 interleaved groups where key j of a
+    tile is in group (j mod 8) div 2. Those are the columns one thread holds in the accumulator of an
+    INT8 MMA (mma.sync m16n8k32 and wgmma alike give a thread columns 2t, 2t+1 of every 8), so a thread
+    still multiplies its scores by one K scale per row (SageAttention2's per-thread quantization).
+    """
+
     block_m: int
-    block_n: int  # also the K quantization block: one K scale per tile
+    block_n: int
     num_warps: int
     num_stages: int
+    k_groups: int
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -86,19 +95,22 @@ def padded_head_dim(head_dim: int) -> int:
 def tile_config(head_dim: int, pv: PV) -> TileConfig:
     """Tiles for one head dim and P·V precision.
 
-    The table is fixed (not autotuned) because ``block_n`` is also the K quantization block, which the
-    emulation must reproduce; the entries come from the sweep in ``benchmarks/attention.py``.
+    The table is fixed (not autotuned) because ``block_n`` and ``k_groups`` define K's quantization,
+    which the emulation must reproduce; the entries come from same-run sweeps (NOTES.md v3, v17).
     """
     dp = padded_head_dim(head_dim)
     if dp <= 64:
-        # block_n is K's quantization block: 128-key blocks are faster here but break the accuracy
-        # bounds (worst of 40 seeds at 113 tokens, int8: cos 0.9989, rel L1 3.9%), so 64.
-        return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    if dp == 128:  # best at Flux (4608, 128)
+        # 4 K groups per tile: one scale per 64-key tile missed issue #2's bounds now and then at ~100
+        # keys (a sink key inflates its tile's range), and per 128-key tile often; with 4 groups the
+        # worst of 300 draws keeps a margin at 128-key tiles too (NOTES v4, v17)
+        if pv is PV.FP16 and head_dim < 64:  # SD1.5's 40: 128-row tiles measured 8% faster
+            return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, k_groups=4)
+        return TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, k_groups=4)
+    if dp == 128:  # best at Flux (4608, 128); the sm_90 kernels read one K scale per tile
         if pv is PV.FP8:
-            return TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
-        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+            return TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, k_groups=1)
+        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, k_groups=1)
+    return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, k_groups=1)
 
 
 def interpreting() -> bool:

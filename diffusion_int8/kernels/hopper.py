@@ -12,7 +12,8 @@ and K/V tiles arrive by TMA into a ring of shared-memory stages ahead of their u
   are too short for the ping-pong: the handshakes cost more than they hide (NOTES v14).
 
 Covers the hot path only: sm_90, no attention mask, a padded head dim of 128 (at 64 it did not beat the
-portable kernel: NOTES v12), P·V in FP8 or in V's 16-bit type with V readable by TMA.
+portable kernel: NOTES v12), P·V in FP8 or in V's 16-bit type with V readable by TMA. At that head dim K
+has one scale per key tile (``config.tile_config``), stored per key: the kernels read each tile's first.
 ``attention.triton_attention`` routes everything else to the portable kernel.
 """
 
@@ -178,8 +179,8 @@ def _step(acc, m_i, l_i, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_de
     mbarrier.wait(v_bars.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
     pv_tok = _issue_pv(p_bufs, j - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, PV, o_layout)
     qk = warpgroup_mma_wait(1, deps=[s_tok])
-    p, m_i, l_i, alpha = _softmax(qk, qs, gl.load(ks_ptr + j), m_i, l_i, j * BLOCK_N, SK, BLOCK_N, 0.0, MASKED,
-                                  s_layout)
+    ks = gl.load(ks_ptr + j * BLOCK_N)  # one K scale per block: stored per key, read from the block's first
+    p, m_i, l_i, alpha = _softmax(qk, qs, ks, m_i, l_i, j * BLOCK_N, SK, BLOCK_N, 0.0, MASKED, s_layout)
     # P's other buffer was last read by block j-2's P·V, waited for in the previous step
     _stage_p(p, p_bufs, j)
     # the MMA added block j-1 into acc; rescaled to block j's max before the next one adds to it
@@ -232,7 +233,7 @@ def _attn_fwd_sm90(
 
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     qs = gl.load(QS + off_bh * SQ_PAD + offs_m)
-    ks_ptr = KS + off_kv * (SK_PAD // BLOCK_N)
+    ks_ptr = KS + off_kv * SK_PAD
 
     # block 0 (masked: it may be the only one)
     mbarrier.wait(q_bar, 0)
@@ -287,7 +288,7 @@ def _pp_step(acc, m_i, l_i, alpha_prev, ks_j, j, q_smem, k_bufs, k_ready, v_bufs
     pv_tok = _issue_pv(p_bufs, j - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, 1, o_layout)
     mbarrier.arrive(other_turn, count=1)
     # block j+1's K scale, read now so that its latency hides under this step (3% at Flux)
-    ks_next = gl.load(ks_ptr + gl.minimum(j + 1, N_BLOCKS - 1))
+    ks_next = gl.load(ks_ptr + gl.minimum(j + 1, N_BLOCKS - 1) * BLOCK_N)
     qk = warpgroup_mma_wait(1, deps=[s_tok])
     p, m_i, l_i, alpha = _softmax(qk, qs, ks_j, m_i, l_i, j * BLOCK_N, SK, BLOCK_N, _P_SHIFT, MASKED, s_layout)
     # P's other buffer was last read by block j-2's P·V, waited for in the previous step
@@ -312,14 +313,14 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bu
     q_smem = q_bufs.index(cid)
     row0 = pid_m * (2 * BLOCK_M) + cid * BLOCK_M
     qs = gl.load(QS + off_bh * SQ_PAD + row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))
-    ks_ptr = KS + off_kv * (SK_PAD // BLOCK_N)
+    ks_ptr = KS + off_kv * SK_PAD
 
     # round 0: block 0's Q·Kᵀ alone (masked: it may be the only block)
     mbarrier.wait(q_bars.index(cid), 0)
     _turn_wait(my_turn, cid, 0)
     s_tok = _issue_qk(q_smem, k_bufs, k_ready, 0, BLOCK_M, BLOCK_N, STAGES, s_layout)
     mbarrier.arrive(other_turn, count=1)
-    ks_j = gl.load(ks_ptr + gl.minimum(1, N_BLOCKS - 1))
+    ks_j = gl.load(ks_ptr + gl.minimum(1, N_BLOCKS - 1) * BLOCK_N)
     qk = warpgroup_mma_wait(0, deps=[s_tok])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))

@@ -52,26 +52,32 @@ def _load_tile(X, stride_xb, stride_xh, stride_xs, stride_xd, pid_s, pid_bh, H, 
 
 
 @triton.jit
-def _quant_int8(x, AMAX, PER_TOKEN: tl.constexpr, STATIC: tl.constexpr):
-    """Symmetric INT8 of a float32 (rows, DP) tile, one range per row (Q) or for the tile (K), measured
-    or read from the scalar at ``AMAX`` (STATIC). Returns the int8 tile and ``amax / 127`` (per row or
-    scalar); a NaN/Inf in the row or tile makes its scale NaN."""
-    poison = x * 0.0  # sums to NaN iff the row/tile holds a NaN/Inf (GPU max drops NaN)
-    if PER_TOKEN:
-        nonfinite = tl.sum(poison, axis=1)
-        amax = tl.max(tl.abs(x), axis=1)
+def _per_group(x, GROUPS: tl.constexpr, reduce: tl.constexpr):
+    """Reduce per-token values (tokens,) over each K group of the tile (token j in group (j mod 8) div
+    (8 / GROUPS): ``config.TileConfig``) and give every token its group's result."""
+    n: tl.constexpr = x.shape[0]
+    x3 = tl.reshape(x, [n // 8, GROUPS, 8 // GROUPS])
+    if reduce == "sum":
+        g = tl.sum(tl.sum(x3, axis=2), axis=0)
     else:
-        nonfinite = tl.sum(tl.sum(poison, axis=1), axis=0)
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        g = tl.max(tl.max(x3, axis=2), axis=0)
+    return tl.reshape(tl.broadcast_to(g[None, :, None], [n // 8, GROUPS, 8 // GROUPS]), [n])
+
+
+@triton.jit
+def _quant_int8(x, AMAX, GROUPS: tl.constexpr, STATIC: tl.constexpr):
+    """Symmetric INT8 of a float32 (tokens, DP) tile: one range per token (GROUPS = 0, Q) or per K group
+    of the tile (GROUPS = 1 or 4), measured or read from the scalar at ``AMAX`` (STATIC). Returns the
+    int8 tile and each token's ``amax / 127``; a NaN/Inf in a token makes its token's (group's) scale NaN."""
+    poison = tl.sum(x * 0.0, axis=1)  # NaN iff the token holds a NaN/Inf (GPU max drops NaN)
+    amax = tl.max(tl.abs(x), axis=1)
+    if GROUPS != 0:
+        poison = _per_group(poison, GROUPS, "sum")
+        amax = _per_group(amax, GROUPS, "max")
     if STATIC:
-        amax = tl.load(AMAX) + nonfinite * 0.0
-    amax = tl.maximum(amax, _AMAX_FLOOR) + nonfinite
-    inv = _rdiv(_INT8_MAX, amax)
-    if PER_TOKEN:
-        y = x * inv[:, None]
-    else:
-        y = x * inv
-    y = tl.minimum(tl.maximum(y, -_INT8_MAX), _INT8_MAX)
+        amax = tl.load(AMAX) + poison * 0.0
+    amax = tl.maximum(amax, _AMAX_FLOOR) + poison
+    y = tl.minimum(tl.maximum(x * _rdiv(_INT8_MAX, amax)[:, None], -_INT8_MAX), _INT8_MAX)
     return _round_to_int8(y), tl.math.div_rn(amax, amax * 0.0 + _INT8_MAX)
 
 
@@ -84,11 +90,12 @@ def _quant_qkv_kernel(
     stride_qab, stride_qah, stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
     stride_kmb, stride_kmh, stride_kmd,
     H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, scale_mult,
-    Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr,
-    Q_STATIC: tl.constexpr, K_STATIC: tl.constexpr, V_FMT: tl.constexpr, V_STATIC: tl.constexpr,
+    Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, K_GROUPS: tl.constexpr, DP: tl.constexpr,
+    SMOOTH: tl.constexpr, Q_STATIC: tl.constexpr, K_STATIC: tl.constexpr, V_FMT: tl.constexpr,
+    V_STATIC: tl.constexpr,
 ):
-    # One launch for Q, K and V: programs [0, NQ) take Q_BLOCK tokens of Q, the rest one K quantization
-    # block and the same tokens of V.
+    # One launch for Q, K and V: programs [0, NQ) take Q_BLOCK tokens of Q, the rest one K tile of
+    # K_BLOCK tokens (K_GROUPS scales) and the same tokens of V.
     pid = tl.program_id(0)
     if pid < NQ:
         n_s = SQ_PAD // Q_BLOCK
@@ -103,7 +110,7 @@ def _quant_qkv_kernel(
             stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
             stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
             (pid - NQ) % n_s, (pid - NQ) // n_s, H_KV, SK, D, SK_PAD,
-            K_BLOCK, DP, SMOOTH, K_STATIC, V_FMT, V_STATIC,
+            K_BLOCK, K_GROUPS, DP, SMOOTH, K_STATIC, V_FMT, V_STATIC,
         )
 
 
@@ -114,7 +121,7 @@ def _quant_q_block(
     BLOCK: tl.constexpr, DP: tl.constexpr, STATIC: tl.constexpr,
 ):
     x, offs_s, offs_d, _ = _load_tile(Q, stride_qb, stride_qh, stride_qs, stride_qd, pid_s, pid_bh, H, SQ, D, BLOCK, DP)
-    q8, qs = _quant_int8(x, QAMAX + (pid_bh // H) * stride_qab + (pid_bh % H) * stride_qah, True, STATIC)
+    q8, qs = _quant_int8(x, QAMAX + (pid_bh // H) * stride_qab + (pid_bh % H) * stride_qah, 0, STATIC)
     tl.store(Q8 + pid_bh.to(tl.int64) * SQ_PAD * DP + offs_s[:, None] * DP + offs_d[None, :], q8)
     tl.store(QS + pid_bh * SQ_PAD + offs_s, qs * scale_mult)
 
@@ -125,10 +132,10 @@ def _quant_kv_block(
     stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
     stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
     pid_s, pid_bh, H, S, D, S_PAD,
-    BLOCK: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
+    BLOCK: tl.constexpr, GROUPS: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
     V_FMT: tl.constexpr, V_STATIC: tl.constexpr,
 ):
-    # One K quantization block and the same tokens of V (V_FMT: 0 none, 1 FP8, 2 INT8), with K's mean
+    # One K tile and the same tokens of V (V_FMT: 0 none, 1 FP8, 2 INT8), with K's mean
     # (measured by kv_moments or static, read through strides) and V's range from kv_moments (read from
     # VAMAX instead if V_STATIC).
     b, h = pid_bh // H, pid_bh % H
@@ -136,10 +143,10 @@ def _quant_kv_block(
     if SMOOTH:
         mean = tl.load(KMEAN + b * stride_kmb + h * stride_kmh + offs_d * stride_kmd, mask=offs_d < D, other=0.0)
         x = tl.where(valid, x - mean[None, :], 0.0)
-    k8, ks = _quant_int8(x, KAMAX + b * stride_kab + h * stride_kah, False, STATIC)
+    k8, ks = _quant_int8(x, KAMAX + b * stride_kab + h * stride_kah, GROUPS, STATIC)
     base = pid_bh.to(tl.int64) * S_PAD * DP
     tl.store(K8 + base + offs_s[:, None] * DP + offs_d[None, :], k8)
-    tl.store(KS + pid_bh * (S_PAD // BLOCK) + pid_s, ks)
+    tl.store(KS + pid_bh * S_PAD + offs_s, ks)
     if V_FMT != 0:
         # the range as reference.v_channel_amax gives it: floored, NaN where non-finite, padded with 1
         if V_STATIC:
@@ -276,6 +283,7 @@ def quantize_qkv(
     v: torch.Tensor,
     sm_scale: float,
     block_n: int,
+    k_groups: int,
     pv: PV,
     *,
     smooth_k: bool = True,
@@ -293,7 +301,8 @@ def quantize_qkv(
     ``k_mean`` and ``v_amax`` given (or no smoothing and fp16 P·V) there is no statistics pass. V is
     quantized only when ``pv`` is FP8 or INT8.
     Returns q8 (B, H, Sq_pad, DP) int8, qs (B, H, Sq_pad) float32 (sm_scale·log2(e) folded in),
-    k8 (B, H_kv, Sk_pad, DP) int8, ks (B, H_kv, Sk_pad // block_n) float32, and v8 / vs as
+    k8 (B, H_kv, Sk_pad, DP) int8, ks (B, H_kv, Sk_pad) float32 (``k_groups`` scales per tile of
+    ``block_n`` keys, stored per key), and v8 / vs as
     ``reference.quantize_v`` gives them (None, None for fp16 P·V).
     """
     B, H, Sq, D = q.shape
@@ -309,7 +318,7 @@ def quantize_qkv(
     q8 = torch.empty((B, H, sq_pad, dp), dtype=torch.int8, device=dev)
     qs = torch.empty((B, H, sq_pad), dtype=torch.float32, device=dev)
     k8 = torch.empty((B, H_kv, sk_pad, dp), dtype=torch.int8, device=dev)
-    ks = torch.empty((B, H_kv, sk_pad // block_n), dtype=torch.float32, device=dev)
+    ks = torch.empty((B, H_kv, sk_pad), dtype=torch.float32, device=dev)
     v8 = vs = None
     if v_fmt:
         shape = (B, H_kv, dp, sk_pad) if v_fmt == 1 else (B, H_kv, sk_pad, dp)
@@ -328,7 +337,7 @@ def quantize_qkv(
         v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs,
         *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides, *km_strides,
         H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq, sm_scale * LOG2E,
-        Q_BLOCK=_ROW_BLOCK, K_BLOCK=block_n, DP=dp, SMOOTH=smooth_k,
+        Q_BLOCK=_ROW_BLOCK, K_BLOCK=block_n, K_GROUPS=k_groups, DP=dp, SMOOTH=smooth_k,
         Q_STATIC=q_amax is not None, K_STATIC=k_amax is not None, V_FMT=v_fmt, V_STATIC=v_amax is not None,
     )
     return q8, qs, k8, ks, v8, vs

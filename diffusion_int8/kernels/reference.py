@@ -8,11 +8,12 @@ CPUs and on GPUs the kernel does not support. ``attention_ref`` is plain attenti
 Numerics shared by both backends (``q``, ``k``, ``v`` in (B, H, S, D), D padded to ``DP``):
 
 * Q, per token: ``q8 = round(clamp(q · 127/amax, ±127))``, scale ``amax/127 · sm_scale · log2(e)``.
-* K, per block of ``block_n`` tokens, after subtracting the per-(batch, head) token mean or a given
-  static mean (smoothing: softmax is invariant to subtracting any one vector from every key):
-  ``k8 = round(clamp(k · 127/amax, ±127))``, scale ``amax/127``.
+* K, per tile of ``block_n`` keys or per 4 interleaved groups of a tile (``config.TileConfig``), after
+  subtracting the per-(batch, head) token mean or a given static mean (smoothing: softmax is invariant
+  to subtracting any one vector from every key): ``k8 = round(clamp(k · 127/amax, ±127))``, scale
+  ``amax/127``, stored per key. The score of query i and key j is ``(q8_i · k8_j) · (qs_i · ks_j)``.
 * V, per channel over all tokens: FP8 e4m3 with range 448 or INT8 with range 127.
-* Any NaN/Inf in a quantization block makes that block's scale NaN, so it shows in the output.
+* Any NaN/Inf in a token (Q), K group or channel (V) makes its scale NaN, so it shows in the output.
 """
 
 from __future__ import annotations
@@ -70,23 +71,29 @@ def _round_int8(y: torch.Tensor) -> torch.Tensor:
     return torch.round(y.clamp(-INT8_MAX, INT8_MAX)).to(torch.int8)
 
 
+def _quantize_groups(x: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 with one range per row of float32 ``x`` (B, H, n, size), measured or static
+    (broadcastable to (B, H)). Returns the int8 tensor and ``amax/127`` (B, H, n); a NaN/Inf in a row makes
+    its scale NaN."""
+    B, H = x.shape[:2]
+    nonfinite = (x * 0.0).sum(-1)
+    if amax is None:
+        amax = x.abs().amax(-1)
+    else:
+        amax = amax.float().expand(B, H)[..., None].expand_as(nonfinite)
+    amax = _guard(amax, nonfinite)
+    return _round_int8(x * _div(INT8_MAX, amax)[..., None]), _div(amax, INT8_MAX)
+
+
 def quantize_q(q: torch.Tensor, sm_scale: float, q_amax: torch.Tensor | None = None):
     """Per-token INT8 Q with ``sm_scale·log2(e)`` folded into its scale.
 
     q: (B, H, S, D) fp16/bf16. q_amax: optional static range broadcastable to (B, H).
     Returns q8 (B, H, S_pad, DP) int8 and qs (B, H, S_pad) float32.
     """
-    B, H, S, D = q.shape
-    x = _pad(q, padded_len(S), padded_head_dim(D))
-    nonfinite = (x * 0.0).sum(-1)
-    if q_amax is None:
-        amax = x.abs().amax(-1)
-    else:
-        amax = q_amax.float().expand(B, H)[..., None].expand_as(nonfinite)
-    amax = _guard(amax, nonfinite)
-    q8 = _round_int8(x * _div(INT8_MAX, amax)[..., None])
-    qs = _div(amax, INT8_MAX) * torch.tensor(sm_scale * LOG2E, dtype=torch.float32)
-    return q8, qs
+    S, D = q.shape[2:]
+    q8, qs = _quantize_groups(_pad(q, padded_len(S), padded_head_dim(D)), q_amax)
+    return q8, qs * torch.tensor(sm_scale * LOG2E, dtype=torch.float32)
 
 
 def token_mean(k: torch.Tensor) -> torch.Tensor:
@@ -97,15 +104,17 @@ def token_mean(k: torch.Tensor) -> torch.Tensor:
 def quantize_k(
     k: torch.Tensor,
     block_n: int,
+    k_groups: int = 1,
     smooth_k: bool = True,
     k_amax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
 ):
-    """Per-block INT8 K after mean subtraction.
+    """INT8 K after mean subtraction, with ``k_groups`` (1 or 4) scales per tile of ``block_n`` keys.
 
+    With 4, key j of a tile is in group (j mod 8) div 2 (``config.TileConfig``).
     k: (B, H, S, D). k_amax: optional static range (of the smoothed K) broadcastable to (B, H).
     k_mean: optional static mean subtracted instead of K's token mean, broadcastable to (B, H, D).
-    Returns k8 (B, H, S_pad, DP) int8 and ks (B, H, S_pad // block_n) float32.
+    Returns k8 (B, H, S_pad, DP) int8 and ks (B, H, S_pad) float32: each key's group scale.
     """
     B, H, S, D = k.shape
     s_pad, dp = padded_len(S), padded_head_dim(D)
@@ -113,15 +122,13 @@ def quantize_k(
     if smooth_k:
         mean = token_mean(k) if k_mean is None else k_mean.float().expand(B, H, D)
         x = x - mean[:, :, None, :]
-    x = _pad(x, s_pad, dp).view(B, H, s_pad // block_n, block_n, dp)
-    nonfinite = (x * 0.0).sum((-2, -1))
-    if k_amax is None:
-        amax = x.abs().amax((-2, -1))
-    else:
-        amax = k_amax.float().expand(B, H)[..., None].expand_as(nonfinite)
-    amax = _guard(amax, nonfinite)
-    k8 = _round_int8(x * _div(INT8_MAX, amax)[..., None, None])
-    return k8.view(B, H, s_pad, dp), _div(amax, INT8_MAX)
+    # (B, H, tile, key // 8, group, key within the group's pair, channel); groups to the front, flattened
+    x = _pad(x, s_pad, dp).view(B, H, s_pad // block_n, block_n // 8, k_groups, 8 // k_groups, dp)
+    x = x.permute(0, 1, 2, 4, 3, 5, 6)
+    k8, ks = _quantize_groups(x.reshape(B, H, -1, block_n // k_groups * dp), k_amax)
+    k8 = k8.view(x.shape).permute(0, 1, 2, 4, 3, 5, 6).reshape(B, H, s_pad, dp)
+    ks = ks.view(B, H, -1, 1, k_groups, 1).expand(-1, -1, -1, block_n // 8, -1, 8 // k_groups)
+    return k8, ks.reshape(B, H, s_pad)
 
 
 def v_channel_amax(v: torch.Tensor, v_amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -176,8 +183,10 @@ def emulate_attention(
     v_amax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
     block_n: int | None = None,
+    k_groups: int | None = None,
 ) -> torch.Tensor:
-    """What the Triton kernel computes, in PyTorch. Same arguments as the kernel wrapper.
+    """What the Triton kernel computes, in PyTorch. Same arguments as the kernel wrapper; ``block_n`` and
+    ``k_groups`` override the tile table's (for studies of K's quantization).
 
     Returns a contiguous tensor shaped like ``q``, in ``q``'s dtype.
     """
@@ -188,9 +197,10 @@ def emulate_attention(
     H_kv, Sk = kb.shape[1], kb.shape[2]
     if sm_scale is None:
         sm_scale = D**-0.5
-    block_n = block_n or tile_config(D, pv).block_n
+    cfg = tile_config(D, pv)
+    block_n, k_groups = block_n or cfg.block_n, k_groups or cfg.k_groups
     q8, qs = quantize_q(qb, sm_scale, q_amax)
-    k8, ks = quantize_k(kb, block_n, smooth_k, k_amax, k_mean)
+    k8, ks = quantize_k(kb, block_n, k_groups, smooth_k, k_amax, k_mean)
     idx = _gqa_index(H, H_kv, q.device)
     if pv is PV.FP16:
         vq = F.pad(vb, (0, q8.shape[-1] - D, 0, k8.shape[2] - Sk)).index_select(1, idx)
@@ -210,10 +220,11 @@ def emulate_attention(
     m_i = torch.full((B, H, Sq), -math.inf, device=q.device)
     l_i = torch.zeros((B, H, Sq), device=q.device)
     acc = torch.zeros((B, H, Sq, q8.shape[-1]), device=q.device)
-    for j, start in enumerate(range(0, Sk, block_n)):
+    for start in range(0, Sk, block_n):
         end = min(start + block_n, Sk)
         # -- scores in base 2: exact INT32 dot (every partial sum < 2^24, so fp32 is exact) --
-        s = (qf @ k8[:, :, start : start + block_n].transpose(-1, -2)) * (qs * ks[:, :, j, None])[..., None]
+        qk = qf @ k8[:, :, start : start + block_n].transpose(-1, -2)
+        s = qk * (qs[..., None] * ks[:, :, None, start : start + block_n])
         s[..., end - start :] = -math.inf
         if mask is not None:
             mblk = mask[..., start:end]
