@@ -26,7 +26,7 @@ from inputs import realistic_qkv  # noqa: E402
 
 from diffusion_int8.kernels import attention as kattn  # noqa: E402
 from diffusion_int8.kernels import quantize as tq  # noqa: E402
-from diffusion_int8.kernels.config import PV, TileConfig, padded_head_dim, tile_config  # noqa: E402
+from diffusion_int8.kernels.config import PV, TileConfig, padded_head_dim  # noqa: E402
 from diffusion_int8.kernels.reference import attention_ref, token_mean  # noqa: E402
 
 SHAPES = {  # name: (B, H, N, D), from ../shared/ANCHORS.md
@@ -66,12 +66,6 @@ def accuracy(out, ref):
     return cos, ((out - ref).abs().sum() / ref.abs().sum()).item()
 
 
-def _k_tiles(D, pv):
-    """(block_n, k_groups): K's quantization tile and groups, as the op uses them."""
-    cfg = tile_config(D, pv)
-    return cfg.block_n, cfg.k_groups
-
-
 def run_shape(name, shape, dtype, sweep):
     B, H, N, D = shape
     q, k, v = realistic_qkv(B, H, N, N, D, dtype=dtype, device="cuda")
@@ -106,7 +100,7 @@ def run_shape(name, shape, dtype, sweep):
             add(label, lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale, sm90=False))
 
     def quant_only(pv=PV.FP8):
-        return tq.quantize_qkv(q, k, v, scale, *_k_tiles(D, pv), pv)
+        return tq.quantize_qkv(q, k, v, scale, pv)
     add("quantization only (K/V stats, then Q/K/V, fp8)", quant_only, acc=False)
     add("[graph] quantization only", graphed(quant_only), acc=False)
     # static ranges and K mean, as a calibration gives them: no statistics pass
@@ -116,7 +110,7 @@ def run_shape(name, shape, dtype, sweep):
     add("int8 (fp8 P·V), static ranges", lambda: kattn.triton_attention(
         q, k, v, layout="BHSD", pv=PV.FP8, sm_scale=scale, **static))
     add("[graph] quantization only, static ranges", graphed(
-        lambda: tq.quantize_qkv(q, k, v, scale, *_k_tiles(D, PV.FP8), PV.FP8, **static)), acc=False)
+        lambda: tq.quantize_qkv(q, k, v, scale, PV.FP8, **static)), acc=False)
 
     # the same calls replayed from CUDA graphs (as under torch.compile mode="reduce-overhead")
     def cudnn():

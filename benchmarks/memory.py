@@ -11,7 +11,7 @@ import torch
 
 from diffusion_int8.kernels import quantize as tq
 from diffusion_int8.kernels.attention import triton_attention
-from diffusion_int8.kernels.config import PV, tile_config
+from diffusion_int8.kernels.config import PV
 
 
 def peak_extra(fn) -> int:
@@ -29,11 +29,10 @@ def main():
     ap.add_argument("--shape", default="1,8,16384,128")
     B, H, S, D = (int(x) for x in ap.parse_args().shape.split(","))
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
-    cfg = tile_config(D, PV.FP8)
 
     steps = {
         "kv_moments (K mean, V |max|)": lambda: tq.kv_moments(k, v),
-        "quantize_qkv fp8 (with the stats)": lambda: tq.quantize_qkv(q, k, v, 0.1, cfg.block_n, cfg.k_groups, PV.FP8),
+        "quantize_qkv fp8 (with the stats)": lambda: tq.quantize_qkv(q, k, v, 0.1, PV.FP8),
         "whole op, int8 (fp8 P·V)": lambda: triton_attention(q, k, v, layout="BHSD", pv=PV.FP8, sm_scale=0.1),
         "whole op, int8_fp16v": lambda: triton_attention(q, k, v, layout="BHSD", pv=PV.FP16, sm_scale=0.1),
     }

@@ -33,7 +33,7 @@ def test_quantization_bit_exact(kdev, D, dtype, layout):
     cases = [(PV.FP16, True, None, None, 64, 4), (PV.FP8, False, q_amax, None, 128, 1), (PV.INT8, True, None, None, 64, 1),
              (PV.FP8, True, None, v_amax, 128, 4)]
     for pv, smooth, qa, va, bn, groups in cases:
-        q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.125, bn, groups, pv, smooth_k=smooth, q_amax=qa, v_amax=va)
+        q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.125, pv, k_tile=(bn, groups), smooth_k=smooth, q_amax=qa, v_amax=va)
         want_q, want_k = R.quantize_q(q, 0.125, qa), R.quantize_k(k, bn, groups, smooth)
         assert torch.equal(q8, want_q[0]) and torch.equal(qs, want_q[1]), pv
         assert torch.equal(k8, want_k[0]) and torch.equal(ks, want_k[1]), pv
@@ -50,7 +50,7 @@ def test_gqa_and_static_k_range_bit_exact(kdev):
     q, k, v = realistic_qkv(1, 4, 150, 200, 64, H_kv=2, device=kdev)
     amax = torch.rand(1, 2, device=kdev) * 3 + 0.5  # smaller than the data: values get clipped
     for groups in (1, 4):
-        q8, qs, k8, ks, _, _ = TQ.quantize_qkv(q, k, v, 0.5, 64, groups, PV.FP16, k_amax=amax)
+        q8, qs, k8, ks, _, _ = TQ.quantize_qkv(q, k, v, 0.5, PV.FP16, k_tile=(64, groups), k_amax=amax)
         want_k = R.quantize_k(k, 64, groups, True, amax)
         assert torch.equal(k8, want_k[0]) and torch.equal(ks, want_k[1])
         assert (k8.abs() == 127).float().mean() > 0.01  # clipping happened
@@ -72,7 +72,7 @@ def test_static_k_mean_bit_exact_and_skips_the_statistics_pass(kdev, pv, monkeyp
     monkeypatch.setattr(TQ, "kv_moments", lambda k_, v_: measured.append((k_ is None, v_ is None)) or real(k_, v_))
     cfg = tile_config(72, pv)
     tiles = (cfg.block_n, cfg.k_groups)
-    q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, *tiles, pv, k_mean=mean, v_amax=v_amax)
+    q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, pv, k_mean=mean, v_amax=v_amax)  # the table's tile
     assert measured == []  # nothing left to measure: no statistics pass
     want_k = R.quantize_k(k, *tiles, True, None, mean)
     assert torch.equal(k8, want_k[0]) and torch.equal(ks, want_k[1])
@@ -82,7 +82,7 @@ def test_static_k_mean_bit_exact_and_skips_the_statistics_pass(kdev, pv, monkeyp
         assert torch.equal(_bits(v8), _bits(want_v[0])) and torch.equal(vs, want_v[1])
         # static mean, measured V range: the pass reads V only
         measured.clear()
-        _, _, k8, _, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, *tiles, pv, k_mean=mean)
+        _, _, k8, _, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, pv, k_mean=mean)
         assert measured == [(True, False)]
         assert torch.equal(k8, want_k[0])
         want_v = R.quantize_v(v, pv, R.v_channel_amax(v))

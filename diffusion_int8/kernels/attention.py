@@ -209,7 +209,7 @@ def triton_attention(
     H_kv, Sk = kb.shape[1], kb.shape[2]
     cfg = tile_config(D, pv)
     q8, qs, k8, ks, vk, vs = tq.quantize_qkv(
-        qb, kb, vb, sm_scale, cfg.block_n, cfg.k_groups, pv,
+        qb, kb, vb, sm_scale, pv, k_tile=(cfg.block_n, cfg.k_groups),
         smooth_k=smooth_k, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
     )
     if pv is PV.FP16:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import AMAX_FLOOR, FP8_MAX, INT8_MAX, LOG2E, PV, padded_head_dim
+from .config import AMAX_FLOOR, FP8_MAX, INT8_MAX, LOG2E, PV, padded_head_dim, tile_config
 from .reference import padded_len, v_channel_amax
 
 _ROW_BLOCK = 64  # tokens per program when the scale is per token
@@ -282,10 +282,9 @@ def quantize_qkv(
     k: torch.Tensor,
     v: torch.Tensor,
     sm_scale: float,
-    block_n: int,
-    k_groups: int,
     pv: PV,
     *,
+    k_tile: tuple[int, int] | None = None,
     smooth_k: bool = True,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
@@ -295,8 +294,9 @@ def quantize_qkv(
     """Triton twin of ``reference.quantize_q``, ``quantize_k`` and ``quantize_v``: Q, K and V in one
     launch, after one ``kv_moments`` pass when K's mean or V's range is measured.
 
-    q: (B, H, Sq, D); k, v: (B, H_kv, Sk, D); any strides. q_amax / k_amax: static ranges broadcastable
-    to (B, H) / (B, H_kv) (``k_amax`` of the smoothed K); v_amax: static per-channel range
+    q: (B, H, Sq, D); k, v: (B, H_kv, Sk, D); any strides. k_tile: K's quantization, (block_n, k_groups)
+    (``config.TileConfig``), by default the tile table's for this head dim and ``pv``. q_amax / k_amax:
+    static ranges broadcastable to (B, H) / (B, H_kv) (``k_amax`` of the smoothed K); v_amax: static per-channel range
     broadcastable to (B, H_kv, D); k_mean: static smoothing mean broadcastable to (B, H_kv, D). With
     ``k_mean`` and ``v_amax`` given (or no smoothing and fp16 P·V) there is no statistics pass. V is
     quantized only when ``pv`` is FP8 or INT8.
@@ -307,6 +307,10 @@ def quantize_qkv(
     """
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
+    if k_tile is None:
+        cfg = tile_config(D, pv)
+        k_tile = cfg.block_n, cfg.k_groups
+    block_n, k_groups = k_tile
     sq_pad, sk_pad, dp = padded_len(Sq), padded_len(Sk), padded_head_dim(D)
     dev = q.device
     v_fmt = pv.code
