@@ -144,12 +144,16 @@ def test_schema_1_file_loads_without_k_mean(tmp_path):
     schema_2 = ("q_max", "k_max", "k_mean", "fit.qmax", "fit.kmax", "fit.m")
     old = Calibration({**cal.meta, "schema_version": 1}, cal.timesteps, cal.noise,
                       {n: {k: t for k, t in st.items() if k not in schema_2} for n, st in cal.layers.items()})
-    back = Calibration.load(old.save(tmp_path / "v1.safetensors"))
+    with pytest.warns(UserWarning, match="schema 1 calibration: it has no Q/K maxima"):
+        back = Calibration.load(old.save(tmp_path / "v1.safetensors"))
     layer = next(iter(cal.layers))
     *ranges, k_mean = back.ranges(layer, 500.0)
     assert k_mean is None
     for got, want in zip(ranges, cal.ranges(layer, 500.0, clip="p99")[:3]):
         assert torch.equal(got, want)
+    # asking for the maxima a schema 1 file does not have is an error, not a silent fallback
+    with pytest.raises(ValueError, match="has no Q/K maxima"):
+        back.ranges(layer, 500.0, clip="max")
 
 
 def test_validation_against_models():

@@ -13,6 +13,7 @@ Q/K maxima were recorded) still load; their ranges are the p99 ones, with the ke
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,11 @@ class Calibration:
                 raise ValueError(f"{path} has calibration schema {meta.get('schema_version')}; "
                                  f"this version of diffusion-int8 reads schemas {READABLE_SCHEMAS}")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if meta["schema_version"] == 1:
+            warnings.warn(f"{path} is a schema 1 calibration: it has no Q/K maxima and no K mean, so static ranges "
+                          f"are its p99 percentiles (which clip outliers; BENCHMARKS.md measured them well below "
+                          f"the maxima in quality) and K's mean is measured per call. Run `diffusion-int8 "
+                          f"calibrate` again to record them.", UserWarning, stacklevel=2)
         layers: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
             if "::" in key:
@@ -158,20 +164,25 @@ class Calibration:
         if problems:
             raise ValueError(f"calibration of {self.meta.get('model', '?')} does not match this model: " + "; ".join(problems))
 
-    def ranges(self, layer: str, timestep: float, device: torch.device | str = "cpu", clip: str = "max"):
+    def ranges(self, layer: str, timestep: float, device: torch.device | str = "cpu", clip: str | None = None):
         """Static ``(q_amax (1, H), k_amax (1, H), v_amax (1, H, D), k_mean (1, H, D))`` at ``timestep``,
         float32 on ``device``: ``int8_attention``'s static inputs.
 
-        ``clip``: Q's and K's ranges from their maxima (``"max"``, the default: nothing clipped on the
-        calibration's data) or from their recorded percentile (``"p99"``, which clips the outliers the
-        kernel's per-token/per-block scales would follow). Schema 1 files have neither the maxima nor
-        K's mean: their ranges are the percentiles and ``k_mean`` is None.
+        ``clip``: Q's and K's ranges from their maxima (``"max"``: nothing clipped on the calibration's
+        data) or from their recorded percentile (``"p99"``, which clips the outliers the kernel's
+        per-token/per-block scales would follow); None (the default) takes the maxima where the file has
+        them. Schema 1 files have neither the maxima nor K's mean: their ranges are the percentiles
+        (``clip="max"`` raises) and ``k_mean`` is None.
         """
-        if clip not in ("max", "p99"):
-            raise ValueError(f"clip must be 'max' or 'p99', got {clip!r}")
+        if clip not in (None, "max", "p99"):
+            raise ValueError(f"clip must be None, 'max' or 'p99', got {clip!r}")
         st = self.layers[layer]
+        has_max = "fit.qmax" in st
+        if clip == "max" and not has_max:
+            raise ValueError(f"this calibration (schema {self.meta.get('schema_version')}) has no Q/K maxima; "
+                             f"use clip='p99' or None, or record them by running `diffusion-int8 calibrate` again")
         n = noise_level(timestep, self.meta.get("num_train_timesteps"), self.meta.get("timestep_scale"))
-        shorts = ("qmax", "kmax", "v") if clip == "max" and "fit.qmax" in st else ("q", "k", "v")
+        shorts = ("qmax", "kmax", "v") if clip != "p99" and has_max else ("q", "k", "v")
         out = []
         for short in shorts:
             measured = st[_FITS[short]]
