@@ -25,9 +25,13 @@ TARGET = GPUTarget("cuda", 90, 32)
 _PV_PTR = {PV.FP16: None, PV.FP8: "*fp8e4nv", PV.INT8: "*i8"}
 
 
-def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict):
+def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict, divisible=()):
+    """Compile ``fn`` with the specialization the launcher gets at run time: pointers (PyTorch allocations)
+    and the integers in ``divisible`` marked multiples of 16. Without it the code differs from what runs
+    (unvectorized loads, spills), so its SASS would mislead."""
     sig = {n: "constexpr" if n in constexprs else ptrs.get(n) or ("fp32" if n in floats else "i32") for n in fn.arg_names}
-    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *divisible)}
+    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
     return triton.compile(src, target=TARGET)
 
 
@@ -38,7 +42,7 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
     cfg = tile_config(D, PV.FP8)
     compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
         Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=smooth, Q_STATIC=static,
-        K_STATIC=static, V_FMT=v_fmt, V_STATIC=static))
+        K_STATIC=static, V_FMT=v_fmt, V_STATIC=static), divisible=("SQ_PAD", "SK_PAD"))
     stats = dict(K="*" + dt, V="*" + dt, KSUM="*fp32", VMAX="*fp32", DONE="*i32", KMEAN="*fp32", VRANGE="*fp32")
     compile_kernel(Qz._kv_stats_kernel, stats, set(),
                    dict(BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_K=smooth, HAS_V=v_fmt != 0))
@@ -50,7 +54,7 @@ def attention_variant(D, pv, mask, dt="fp16"):
     cfg = tile_config(D, pv)
     compile_kernel(A._attn_fwd_kernel, ptrs, set(), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=pv.code, MASK=mask,
-        V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups))
+        V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups), divisible=("SQ_PAD", "SK_PAD", "N_FULL"))
 
 
 def hopper_variant(pv, dt="fp16"):
