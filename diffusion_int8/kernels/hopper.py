@@ -11,9 +11,9 @@ and K/V tiles arrive by TMA into a ring of shared-memory stages ahead of their u
 - ``_attn_fwd_sm90`` (16-bit P·V): one warpgroup of 128 rows that loads its own tiles. Its 64-key steps
   are too short for the ping-pong: the handshakes cost more than they hide (NOTES v14).
 
-Covers the hot path only: sm_90, no attention mask, a padded head dim of 128 (at 64 it did not beat the
-portable kernel: NOTES v12), P·V in FP8 or in V's 16-bit type with V readable by TMA. At that head dim K
-has one scale per key tile (``config.tile_config``), stored per key: the kernels read each tile's first.
+Covers the hot path only: sm_90, no attention mask, a padded head dim of 128 (at 64 neither kernel beat
+the portable one: NOTES v12, v18), P·V in FP8 or in V's 16-bit type with V readable by TMA. At that head
+dim K has one scale per key tile (``config.tile_config``), stored per key: the kernels read each tile's first.
 ``attention.triton_attention`` routes everything else to the portable kernel.
 """
 
@@ -446,7 +446,7 @@ def _plan(dp: int, pv: PV) -> _Plan | None:
 
     The key tile is K's quantization block (``config.tile_config``). From the same-run sweeps in NOTES v12
     and v14: at D = 128 the ping-pong kernel for FP8 P·V (3 stages: 2 exposed the TMA latency, 4 was no
-    better) and one warpgroup of 128 rows for 16-bit P·V; at D = 64 nothing beat the portable kernel.
+    better) and one warpgroup of 128 rows for 16-bit P·V; at D = 64 nothing beat the portable kernel (v12, v18).
     """
     if dp != 128:
         return None
