@@ -205,21 +205,40 @@ def triton_attention(
     it applies (``sm90=False`` forces the portable Triton kernel, for comparisons).
     """
     qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
-    B, H, Sq, D = qb.shape
-    H_kv, Sk = kb.shape[1], kb.shape[2]
-    cfg = tile_config(D, pv)
-    q8, qs, k8, ks, vk, vs = tq.quantize_qkv(
-        qb, kb, vb, sm_scale, pv, k_tile=(cfg.block_n, cfg.k_groups),
-        smooth_k=smooth_k, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
+    quantized = tq.quantize_qkv(  # K quantized in the tile table's K tiles, which attend() runs
+        qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
     )
-    if pv is PV.FP16:
-        vk, vs = vb, qs  # V read in place; vs unused
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ob = to_bhsd(out, layout)
-    if sm90 and hopper is not None and hopper.supports(q, vb, pv, q8.shape[-1], attn_mask is not None):
+    attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, sm90=sm90)
+    return out
+
+
+def attend(
+    quantized: tuple,
+    vb: torch.Tensor,
+    ob: torch.Tensor,
+    *,
+    pv: PV,
+    attn_mask: torch.Tensor | None = None,
+    sm90: bool = True,
+) -> None:
+    """The attention launch alone, on ``quantize.quantize_qkv``'s outputs (made with the tile table's
+    ``k_tile`` for this head dim and ``pv``); ``triton_attention`` is the two in a row. Benchmarks time it
+    to compare with kernels whose published speed excludes quantization.
+
+    quantized: (q8, qs, k8, ks, v8, vs) as ``quantize_qkv`` returns them; vb: the caller's V viewed
+    (B, H_kv, Sk, D), read in place for fp16 P·V; ob: the output viewed (B, H, Sq, D), written in place.
+    """
+    q8, qs, k8, ks, vk, vs = quantized
+    B, H, Sq, D = ob.shape
+    H_kv, Sk = vb.shape[1], vb.shape[2]
+    cfg = tile_config(D, pv)
+    if pv is PV.FP16:
+        vk, vs = vb, qs  # V read in place; vs unused
+    if sm90 and hopper is not None and hopper.supports(ob, vb, pv, q8.shape[-1], attn_mask is not None):
         hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D)
-        return out
+        return
 
     if attn_mask is None:
         mask, mask_kind, mstride = qs, _MASK_NONE, (0, 0, 0, 0)
@@ -241,4 +260,3 @@ def triton_attention(
         V_ALIGN8=pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), K_GROUPS=cfg.k_groups,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out
