@@ -9,6 +9,8 @@ layers. Deviation is the PSNR against stock of one denoiser output on the same i
 latents of a short Euler trajectory from the same start (``--denoise-steps``), where errors accumulate.
 Times are medians of CUDA-event-timed steps after warm-up; with ``--graph``, of replays of one step
 captured in a CUDA graph (the GPU time alone, as under ``torch.compile(mode="reduce-overhead")``).
+A second table gives the stock step's share of GPU time in attention kernels (one profiled step) and the
+attention speedup a 1.15x or 1.3x step would need by Amdahl's law (inf: none is enough).
 With ``--calibrated``, a further ``int8`` row runs with static ranges and K means from a calibration
 recorded on the same Euler trajectory (in-sample: the best case for its deviation), so no statistics
 pass runs.
@@ -20,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import time
 
@@ -185,6 +188,35 @@ def _profile(model, x, label):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
+_SDPA_KERNELS = re.compile(r"sdpa|flash|fmha|attention", re.IGNORECASE)
+
+
+def _attention_share(model, x):
+    """Stock step's GPU time in attention kernels: (attention ms, all kernels ms, attention kernel names).
+
+    From one profiled step (kernels only, so host overhead is out). With attention a fraction f of the
+    GPU time, an attention k times faster gives at most a step 1 / (1 − f + f / k) times faster."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        model(**x, return_dict=False)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(**x, return_dict=False)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    attn = [e for e in kernels if _SDPA_KERNELS.search(e.name)]
+    us = lambda evs: sum(e.time_range.elapsed_us() for e in evs)  # noqa: E731
+    return us(attn) / 1e3, us(kernels) / 1e3, sorted({e.name[:60] for e in attn})
+
+
+def needed_speedup(share: float, target: float) -> float:
+    """The attention speedup k at which 1 / (1 − share + share / k) reaches ``target`` (inf if none does)."""
+    rest = 1 / target - (1 - share)
+    return math.inf if rest <= 0 else share / rest
+
+
 def psnr(out, ref):
     mse = (out.float() - ref.float()).pow(2).mean().item()
     peak = ref.float().abs().max().item()
@@ -237,6 +269,11 @@ def main():
                 handle.disable()
             if mode == "stock":
                 ref, ref_final = out, final
+                attn_ms, gpu_ms, names = _attention_share(model, x)
+                share = attn_ms / gpu_ms
+                results.setdefault("attention_share", {})[name] = {
+                    "attention_ms": attn_ms, "gpu_ms": gpu_ms, "share": share, "kernels": names,
+                    "needed_for_1.15x": needed_speedup(share, 1.15), "needed_for_1.3x": needed_speedup(share, 1.3)}
             stock = mode == "stock"
             rows[mode] = {"ms": ms, "peak_gib": peak, "psnr": None if stock else psnr(out, ref),
                           "psnr_final": None if stock or final is None else psnr(final, ref_final)}
@@ -246,6 +283,11 @@ def main():
         results[name] = {"config": note, "dtype": str(dtype), "rows": rows}
         del model, x, ref, out, ref_final, final
         torch.cuda.empty_cache()
+    print("\n| model | stock GPU ms per step | attention ms | attention share | attention speedup a 1.15x / 1.3x step "
+          "needs | attention kernels |\n|---|---|---|---|---|---|")
+    for name, a in results.get("attention_share", {}).items():
+        print(f"| {name} | {a['gpu_ms']:.1f} | {a['attention_ms']:.1f} | {a['share']:.0%} | {a['needed_for_1.15x']:.2f}x / "
+              f"{a['needed_for_1.3x']:.2f}x | {', '.join(a['kernels'])} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
