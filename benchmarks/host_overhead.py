@@ -23,21 +23,25 @@ def main() -> None:
     args = ap.parse_args()
     q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     lines = []
-    for mode in ("int8_fp16v", "int8"):
+    calls = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)}
+    calls.update({m: (lambda m=m: int8_attention(q, k, v, mode=m)) for m in ("fp16", "int8_fp16v", "int8")})
+    for name, fn in calls.items():
         for _ in range(20):
-            int8_attention(q, k, v, mode=mode)
+            fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(args.calls):
-            int8_attention(q, k, v, mode=mode)
+            fn()
         host = (time.perf_counter() - t0) / args.calls * 1e6
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.calls * 1e6
-        lines.append(f"{mode}: host {host:.1f} us/call, host+GPU {wall:.1f} us/call")
+        lines.append(f"{name}: host {host:.1f} us/call, host+GPU {wall:.1f} us/call")
+        if name in ("sdpa", "fp16"):
+            continue
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
-            int8_attention(q, k, v, mode=mode)
+            fn()
         prof.disable()
         torch.cuda.synchronize()
         s = io.StringIO()

@@ -1,7 +1,11 @@
 """Compile kernel variants for sm_90 on a machine without a GPU (run by test_compile.py).
 
 The interpreter accepts code that the compiler rejects (branch-dependent types, non-constexpr globals);
-this catches it in CI. Usage: python tests/compile_sm90.py [all]
+this catches it in CI. Usage: python tests/compile_sm90.py [all]; against another Triton release than the
+installed one, put it first on the path:
+
+    pip install --no-deps --target /tmp/triton-3.6.0 triton==3.6.0
+    PYTHONPATH=/tmp/triton-3.6.0:. python tests/compile_sm90.py
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from diffusion_int8.kernels import attention as A  # noqa: E402
 from diffusion_int8.kernels import hopper as Hp  # noqa: E402
 from diffusion_int8.kernels import quantize as Qz  # noqa: E402
-from diffusion_int8.kernels.config import PV, padded_head_dim, tile_config  # noqa: E402
+from diffusion_int8.kernels.config import FP_FUSION, PV, padded_head_dim, tile_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 _PV_PTR = {PV.FP16: None, PV.FP8: "*fp8e4nv", PV.INT8: "*i8"}
@@ -32,7 +36,7 @@ def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict, divisible=()):
     sig = {n: "constexpr" if n in constexprs else ptrs.get(n) or ("fp32" if n in floats else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *divisible)}
     src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
-    return triton.compile(src, target=TARGET)
+    return triton.compile(src, target=TARGET, options=dict(enable_fp_fusion=FP_FUSION))
 
 
 def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
@@ -81,7 +85,7 @@ def hopper_variant(pv, dt="fp16"):
                v_desc=v_desc, QS="*fp32", KS="*fp32", VS="*fp32", O="*" + dt)
     sig.update({n: "constexpr" for n in constexprs})
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=TARGET, options=dict(num_warps=plan.num_warps, **options))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION, **options))
 
 
 def main(everything: bool) -> int:
@@ -98,7 +102,7 @@ def main(everything: bool) -> int:
     hopper = [(PV.FP8,), (PV.FP16,), (PV.FP16, "bf16")]
     for args in hopper:
         hopper_variant(*args)
-    print(f"compiled {len(quant) * 2 + len(attn) + len(hopper)} kernels for {TARGET}")
+    print(f"compiled {len(quant) * 2 + len(attn) + len(hopper)} kernels for {TARGET} with Triton {triton.__version__}")
     return 0
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
 
 from diffusion_int8.kernels import reference as R
-from diffusion_int8.kernels.config import PV
+from diffusion_int8.kernels.config import PV, interpreting
 from inputs import realistic_qkv
 
 # Accuracy required against float64 attention (issue #2): (min cosine, max relative L1).
@@ -233,3 +237,44 @@ def test_k_groups_lift_the_short_sequence_tail():
             worst[groups] = min(worst[groups], cos)
     assert worst[4] >= BOUNDS[PV.FP16][0], worst
     assert 1 - worst[4] < 0.8 * (1 - worst[1]), worst
+
+
+def test_sm90_compile_failure_falls_back_once(monkeypatch):
+    # A Triton whose Gluon compiler rejects the sm_90 kernel: the call still returns the portable kernel's
+    # result, one warning says why, and kernel_info and every later call know it.
+    from diffusion_int8.kernels import attention, hopper
+
+    if not interpreting():
+        pytest.skip("simulated in the interpreter, where the portable kernel runs on CPU tensors")
+    monkeypatch.setattr(hopper, "compile_failure", None)
+    monkeypatch.setattr(hopper, "supports", lambda *a: True)
+
+    def rejected(*a, **kw):
+        raise RuntimeError("PassManager::run failed\nunsupported layout in a future Gluon")
+
+    monkeypatch.setattr(hopper, "_launch", rejected)
+    q, k, v = realistic_qkv(1, 2, 70, 90, 128)
+    kw = dict(layout="BHSD", pv=PV.FP16)
+    emu, ref = R.emulate_attention(q, k, v, **kw), R.attention_ref(q, k, v)
+    with pytest.warns(RuntimeWarning, match="failed to compile.*portable Triton kernel runs instead"):
+        check(run_kernel(q, k, v, **kw), emu, ref, PV.FP16, q.dtype)
+    assert "unsupported layout in a future Gluon" in attention.sm90_unavailable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check(run_kernel(q, k, v, **kw), emu, ref, PV.FP16, q.dtype)
+
+
+def test_gluon_import_failure_falls_back():
+    # A Triton without a Gluon name the kernels use (3.7 renamed the CTA barrier): the package imports, the portable kernel is chosen and
+    # the reason is kept (a subprocess, since the import happens once)
+    code = (
+        "from triton.experimental.gluon import language as gl\n"
+        "for name in ('barrier', 'thread_barrier'): gl.__dict__.pop(name, None)\n"
+        "from diffusion_int8.kernels import attention\n"
+        "assert attention.hopper is None\n"
+        "print(attention.sm90_unavailable())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "do not import with Triton" in proc.stdout and "AttributeError" in proc.stdout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import MAX_HEAD_DIM, Mode, pv_for_mode, select_backend
+from .config import MAX_HEAD_DIM, Backend, Mode, padded_head_dim, pv_for_mode, select_backend
 from .ops import dispatch
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -99,13 +99,27 @@ def int8_attention(
     )
 
 
-def kernel_info(device: torch.device | str, mode: str | Mode = "int8") -> dict:
-    """Which implementation ``int8_attention`` runs on ``device`` for ``mode``, without running it."""
+def kernel_info(device: torch.device | str, mode: str | Mode = "int8", head_dim: int = 128) -> dict:
+    """Which implementation ``int8_attention`` runs on ``device`` for ``mode``, without running it.
+
+    Returns a dict: ``mode``; ``backend`` (``"triton"``, ``"emulation"`` or ``"sdpa"`` for ``fp16``); ``pv``
+    (the P·V format); ``kernel``, the kernel an unmasked call at ``head_dim`` runs (``"sm90_gluon"``,
+    ``"triton"``, ``"emulation"`` or ``"sdpa"``); and ``reason``: why the sm_90 Gluon kernel does not run
+    where it would apply (e.g. this Triton's Gluon API is not supported), else None.
+    """
     device = torch.device(device)
     mode = Mode.parse(mode)
     if mode is Mode.FP16:
-        return {"mode": mode.value, "backend": "sdpa", "pv": None}
-    return {"mode": mode.value, "backend": select_backend(device).value, "pv": pv_for_mode(mode, device).value}
+        return {"mode": mode.value, "backend": "sdpa", "pv": None, "kernel": "sdpa", "reason": None}
+    backend, pv = select_backend(device), pv_for_mode(mode, device)
+    info = {"mode": mode.value, "backend": backend.value, "pv": pv.value, "kernel": backend.value, "reason": None}
+    if backend is Backend.TRITON and device.type == "cuda":
+        from . import attention  # imports triton: only where the Triton backend runs
+
+        if attention.hopper_applies(device, pv, padded_head_dim(head_dim)):
+            info["reason"] = attention.sm90_unavailable()
+            info["kernel"] = "triton" if info["reason"] else "sm90_gluon"
+    return info
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:

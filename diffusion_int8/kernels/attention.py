@@ -7,19 +7,25 @@ log2(e) already folded in), online softmax in FP32 with exp2, and P·V in the pr
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import triton
 import triton.language as tl
 
 from . import quantize as tq
 from .quantize import _rdiv, _round_to_int8
-from .config import FP8_P_SHIFT, INT8_MAX, LOG2E, PV, tile_config
+from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, PV, TESTED_TRITON, tile_config
 from .reference import P_FLOOR, padded_len, rows_16b_aligned, to_bhsd
 
-try:  # Gluon ships with Triton >= 3.5; without it every call takes the portable kernel
+try:  # the sm_90 Gluon kernels; a Triton whose Gluon API they do not cover runs the portable kernel
     from . import hopper
-except ImportError:  # pragma: no cover
+
+    _HOPPER_IMPORT_ERROR = None
+except Exception as exc:  # ImportError, or AttributeError where a Gluon name they use is gone
     hopper = None
+    _HOPPER_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 # Compiled kernels may only read globals that are constexpr.
 _LOG2E = tl.constexpr(LOG2E)
@@ -236,9 +242,9 @@ def attend(
     cfg = tile_config(D, pv)
     if pv is PV.FP16:
         vk, vs = vb, qs  # V read in place; vs unused
-    if sm90 and hopper is not None and hopper.supports(ob, vb, pv, q8.shape[-1], attn_mask is not None):
-        hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D)
-        return
+    if sm90 and sm90_kernel_usable(ob.device) and hopper.supports(ob, vb, pv, q8.shape[-1], attn_mask is not None):
+        if hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D):
+            return
 
     if attn_mask is None:
         mask, mask_kind, mstride = qs, _MASK_NONE, (0, 0, 0, 0)
@@ -258,5 +264,35 @@ def attend(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=q8.shape[-1],
         PV=pv.code, MASK=mask_kind,
         V_ALIGN8=pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), K_GROUPS=cfg.k_groups,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
     )
+
+
+def sm90_unavailable() -> str | None:
+    """None when the sm_90 Gluon kernels can run with this Triton, else why the portable kernel runs instead
+    (they did not import, or one failed to compile at its first call)."""
+    if hopper is None:
+        return f"the sm_90 Gluon kernels do not import with Triton {triton.__version__} ({_HOPPER_IMPORT_ERROR})"
+    return hopper.compile_failure
+
+
+def hopper_applies(device: torch.device, pv: PV, dp: int) -> bool:
+    """Whether an unmasked call at padded head dim ``dp`` on ``device`` is one the sm_90 kernels are for."""
+    return (device.type == "cuda" and pv is not PV.INT8 and dp == 128
+            and torch.cuda.get_device_capability(device.index) == (9, 0))
+
+
+def sm90_kernel_usable(device: torch.device) -> bool:
+    """Whether the Gluon kernels may run; warns once where an sm_90 GPU meets a Triton whose Gluon they cannot use."""
+    if hopper is not None:
+        return hopper.compile_failure is None
+    if device.type == "cuda":
+        _warn_sm90_import(device.index)
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_sm90_import(device_index: int | None) -> None:
+    if torch.cuda.get_device_capability(device_index) == (9, 0):
+        warnings.warn(f"diffusion_int8: {sm90_unavailable()}; the portable Triton kernel runs instead (same "
+                      f"numerics, slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=7)

@@ -27,6 +27,12 @@ AMAX_FLOOR = 1e-12
 # kernel loads whole tiles without masks.
 SEQ_PAD = 128
 MAX_HEAD_DIM = 256
+# Triton releases the kernels are tested with (pyproject.toml, README "Tests"); the sm_90 Gluon kernels
+# fall back to the portable kernel, with a warning, on any release whose Gluon API they cannot use
+TESTED_TRITON = "3.6.0 to 3.9.0"
+# Compile with FMA contraction, as every Triton up to 3.9 does by default (3.9 warns that 3.10 will not):
+# the kernels' rounding, which the emulation mirrors, is measured with it
+FP_FUSION = True
 
 ENV_BACKEND = "DIFFUSION_INT8_BACKEND"
 ENV_PV8 = "DIFFUSION_INT8_PV8"

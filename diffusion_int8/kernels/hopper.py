@@ -20,6 +20,7 @@ dim K has one scale per key tile (``config.tile_config``), stored per key: the k
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -31,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .config import FP8_P_SHIFT, PV
+from .config import FP8_P_SHIFT, FP_FUSION, PV, TESTED_TRITON
 from .reference import rows_16b_aligned
 
 # FP8 P·V: P is scaled by 2^P_SHIFT into e4m3's normal range through the exponent's offset
@@ -39,6 +40,13 @@ _P_SHIFT = gl.constexpr(FP8_P_SHIFT)
 # 12 warps (two consumer warpgroups, the producer's) at 168 registers fill the 64K register file; the
 # partitions then re-split it as 240 / 240 / 24 per thread (setmaxnreg)
 _PINGPONG_MAXNREG = 168
+
+
+# Gluon's API moves between Triton releases: the CTA barrier is ``thread_barrier`` up to 3.6 and
+# ``barrier`` from 3.7; the TMA load is ``async_copy_global_to_shared`` up to 3.7 and ``async_load``
+# from 3.8 (3.9 keeps the old name only to raise). Builtins aliased here stay callable in kernels.
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
 
 @gluon.constexpr_function
@@ -73,7 +81,7 @@ def _load_k(k_desc, k_bufs, k_bars, j, k_row, N_BLOCKS, STAGES: gl.constexpr):
     pred = j < N_BLOCKS
     bar = k_bars.index(slot)
     mbarrier.expect(bar, k_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [k_row + j * k_desc.block_type.shape[0], 0], bar, k_bufs.index(slot),
+    _tma_load(k_desc, [k_row + j * k_desc.block_type.shape[0], 0], bar, k_bufs.index(slot),
                                     pred=pred)
 
 
@@ -85,9 +93,9 @@ def _load_v(v_desc, v_bufs, v_bars, j, v_row, b, h_kv, N_BLOCKS, BLOCK_N: gl.con
     bar = v_bars.index(slot)
     mbarrier.expect(bar, v_desc.block_type.nbytes, pred=pred)
     if PV == 1:  # the quantized Vᵀ, (B·H_kv·DP, SK_PAD)
-        tma.async_copy_global_to_shared(v_desc, [v_row, j * BLOCK_N], bar, v_bufs.index(slot), pred=pred)
+        _tma_load(v_desc, [v_row, j * BLOCK_N], bar, v_bufs.index(slot), pred=pred)
     else:  # the caller's V, (B, H_kv, SK, D) through its strides; rows past SK arrive as zeros
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, j * BLOCK_N, 0], bar, v_bufs.index(slot), pred=pred)
+        _tma_load(v_desc, [b, h_kv, j * BLOCK_N, 0], bar, v_bufs.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -186,7 +194,7 @@ def _step(acc, m_i, l_i, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_de
     # the MMA added block j-1 into acc; rescaled to block j's max before the next one adds to it
     acc = warpgroup_mma_wait(0, deps=[pv_tok]) * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     # every warp is past its wgmmas on K_j and V_{j-1} and has stored its rows of P_j
-    gl.thread_barrier()
+    _cta_barrier()
     _load_k(k_desc, k_bufs, k_bars, j + STAGES, k_row, N_BLOCKS, STAGES)
     _load_v(v_desc, v_bufs, v_bars, j - 1 + STAGES, v_row, b, h_kv, N_BLOCKS, BLOCK_N, STAGES, PV)
     return acc, m_i, l_i
@@ -226,7 +234,7 @@ def _attn_fwd_sm90(
         mbarrier.init(v_bars.index(i), count=1)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [off_bh * SQ_PAD + pid_m * BLOCK_M, 0], q_bar, q_smem)
+    _tma_load(q_desc, [off_bh * SQ_PAD + pid_m * BLOCK_M, 0], q_bar, q_smem)
     for i in gl.static_range(STAGES):
         _load_k(k_desc, k_bufs, k_bars, i, k_row, N_BLOCKS, STAGES)
         _load_v(v_desc, v_bufs, v_bars, i, v_row, b, h_kv, N_BLOCKS, BLOCK_N, STAGES, PV)
@@ -242,7 +250,7 @@ def _attn_fwd_sm90(
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     p, m_i, l_i, _ = _softmax(qk, qs, gl.load(ks_ptr), m_i, l_i, 0, SK, BLOCK_N, 0.0, True, s_layout)
     _stage_p(p, p_bufs, 0)
-    gl.thread_barrier()
+    _cta_barrier()
     _load_k(k_desc, k_bufs, k_bars, STAGES, k_row, N_BLOCKS, STAGES)
     acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
 
@@ -298,7 +306,7 @@ def _pp_step(acc, m_i, l_i, alpha_prev, ks_j, j, q_smem, k_bufs, k_ready, v_bufs
     # alpha of the previous step) and adds block j-1's fresh FP8 product
     acc = acc * gl.convert_layout(alpha_prev, gl.SliceLayout(1, o_layout))[:, None] + pv
     # the whole warpgroup is past its wgmmas on K_j and V_{j-1} before their stages are released
-    gl.thread_barrier()
+    _cta_barrier()
     mbarrier.arrive(kv_free.index(j % STAGES), count=1)
     return acc, m_i, l_i, alpha, ks_next
 
@@ -326,7 +334,7 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bu
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     p, m_i, l_i, alpha = _softmax(qk, qs, gl.load(ks_ptr), m_i, l_i, 0, SK, BLOCK_N, _P_SHIFT, True, s_layout)
     _stage_p(p, p_bufs, 0)
-    gl.thread_barrier()
+    _cta_barrier()
     mbarrier.arrive(kv_free.index(0), count=1)
     acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
 
@@ -358,7 +366,7 @@ def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, v_bufs
     """One warp: both consumers' Q tiles, then K/V tiles by TMA as ring stages free up."""
     for c in gl.static_range(2):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_bh * SQ_PAD + pid_m * (2 * BLOCK_M) + c * BLOCK_M, 0],
+        _tma_load(q_desc, [off_bh * SQ_PAD + pid_m * (2 * BLOCK_M) + c * BLOCK_M, 0],
                                         q_bars.index(c), q_bufs.index(c))
     for j in range(N_BLOCKS):
         # K_j and V_j replace K_{j-S} (read in step j-S) and V_{j-S} (read in step j-S+1), so wait for step
@@ -486,12 +494,33 @@ def _desc(t: torch.Tensor, block: list[int], gl_dtype) -> TensorDescriptor:
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
-def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int) -> None:
+# Why the Gluon kernels are off for this process (set once, by the first launch that failed), or None.
+compile_failure: str | None = None
+
+
+def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int) -> bool:
     """Run the sm_90 kernel on quantized Q/K (and V, FP8) from ``quantize.quantize_qkv``.
 
     q8 (B, H, Sq_pad, DP) int8; k8 (B, H_kv, Sk_pad, DP) int8; v: the FP8 Vᵀ (B, H_kv, DP, Sk_pad) or the
     caller's 16-bit V viewed (B, H_kv, Sk, D); ob: the output viewed (B, H, Sq, D).
+
+    Returns False, having written nothing, when the kernel cannot be built with this Triton (its Gluon
+    compiler rejects it at the first call): then one warning says why, ``compile_failure`` keeps the
+    reason and every later call takes the portable kernel.
     """
+    global compile_failure
+    try:
+        _launch(q8, qs, k8, ks, v, vs, ob, pv=pv, block_n=block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D)
+    except Exception as exc:  # noqa: BLE001 - a compiler error of any kind; the portable kernel computes the same
+        compile_failure = (f"the sm_90 Gluon kernel failed to compile with Triton {triton.__version__} "
+                           f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})")
+        warnings.warn(f"diffusion_int8: {compile_failure}; the portable Triton kernel runs instead (same numerics, "
+                      f"slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=5)
+        return False
+    return True
+
+
+def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int) -> None:
     B, _, sq_pad, dp = q8.shape
     sk_pad = k8.shape[2]
     plan = _plan(dp, pv)
@@ -503,12 +532,12 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
         _attn_fwd_sm90_pingpong[grid](
             q_desc, k_desc, v_desc, qs, ks, vs, ob, *ob.stride(),
             H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
-            STAGES=plan.stages, num_warps=plan.num_warps, maxnreg=_PINGPONG_MAXNREG,
+            STAGES=plan.stages, num_warps=plan.num_warps, maxnreg=_PINGPONG_MAXNREG, enable_fp_fusion=FP_FUSION,
         )
     else:
         v_desc = _desc(v, [1, 1, block_n, dp], _GL_DTYPES[v.dtype])
         _attn_fwd_sm90[grid](
             q_desc, k_desc, v_desc, qs, ks, vs, ob, *ob.stride(),
             H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
-            STAGES=plan.stages, num_warps=plan.num_warps,
+            STAGES=plan.stages, num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION,
         )

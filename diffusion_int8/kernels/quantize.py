@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import AMAX_FLOOR, FP8_MAX, INT8_MAX, LOG2E, PV, padded_head_dim, tile_config
+from .config import AMAX_FLOOR, FP8_MAX, FP_FUSION, INT8_MAX, LOG2E, PV, padded_head_dim, tile_config
 from .reference import padded_len, v_channel_amax
 
 _ROW_BLOCK = 64  # tokens per program when the scale is per token
@@ -261,6 +261,7 @@ def kv_moments(k: torch.Tensor | None, v: torch.Tensor | None):
     _kv_stats_kernel[(n_chunks * n, B * H)](
         kk, vv, partials[0], partials[-1], done, moments[0], moments[-1], *kk.stride(), *vv.stride(),
         H, S, D, n_chunks, chunk, BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_K=k is not None, HAS_V=v is not None,
+        enable_fp_fusion=FP_FUSION,
     )
     return (None if k is None else moments[0]), (None if v is None else moments[-1])
 
@@ -343,6 +344,7 @@ def quantize_qkv(
         H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq, sm_scale * LOG2E,
         Q_BLOCK=_ROW_BLOCK, K_BLOCK=block_n, K_GROUPS=k_groups, DP=dp, SMOOTH=smooth_k,
         Q_STATIC=q_amax is not None, K_STATIC=k_amax is not None, V_FMT=v_fmt, V_STATIC=v_amax is not None,
+        enable_fp_fusion=FP_FUSION,
     )
     return q8, qs, k8, ks, v8, vs
 
