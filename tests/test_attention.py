@@ -278,3 +278,65 @@ def test_gluon_import_failure_falls_back():
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "do not import with Triton" in proc.stdout and "AttributeError" in proc.stdout
+
+
+@pytest.mark.parametrize("case", ["fp8", "fp16-bool-mask", "int8-static", "fp16-gqa-bshd"])
+def test_replayed_launch_plans(kdev, case):
+    # The first call of a signature records its launches; later calls with other tensors of the same signature
+    # replay them with only the pointers changed (launch.Plan). Every call must still compute its own inputs.
+    from diffusion_int8.kernels import attention
+
+    B, H, H_kv, Sq, Sk, D, layout = 2, 4, 4, 130, 200, 64, "BHSD"
+    kw = dict(pv=PV.FP8)
+    if case == "fp16-gqa-bshd":
+        H_kv, D, layout, kw = 2, 40, "BSHD", dict(pv=PV.FP16)
+    for call in range(3):
+        q, k, v = realistic_qkv(B, H, Sq, Sk, D, H_kv=H_kv, layout=layout, device=kdev)
+        kw_call = dict(kw, layout=layout)
+        if case == "fp16-bool-mask":
+            kw_call.update(pv=PV.FP16, attn_mask=torch.rand(B, 1, 1, Sk, device=kdev) > 0.2)
+        if case == "int8-static":
+            kb = R.to_bhsd(k, layout).float()
+            mean = kb.mean(2)
+            kw_call.update(pv=PV.INT8, k_mean=mean, v_amax=R.to_bhsd(v, layout).float().abs().amax(2),
+                           k_amax=(kb - mean[:, :, None]).abs().amax((2, 3)))
+        emu = R.emulate_attention(q, k, v, **kw_call)
+        ref = R.attention_ref(q, k, v, layout=layout, attn_mask=kw_call.get("attn_mask"))
+        before = len(attention._PLANS)
+        check(run_kernel(q, k, v, **kw_call), emu, ref, kw_call["pv"], q.dtype)
+        if call == 0:
+            assert len(attention._PLANS) == before + 1  # recorded
+        else:
+            assert len(attention._PLANS) == before  # replayed
+
+
+def test_launch_plans_from_two_threads(kdev):
+    # Two threads calling at once, each alternating between two signatures: every result equals the same call
+    # made alone (plans are built without locks and only read afterwards)
+    import threading
+
+    from diffusion_int8.kernels.attention import triton_attention
+
+    if kdev == "cpu":
+        pytest.skip("Triton's interpreter is not thread-safe (it swaps tl's functions while a kernel runs)")
+    shapes = [(1, 2, 70, 90, 64), (2, 2, 33, 150, 32)]
+    work = []
+    for i in range(8):
+        B, H, Sq, Sk, D = shapes[i % 2]
+        q, k, v = realistic_qkv(B, H, Sq, Sk, D, device=kdev)
+        kw = dict(layout="BHSD", pv=PV.FP8 if i % 4 < 2 else PV.FP16, sm_scale=D**-0.5)
+        work.append((q, k, v, kw, triton_attention(q, k, v, **kw)))
+    results = [None] * len(work)
+
+    def worker(idx):
+        for i in idx:
+            q, k, v, kw, _ = work[i]
+            results[i] = triton_attention(q, k, v, **kw)
+
+    threads = [threading.Thread(target=worker, args=(range(t, len(work), 2),)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (q, k, v, kw, alone), got in zip(work, results):
+        assert torch.equal(got, alone)

@@ -69,7 +69,7 @@ def test_static_k_mean_bit_exact_and_skips_the_statistics_pass(kdev, pv, monkeyp
     v_amax = v.float().abs().amax((0, 2)) * 0.9  # (H_kv, D): V's top values get clipped
     real = TQ.kv_moments
     measured = []
-    monkeypatch.setattr(TQ, "kv_moments", lambda k_, v_: measured.append((k_ is None, v_ is None)) or real(k_, v_))
+    monkeypatch.setattr(TQ, "kv_moments", lambda k_, v_, *a: measured.append((k_ is None, v_ is None)) or real(k_, v_, *a))
     cfg = tile_config(72, pv)
     tiles = (cfg.block_n, cfg.k_groups)
     q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, pv, k_mean=mean, v_amax=v_amax)  # the table's tile

@@ -17,6 +17,7 @@ import triton.language as tl
 from . import quantize as tq
 from .quantize import _rdiv, _round_to_int8
 from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, PV, TESTED_TRITON, tile_config
+from .launch import EAGER, Runner, plan_or_run
 from .reference import P_FLOOR, padded_len, rows_16b_aligned, to_bhsd
 
 try:  # the sm_90 Gluon kernels; a Triton whose Gluon API they do not cover runs the portable kernel
@@ -208,16 +209,35 @@ def triton_attention(
     Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype). Three launches
     (K/V statistics, Q/K/V quantization, attention; two when K's mean and V's range are static or not
     needed) and no host synchronization. On sm_90 the attention launch is the Gluon kernel of ``hopper`` where
-    it applies (``sm90=False`` forces the portable Triton kernel, for comparisons).
+    it applies (``sm90=False`` forces the portable Triton kernel, for comparisons). The first call of each
+    signature is recorded and later ones replay it (``launch.Plan``).
     """
-    qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
-    quantized = tq.quantize_qkv(  # K quantized in the tile table's K tiles, which attend() runs
-        qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
-    )
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, sm90=sm90)
+    inputs = [q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, out]
+    key = (layout, pv, sm_scale, smooth_k, sm90, *map(_signature, inputs))
+
+    def record(runner):
+        qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
+        quantized = tq.quantize_qkv(  # K quantized in the tile table's K tiles, which attend() runs
+            qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
+            runner=runner,
+        )
+        attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, sm90=sm90, runner=runner)
+
+    plan_or_run(_PLANS, key, inputs, record)
     return out
+
+
+# Launch plans by call signature (launch.Plan): compiled kernels and argument templates, no tensors
+_PLANS: dict[tuple, object] = {}
+
+
+def _signature(t: torch.Tensor | None):
+    """What a launch was specialized on, of one input: shape, strides, dtype, device, 16-byte alignment."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
 
 
 def attend(
@@ -228,6 +248,7 @@ def attend(
     pv: PV,
     attn_mask: torch.Tensor | None = None,
     sm90: bool = True,
+    runner: Runner = EAGER,
 ) -> None:
     """The attention launch alone, on ``quantize.quantize_qkv``'s outputs (made with the tile table's
     ``k_tile`` for this head dim and ``pv``); ``triton_attention`` is the two in a row. Benchmarks time it
@@ -243,7 +264,8 @@ def attend(
     if pv is PV.FP16:
         vk, vs = vb, qs  # V read in place; vs unused
     if sm90 and sm90_kernel_usable(ob.device) and hopper.supports(ob, vb, pv, q8.shape[-1], attn_mask is not None):
-        if hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D):
+        if hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D,
+                         runner=runner):
             return
 
     if attn_mask is None:
@@ -256,16 +278,14 @@ def attend(
             mask_kind = _MASK_ADD
         mstride = mask.stride()
 
-    grid = (triton.cdiv(Sq, cfg.block_m), B * H)
-    _attn_fwd_kernel[grid](
+    runner.launch(_attn_fwd_kernel, (triton.cdiv(Sq, cfg.block_m), B * H), (
         q8, qs, k8, ks, vk, vs, mask, ob,
         *vb.stride(), *mstride, *ob.stride(),
         H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=q8.shape[-1],
-        PV=pv.code, MASK=mask_kind,
-        V_ALIGN8=pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), K_GROUPS=cfg.k_groups,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
-    )
+        # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS
+        cfg.block_m, cfg.block_n, q8.shape[-1], pv.code, mask_kind,
+        pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups,
+    ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION))
 
 
 def sm90_unavailable() -> str | None:

@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .config import FP8_P_SHIFT, FP_FUSION, PV, TESTED_TRITON
+from .launch import EAGER, Runner
 from .reference import rows_16b_aligned
 
 # FP8 P·V: P is scaled by 2^P_SHIFT into e4m3's normal range through the exponent's offset
@@ -498,7 +499,8 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 compile_failure: str | None = None
 
 
-def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int) -> bool:
+def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int,
+           runner: Runner = EAGER) -> bool:
     """Run the sm_90 kernel on quantized Q/K (and V, FP8) from ``quantize.quantize_qkv``.
 
     q8 (B, H, Sq_pad, DP) int8; k8 (B, H_kv, Sk_pad, DP) int8; v: the FP8 Vᵀ (B, H_kv, DP, Sk_pad) or the
@@ -510,7 +512,7 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
     """
     global compile_failure
     try:
-        _launch(q8, qs, k8, ks, v, vs, ob, pv=pv, block_n=block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D)
+        _launch(q8, qs, k8, ks, v, vs, ob, pv=pv, block_n=block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D, runner=runner)
     except Exception as exc:  # noqa: BLE001 - a compiler error of any kind; the portable kernel computes the same
         compile_failure = (f"the sm_90 Gluon kernel failed to compile with Triton {triton.__version__} "
                            f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})")
@@ -520,7 +522,8 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
     return True
 
 
-def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int) -> None:
+def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int,
+            runner: Runner) -> None:
     B, _, sq_pad, dp = q8.shape
     sk_pad = k8.shape[2]
     plan = _plan(dp, pv)
@@ -529,15 +532,11 @@ def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: in
     grid = (triton.cdiv(Sq, plan.rows), B * H)
     if pv is PV.FP8:
         v_desc = _desc(v.view(-1, sk_pad), [dp, block_n], gl.float8e4nv)
-        _attn_fwd_sm90_pingpong[grid](
-            q_desc, k_desc, v_desc, qs, ks, vs, ob, *ob.stride(),
-            H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
-            STAGES=plan.stages, num_warps=plan.num_warps, maxnreg=_PINGPONG_MAXNREG, enable_fp_fusion=FP_FUSION,
-        )
+        fn, options = _attn_fwd_sm90_pingpong, dict(maxnreg=_PINGPONG_MAXNREG)
     else:
         v_desc = _desc(v, [1, 1, block_n, dp], _GL_DTYPES[v.dtype])
-        _attn_fwd_sm90[grid](
-            q_desc, k_desc, v_desc, qs, ks, vs, ob, *ob.stride(),
-            H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
-            STAGES=plan.stages, num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION,
-        )
+        fn, options = _attn_fwd_sm90, {}
+    runner.launch(fn, grid, (
+        q_desc, k_desc, v_desc, qs, ks, vs, ob, *ob.stride(),
+        H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n), plan.stages,  # STAGES; num_warps below
+    ), dict(num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION, **options))

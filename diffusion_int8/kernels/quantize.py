@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .config import AMAX_FLOOR, FP8_MAX, FP_FUSION, INT8_MAX, LOG2E, PV, padded_head_dim, tile_config
+from .launch import EAGER, Runner
 from .reference import padded_len, v_channel_amax
 
 _ROW_BLOCK = 64  # tokens per program when the scale is per token
@@ -244,7 +245,7 @@ def _stats_chunk(S: int) -> int:
     return max(256, triton.cdiv(triton.cdiv(S, 32), 64) * 64)
 
 
-def kv_moments(k: torch.Tensor | None, v: torch.Tensor | None):
+def kv_moments(k: torch.Tensor | None, v: torch.Tensor | None, runner: Runner = EAGER):
     """One pass over K and/or V (either may be None, not both): K's token mean and V's per-channel
     |max|, (B, H, DP) float32 each, padded channels 0 (None for an input not given; NaN in a channel
     holding a NaN/Inf). ``quantize_qkv`` reads both; ``kv_stats`` gives them in the reference's form."""
@@ -254,15 +255,14 @@ def kv_moments(k: torch.Tensor | None, v: torch.Tensor | None):
     chunk = _stats_chunk(S)
     n_chunks = triton.cdiv(S, chunk)
     n = (k is not None) + (v is not None)
-    partials = torch.empty((n, B, H, n_chunks, dp), dtype=torch.float32, device=x.device)
-    moments = torch.empty((n, B, H, dp), dtype=torch.float32, device=x.device)
-    done = torch.zeros((B * H,), dtype=torch.int32, device=x.device)  # K/V chunks finished per (batch, head)
+    partials = runner.empty((n, B, H, n_chunks, dp), torch.float32, x.device)
+    moments = runner.empty((n, B, H, dp), torch.float32, x.device)
+    done = runner.empty((B * H,), torch.int32, x.device, zero=True)  # K/V chunks finished per (batch, head)
     kk, vv = (x if t is None else t for t in (k, v))
-    _kv_stats_kernel[(n_chunks * n, B * H)](
+    runner.launch(_kv_stats_kernel, (n_chunks * n, B * H), (
         kk, vv, partials[0], partials[-1], done, moments[0], moments[-1], *kk.stride(), *vv.stride(),
-        H, S, D, n_chunks, chunk, BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_K=k is not None, HAS_V=v is not None,
-        enable_fp_fusion=FP_FUSION,
-    )
+        H, S, D, n_chunks, chunk, 64 if dp <= 128 else 32, dp, k is not None, v is not None,
+    ), dict(enable_fp_fusion=FP_FUSION))
     return (None if k is None else moments[0]), (None if v is None else moments[-1])
 
 
@@ -291,6 +291,7 @@ def quantize_qkv(
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
+    runner: Runner = EAGER,
 ):
     """Triton twin of ``reference.quantize_q``, ``quantize_k`` and ``quantize_v``: Q, K and V in one
     launch, after one ``kv_moments`` pass when K's mean or V's range is measured.
@@ -304,7 +305,8 @@ def quantize_qkv(
     Returns q8 (B, H, Sq_pad, DP) int8, qs (B, H, Sq_pad) float32 (sm_scale·log2(e) folded in),
     k8 (B, H_kv, Sk_pad, DP) int8, ks (B, H_kv, Sk_pad) float32 (``k_groups`` scales per tile of
     ``block_n`` keys, stored per key), and v8 / vs as
-    ``reference.quantize_v`` gives them (None, None for fp16 P·V).
+    ``reference.quantize_v`` gives them (None, None for fp16 P·V). ``runner`` allocates and launches
+    (``launch.Runner``).
     """
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
@@ -319,16 +321,16 @@ def quantize_qkv(
     measure_v = v_fmt != 0 and v_amax is None
     kmean = vmax = None
     if measure_k or measure_v:
-        kmean, vmax = kv_moments(k if measure_k else None, v if measure_v else None)
-    q8 = torch.empty((B, H, sq_pad, dp), dtype=torch.int8, device=dev)
-    qs = torch.empty((B, H, sq_pad), dtype=torch.float32, device=dev)
-    k8 = torch.empty((B, H_kv, sk_pad, dp), dtype=torch.int8, device=dev)
-    ks = torch.empty((B, H_kv, sk_pad), dtype=torch.float32, device=dev)
+        kmean, vmax = kv_moments(k if measure_k else None, v if measure_v else None, runner)
+    q8 = runner.empty((B, H, sq_pad, dp), torch.int8, dev)
+    qs = runner.empty((B, H, sq_pad), torch.float32, dev)
+    k8 = runner.empty((B, H_kv, sk_pad, dp), torch.int8, dev)
+    ks = runner.empty((B, H_kv, sk_pad), torch.float32, dev)
     v8 = vs = None
     if v_fmt:
         shape = (B, H_kv, dp, sk_pad) if v_fmt == 1 else (B, H_kv, sk_pad, dp)
-        v8 = torch.empty(shape, dtype=torch.float8_e4m3fn if v_fmt == 1 else torch.int8, device=dev)
-        vs = torch.empty((B, H_kv, dp), dtype=torch.float32, device=dev)
+        v8 = runner.empty(shape, torch.float8_e4m3fn if v_fmt == 1 else torch.int8, dev)
+        vs = runner.empty((B, H_kv, dp), torch.float32, dev)
     qa, qa_strides = _static_amax(q_amax, (B, H), qs)
     ka, ka_strides = _static_amax(k_amax, (B, H_kv), qs)
     va, va_strides = _static_amax(v_amax, (B, H_kv, D), qs)
@@ -337,15 +339,14 @@ def quantize_qkv(
     else:
         km_strides = kmean.stride()
     nq = sq_pad // _ROW_BLOCK * B * H
-    _quant_qkv_kernel[(nq + sk_pad // block_n * B * H_kv,)](
+    runner.launch(_quant_qkv_kernel, (nq + sk_pad // block_n * B * H_kv,), (
         q, qa, q8, qs, k, kmean, ka, k8, ks,
         v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs,
         *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides, *km_strides,
         H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq, sm_scale * LOG2E,
-        Q_BLOCK=_ROW_BLOCK, K_BLOCK=block_n, K_GROUPS=k_groups, DP=dp, SMOOTH=smooth_k,
-        Q_STATIC=q_amax is not None, K_STATIC=k_amax is not None, V_FMT=v_fmt, V_STATIC=v_amax is not None,
-        enable_fp_fusion=FP_FUSION,
-    )
+        # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC
+        _ROW_BLOCK, block_n, k_groups, dp, smooth_k, q_amax is not None, k_amax is not None, v_fmt, v_amax is not None,
+    ), dict(enable_fp_fusion=FP_FUSION))
     return q8, qs, k8, ks, v8, vs
 
 
