@@ -59,14 +59,48 @@ def int8_attention(
     Returns:
         Attention output shaped like ``q`` (contiguous in ``layout``), in ``q``'s dtype.
     """
-    mode = Mode.parse(mode)
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
-    _check_qkv(q, k, v, layout)
+    try:  # what the checks below depend on; a signature seen before skips them (the hot path)
+        sig = (mode, layout, scale, smooth_k, _shape_sig(q), _shape_sig(k), _shape_sig(v), _shape_sig(attn_mask),
+               _shape_sig(q_amax), _shape_sig(k_amax), _shape_sig(v_amax), _shape_sig(k_mean))
+        checked = _CHECKED.get(sig)
+    except (AttributeError, TypeError):  # not tensors, unhashable options: the checks say what is wrong
+        sig, checked = None, None
+    if checked is None:
+        checked = _check_call(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean)
+        if sig is not None:
+            if len(_CHECKED) >= 4096:
+                _CHECKED.clear()
+            _CHECKED[sig] = checked
+    mode, scale, gqa = checked
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} contains NaN or Inf")
+    if mode is Mode.FP16:
+        qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
+        return out if layout == "BHSD" else out.transpose(1, 2)
+    backend = select_backend(q.device)
+    pv = pv_for_mode(mode, q.device)
+    return dispatch(
+        q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, layout, pv.value, scale, smooth_k, backend.value
+    )
+
+
+# Call signatures that passed the checks, with what they give: (mode, scale, whether heads are grouped)
+_CHECKED: dict[tuple, tuple] = {}
+
+
+def _shape_sig(t: torch.Tensor | None):
+    return None if t is None else (t.shape, t.dtype, t.device, t.is_floating_point())
+
+
+def _check_call(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean):
+    """Every check of ``int8_attention``'s arguments; returns (mode, scale, grouped heads) or raises."""
+    mode = Mode.parse(mode)
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+    _check_qkv(q, k, v, layout)
     s_ax = 2 if layout == "BHSD" else 1
     B, Hq, Sq, D = q.shape[0], q.shape[3 - s_ax], q.shape[s_ax], q.shape[3]
     Hkv, Sk = k.shape[3 - s_ax], k.shape[s_ax]
@@ -74,29 +108,19 @@ def int8_attention(
         _check_mask(attn_mask, q, (B, Hq, Sq, Sk))
     if scale is None:
         scale = D**-0.5
-    elif not scale > 0:
+    elif not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
-
     if mode is Mode.FP16:
         if any(t is not None for t in (q_amax, k_amax, v_amax, k_mean)):
             raise ValueError("static quantization ranges (q_amax/k_amax/v_amax/k_mean) do not apply to mode 'fp16'")
-        qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=attn_mask, scale=scale, enable_gqa=Hq != Hkv
-        )
-        return out if layout == "BHSD" else out.transpose(1, 2)
-
+        return mode, float(scale), Hq != Hkv
     _check_amax("q_amax", q_amax, q, (B, Hq))
     _check_amax("k_amax", k_amax, q, (B, Hkv))
     _check_amax("v_amax", v_amax, q, (B, Hkv, D))
     _check_amax("k_mean", k_mean, q, (B, Hkv, D))
     if k_mean is not None and not smooth_k:
         raise ValueError("k_mean is a smoothing vector: it needs smooth_k=True")
-    backend = select_backend(q.device)
-    pv = pv_for_mode(mode, q.device)
-    return dispatch(
-        q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, layout, pv.value, float(scale), smooth_k, backend.value
-    )
+    return mode, float(scale), Hq != Hkv
 
 
 def kernel_info(device: torch.device | str, mode: str | Mode = "int8", head_dim: int = 128) -> dict:
