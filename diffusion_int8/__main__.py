@@ -1,4 +1,4 @@
-"""``diffusion-int8`` command line: ``demo``, ``calibrate``, ``eval`` and ``check`` (each has ``--help``)."""
+"""``diffusion-int8`` command line: ``demo``, ``calibrate``, ``eval``, ``check`` and ``tune`` (each has ``--help``)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ def main(argv: list[str] | None = None) -> int:
     from .check import add_parser as add_check
     from .demo import add_parser as add_demo
     from .eval.cli import add_parser as add_eval
+    from .speed_gate import add_parser as add_tune
 
     add_demo(sub)
     add_calibrate(sub)
     add_eval(sub)
     add_check(sub)
+    add_tune(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,17 +1,20 @@
 """diffusers integration: an attention processor that swaps only the attention core for INT8.
 
-Every stock diffusers processor ends in ``torch.nn.functional.scaled_dot_product_attention``, called
-directly (``AttnProcessor2_0``, ``JointAttnProcessor2_0``, ``CogVideoXAttnProcessor2_0`` …) or through the
-attention dispatcher's native backend (``FluxAttnProcessor``, ``WanAttnProcessor`` …).
+Every stock diffusers processor ends in ``torch.nn.functional.scaled_dot_product_attention``, called through
+its module's ``F`` (``AttnProcessor2_0``, ``JointAttnProcessor2_0``, ``CogVideoXAttnProcessor2_0`` …), or in
+the attention dispatcher's ``dispatch_attention_fn`` (``FluxAttnProcessor``, ``WanAttnProcessor`` …).
 ``Int8DiffusionProcessor`` runs the module's own stock processor, with its norms, RoPE, projections and
-residuals, inside a ``TorchFunctionMode`` that routes that one call to ``int8_attention``. Nothing is
-patched globally, and the mode is active only during the wrapped call.
+residuals, as a copy of its ``__call__`` whose globals ``F`` and ``dispatch_attention_fn`` route the
+attention call to ``int8_attention``. Nothing is patched globally, and nothing else in the processor pays
+for the routing (a ``TorchFunctionMode`` around the call, the earlier design, intercepted every torch call
+in it: 0.3-0.5 ms of host time per attention module).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -25,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from .kernels import Mode, int8_attention
 from .kernels.config import MAX_HEAD_DIM
 from .schedule import PrecisionSchedule
+from .speed_gate import SpeedGate
 
 Schedule = Union[PrecisionSchedule, str, Callable[[float], Union[str, Mode]]]
 
@@ -35,31 +39,55 @@ class Int8State:
 
     ``timestep`` is the value the denoiser was last called with (first element for CFG batches),
     ``step`` counts denoiser calls since ``reset()``; ``trace``, when a list, records
-    ``(step, timestep, layer, mode)`` for every attention call.
+    ``(step, timestep, layer, mode)`` for every attention call (the mode the schedule chose, before the speed
+    gate); ``int8_calls`` and ``gated_calls`` count the calls that ran INT8 and those the gate sent to SDPA.
     """
 
     timestep: float | None = None
     step: int = -1
     trace: list | None = None
     timestep_scale: float | None = None  # 1000 or 1: what the timesteps of this generation are out of
+    int8_calls: int = 0  # attention calls that ran an INT8 mode
+    gated_calls: int = 0  # calls the schedule gave an INT8 mode and the speed gate sent to SDPA
 
     def reset(self) -> None:
         self.timestep, self.step, self.timestep_scale = None, -1, None
+        self.int8_calls = self.gated_calls = 0
         if self.trace is not None:
             self.trace.clear()
 
 
-class _RouteSDPA(TorchFunctionMode):
-    """Routes F.scaled_dot_product_attention to ``fn`` (same signature) for the duration of one processor call."""
+def _routed(fn: Callable, sdpa: Callable, dispatch: Callable) -> Callable | None:
+    """A copy of the stock processor's ``__call__`` ``fn`` whose module-level ``F.scaled_dot_product_attention``
+    is ``sdpa`` and ``dispatch_attention_fn`` is ``dispatch``; None when ``fn`` reaches attention through neither."""
+    g = fn.__globals__
+    names = {}
+    if g.get("F") is F:
+        routed_f = types.ModuleType(F.__name__)
+        routed_f.__dict__.update(F.__dict__)
+        routed_f.scaled_dot_product_attention = sdpa
+        names["F"] = routed_f
+    if callable(g.get("dispatch_attention_fn")):
+        names["dispatch_attention_fn"] = dispatch
+    if not names:
+        return None
+    copy = types.FunctionType(fn.__code__, {**g, **names}, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
 
-    def __init__(self, fn: Callable):
+
+class _RouteToInt8(TorchFunctionMode):
+    """Routes F.scaled_dot_product_attention to ``sdpa`` for the duration of one processor call (traced by
+    torch.compile); ``dispatch_attention_fn``'s native backend ends in that call."""
+
+    def __init__(self, sdpa: Callable):
         super().__init__()
-        self.fn = fn
+        self.sdpa = sdpa
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return self.fn(*args, **kwargs)
+            return self.sdpa(*args, **kwargs)
         if func is torch.Tensor.unflatten:
             # Tensor.unflatten is Python calling super().unflatten, which dynamo cannot trace inside a
             # torch-function mode (Flux and Wan processors use it); torch.unflatten is the same op.
@@ -99,6 +127,18 @@ def _broadcasts(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
         return torch.broadcast_shapes(mask.shape, full) == torch.Size(full)
     except RuntimeError:
         return False
+
+
+def _as_gate(speed_gate) -> SpeedGate | None:
+    if speed_gate is True:
+        return SpeedGate()
+    if speed_gate is False or speed_gate is None:
+        return None
+    if isinstance(speed_gate, SpeedGate):
+        return speed_gate
+    if isinstance(speed_gate, (str, Path)):
+        return SpeedGate(speed_gate)
+    raise TypeError(f"speed_gate must be True, False, a SpeedGate or a crossover table file, got {speed_gate!r}")
 
 
 def _as_calibration(calibration):
@@ -158,6 +198,9 @@ class Int8DiffusionProcessor:
         name: the module's name, for the trace and the calibration.
         observer: a callable ``observer(processor, query, key, value, attn_mask, scale, out)`` given every
             attention call's BHSD inputs and exact output (``out``); the calibration collector is one.
+        speed_gate: True (default) runs an INT8 mode only for call shapes where it is faster than SDPA on the
+            GPU (``speed_gate.SpeedGate``; elsewhere SDPA, exact); False forces INT8 wherever the mode says;
+            a ``SpeedGate``, or a crossover table file, gates by that table.
     """
 
     def __init__(
@@ -170,8 +213,10 @@ class Int8DiffusionProcessor:
         state: Int8State | None = None,
         name: str | None = None,
         observer: Callable | None = None,
+        speed_gate: "bool | SpeedGate | str | Path" = True,
     ):
         self.mode = Mode.parse(mode)
+        self.gate = _as_gate(speed_gate)
         if isinstance(schedule, str):
             schedule = PrecisionSchedule.load(schedule)
         if schedule is not None and not callable(schedule):
@@ -186,6 +231,7 @@ class Int8DiffusionProcessor:
         self.calibration = calibration
         self.observer = observer
         self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._routed_calls: dict[type, Callable] = {}  # stock processor type -> its routed __call__
         self._ranges: tuple = (None, None, None)  # (timestep, device, ranges) of the last call
 
     def current_mode(self) -> Mode:
@@ -216,8 +262,24 @@ class Int8DiffusionProcessor:
             self.state.trace.append((self.state.step, self.state.timestep, self.name, mode.value))
         if mode is Mode.FP16 and self.observer is None:
             return inner(attn, hidden_states, *args, **kwargs)
-        with _RouteSDPA(functools.partial(self._attention, mode)):
-            return inner(attn, hidden_states, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            # dynamo cannot trace a function whose globals differ from its module's; a torch-function mode
+            # costs nothing in a compiled graph (it is traced away)
+            with _RouteToInt8(self._attention):
+                return inner(attn, hidden_states, *args, **kwargs)
+        call = self._routed_calls.get(type(inner))
+        if call is None:
+            call = self._routed_calls[type(inner)] = self._route(type(inner))
+        return call(inner, attn, hidden_states, *args, **kwargs)
+
+    def _route(self, processor_type: type) -> Callable:
+        call = _routed(processor_type.__call__, self._attention, self._dispatch)
+        if call is None:
+            warnings.warn(f"diffusion_int8: {processor_type.__name__} calls attention neither through F."
+                          f"scaled_dot_product_attention nor dispatch_attention_fn; its modules run stock attention",
+                          RuntimeWarning, stacklevel=4)
+            return processor_type.__call__
+        return call
 
     def _static_ranges(self, device: torch.device):
         """The calibration's ranges at the current timestep, evaluated once per step and device."""
@@ -229,17 +291,39 @@ class Int8DiffusionProcessor:
             self._ranges = (self.state.timestep, device, ranges)
         return ranges
 
-    def _attention(self, mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
-        """What the routed scaled_dot_product_attention call runs: ``mode``, shown to the observer first."""
+        """What the stock processor's ``F.scaled_dot_product_attention`` call runs: this call's mode, shown to
+        the observer first."""
+        mode = self.current_mode()
         if self.observer is not None:
             exact = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
             self.observer(self, query, key, value, attn_mask, scale, exact)
             if mode is Mode.FP16:
                 return exact
+        if mode is not Mode.FP16 and self.gate is not None and not self.gate.pays(mode, query, key):
+            self.state.gated_calls += 1
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        self.state.int8_calls += mode is not Mode.FP16
         return int8_sdpa(mode, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                          ranges=self._static_ranges(query.device))
+
+    def _dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+        """What the stock processor's ``dispatch_attention_fn`` call runs: (B, S, H, D) in and out, as the
+        dispatcher's. Calls for another backend than the native one, or split across devices, go to it."""
+        from diffusers.models import attention_dispatch as ad
+
+        if backend is None:
+            backend = ad._AttentionBackendRegistry.get_active_backend()[0]
+        if backend != ad.AttentionBackendName.NATIVE or parallel_config is not None or attention_kwargs:
+            return ad.dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                            attention_kwargs, backend=backend, parallel_config=parallel_config)
+        out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
+                              dropout_p, is_causal, scale, enable_gqa)
+        return out.transpose(1, 2)
 
 
 _P = inspect.Parameter
@@ -311,6 +395,7 @@ def enable(
     calibration: "Calibration | str | None" = None,
     record: bool = False,
     observer: Callable | None = None,
+    speed_gate: "bool | SpeedGate | str | Path" = True,
 ) -> Int8Handle:
     """Install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoiser.
 
@@ -324,6 +409,10 @@ def enable(
             (layer names, heads, head dims), then its ranges at each step become static quantization ranges.
         record: keep a trace of ``(step, timestep, layer, mode)`` in ``handle.state.trace``.
         observer: see ``Int8DiffusionProcessor``; the calibration collector passes one.
+        speed_gate: True (default): INT8 only for the call shapes where it beats SDPA on this GPU, by the
+            crossover table shipped for its architecture or measured by ``diffusion-int8 tune``; SDPA elsewhere.
+            False forces INT8 (experiments, quality evaluation). A ``SpeedGate`` or table file gates by that.
+            ``handle.state.int8_calls`` / ``gated_calls`` count the two outcomes.
 
     Modules the kernel cannot run (head dim > 256) keep their processor; one warning lists them.
     Refuses a model already enabled, or one compiled with ``torch.compile`` (enable first, compile after).
@@ -339,6 +428,7 @@ def enable(
     calibration = _as_calibration(calibration)
     if calibration is not None:
         calibration.validate(model)
+    gate = _as_gate(speed_gate)
     state = Int8State(trace=[] if record else None)
     originals, skipped = {}, {}
     for name, module in attention_modules(model).items():
@@ -349,7 +439,7 @@ def enable(
         originals[name] = module.processor
         module.set_processor(
             Int8DiffusionProcessor(mode, schedule=schedule, calibration=calibration, inner=module.processor,
-                                   state=state, name=name, observer=observer)
+                                   state=state, name=name, observer=observer, speed_gate=gate)
         )
     _warn_skipped(skipped)
     hook = None

@@ -81,9 +81,9 @@ def variants(args) -> dict[str, dict]:
 
 def run_variant(pipe, model, items, batches, args, device, kwargs: dict | None):
     """Images (by index) and speed of one variant; ``kwargs`` None runs the stock pipeline."""
-    handle = enable(pipe, record=True, **kwargs) if kwargs is not None else None
+    handle = enable(pipe, record=True, speed_gate=not args.no_speed_gate, **kwargs) if kwargs is not None else None
     timer = StepTimer(model, device)
-    images, seconds, n_images = {}, 0.0, 0
+    images, seconds, n_images, int8_calls, gated_calls = {}, 0.0, 0, 0, 0
     try:
         if batches:  # warm-up (Triton compilation, allocator), not timed
             b, batch, idx = batches[0]
@@ -100,6 +100,8 @@ def run_variant(pipe, model, items, batches, args, device, kwargs: dict | None):
             imgs = pipelines.generate(pipe, items, batch, idx, steps=args.steps, seed=args.seed,
                                       guidance_scale=args.guidance_scale)
             seconds += time.perf_counter() - t0
+            if handle is not None:
+                int8_calls, gated_calls = int8_calls + handle.state.int8_calls, gated_calls + handle.state.gated_calls
             n_images += len(idx)
             images.update(zip(idx, imgs))
             if handle is not None and handle.state.trace and not per_step:
@@ -111,7 +113,9 @@ def run_variant(pipe, model, items, batches, args, device, kwargs: dict | None):
             handle.disable()
     speed = {"denoiser_ms_per_step": statistics.median(timer.ms) if timer.ms else None,
              "denoiser_calls": len(timer.ms), "seconds_per_image": seconds / max(n_images, 1),
-             "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
+             "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+             "int8_calls": int8_calls if handle is not None else None,
+             "gated_calls": gated_calls if handle is not None else None}
     return images, speed, per_step
 
 
@@ -187,7 +191,9 @@ def _merge_speed(parts: list[dict]) -> dict:
     return {"denoiser_ms_per_step": statistics.median(ms) if ms else None,
             "denoiser_calls": sum(p["denoiser_calls"] for p in parts),
             "seconds_per_image": statistics.mean(p["seconds_per_image"] for p in parts),
-            "peak_memory_mib": max(mem) if mem else None, "processes": len(parts)}
+            "peak_memory_mib": max(mem) if mem else None, "processes": len(parts),
+            "int8_calls": None if parts[0].get("int8_calls") is None else sum(p["int8_calls"] for p in parts),
+            "gated_calls": None if parts[0].get("gated_calls") is None else sum(p["gated_calls"] for p in parts)}
 
 
 def _dirname(name: str) -> str:
@@ -261,6 +267,9 @@ def add_parser(sub) -> None:
     p.add_argument("--schedule", help="also a scheduled variant: a preset (balanced, …) or a schedule.json")
     p.add_argument("--calibration", help="also a variant with static ranges from this calibration (file or directory)")
     p.add_argument("--generate-only", action="store_true", help="write images and timings, skip the metrics")
+    p.add_argument("--no-speed-gate", action="store_true",
+                   help="run INT8 for every attention call the variant's mode covers, also where the speed gate would "
+                        "send it to SDPA (on a GPU, by default INT8 runs only for shapes where it is faster)")
     p.add_argument("--score", nargs="+", metavar="FOLDER", help="score image folders instead: REFERENCE then candidates")
     p.add_argument("--lpips-weights", help="torchvision AlexNet weights (alexnet-owt-7be5be79.pth) for LPIPS")
     p.add_argument("--fid-weights", help="torch-fidelity Inception weights (weights-inception-2015-12-05-6726825d.pth) for FID/KID")

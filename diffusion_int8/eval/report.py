@@ -87,12 +87,19 @@ def _rows(report: dict) -> list[list[str]]:
         speedup = base.get("denoiser_ms_per_step", 0) / ms if ms else None
         rows.append([name, *(_quality_cells(v["quality"]) if "quality" in v else ["reference"] + ["–"] * 4),
                      _fmt(ms, 2), _fmt(speedup, 2) + ("×" if speedup else ""), _fmt(sp.get("seconds_per_image"), 3),
-                     _fmt(sp.get("peak_memory_mib"), 0)])
+                     _fmt(sp.get("peak_memory_mib"), 0), _calls(sp)])
     return rows
 
 
+def _calls(speed: dict) -> str:
+    """Attention calls that ran INT8 / that the speed gate sent to SDPA."""
+    if speed.get("int8_calls") is None:
+        return "–"
+    return f"{speed['int8_calls']} / {speed['gated_calls']}"
+
+
 HEADER = ["variant", "PSNR dB (min)", "SSIM (min)", "LPIPS (max)", "FID", "KID", "denoiser ms/step",
-          "speed-up", "s/image", "peak MiB"]
+          "speed-up", "s/image", "peak MiB", "INT8 / gated calls"]
 
 
 def write_json(report: dict, out: Path) -> Path:

@@ -1,0 +1,310 @@
+"""The speed gate: INT8 attention only for call shapes where it beats SDPA on this GPU.
+
+A crossover table holds, per INT8 mode, head dim and 16-bit dtype, the speed of the whole INT8 call (its
+quantization included) relative to ``F.scaled_dot_product_attention`` on a grid of key lengths and query
+rows (batch × heads × queries), measured on one GPU from CUDA-graph replays. A call runs INT8 when the grid
+cell at or below its shape (the nearest smaller key length and row count, so a shape between cells is
+judged by the smaller, less favourable one) shows a speed-up of at least ``margin``; elsewhere it runs SDPA,
+which is exact. Tables ship for sm_90 (``tables/``); ``diffusion-int8 tune`` measures one for any other GPU
+and caches it (``cache_path``). The gate never benchmarks inside a call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .kernels.config import MAX_HEAD_DIM, Mode, padded_head_dim
+
+FORMAT = "diffusion-int8 crossover table"
+VERSION = 1
+SHIPPED = Path(__file__).parent / "tables"
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Speed-ups of one (mode, head dim, dtype): ``speedup[i][j]`` at ``keys[i]`` keys and ``rows[j]`` query rows
+    (SDPA's time over the INT8 call's; None where not measured)."""
+
+    mode: str
+    head_dim: int
+    dtype: str
+    keys: tuple[int, ...]
+    rows: tuple[int, ...]
+    speedup: tuple[tuple[float | None, ...], ...]
+
+    def at(self, sk: int, rows: int) -> float | None:
+        """The speed-up of the cell at or below (``sk``, ``rows``); None below the grid. (Plain loops, which
+        torch.compile traces.)"""
+        i = sum(1 for x in self.keys if x <= sk) - 1
+        j = sum(1 for x in self.rows if x <= rows) - 1
+        return None if i < 0 or j < 0 else self.speedup[i][j]
+
+
+@dataclass(frozen=True)
+class CrossoverTable:
+    """Where INT8 attention pays on one GPU. ``device`` names it, ``arch`` is ``sm_XY``."""
+
+    device: str
+    arch: str
+    grids: tuple[Grid, ...]
+    margin: float = 1.03
+    measured: dict = field(default_factory=dict)  # torch / triton versions and the date
+
+    def speedup(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int) -> float | None:
+        """The measured speed-up that judges a call, or None when no grid covers it."""
+        grid = self._grid(mode, head_dim, str(dtype).removeprefix("torch."))
+        return None if grid is None else grid.at(sk, rows)
+
+    def pays(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int) -> bool:
+        s = self.speedup(mode, head_dim, dtype, rows, sk)
+        return s is not None and s >= self.margin
+
+    def _grid(self, mode: str, head_dim: int, dtype: str) -> Grid | None:
+        # the same head dim, else one the kernel pads to the same width; the same dtype, else the other 16-bit one
+        dp = padded_head_dim(head_dim)
+        same = [g for g in self.grids if g.mode == mode and padded_head_dim(g.head_dim) == dp]
+        exact = [g for g in same if g.head_dim == head_dim] or same
+        return next((g for g in exact if g.dtype == dtype), exact[0] if exact else None)
+
+    # -- files --
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "device": self.device, "arch": self.arch, "margin": self.margin,
+                "measured": self.measured,
+                "grids": [{"mode": g.mode, "head_dim": g.head_dim, "dtype": g.dtype, "keys": list(g.keys),
+                           "rows": list(g.rows), "speedup": [list(r) for r in g.speedup]} for g in self.grids]}
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: a reader sees the old file or the new one, never half of one."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CrossoverTable":
+        """Read and validate a table file; errors name the file and what is wrong."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a readable crossover table ({exc})") from None
+        try:
+            return cls._from_json(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: invalid crossover table: {exc}") from None
+
+    @classmethod
+    def _from_json(cls, data) -> "CrossoverTable":
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"expected a JSON object with \"format\": {FORMAT!r}")
+        if data.get("version") != VERSION:
+            raise ValueError(f"version {data.get('version')!r} is not supported (this release reads {VERSION})")
+        grids = []
+        for n, g in enumerate(data["grids"]):
+            Mode.parse(g["mode"])
+            if g["mode"] == "fp16":
+                raise ValueError(f"grid {n}: mode 'fp16' needs no gate")
+            if g["dtype"] not in _DTYPES:
+                raise ValueError(f"grid {n}: dtype {g['dtype']!r} is not one of {sorted(_DTYPES)}")
+            keys, rows = tuple(int(x) for x in g["keys"]), tuple(int(x) for x in g["rows"])
+            if not 1 <= int(g["head_dim"]) <= MAX_HEAD_DIM:
+                raise ValueError(f"grid {n}: head_dim {g['head_dim']!r} is not in 1..{MAX_HEAD_DIM}")
+            if not keys or not rows or list(keys) != sorted(set(keys)) or list(rows) != sorted(set(rows)):
+                raise ValueError(f"grid {n}: keys and rows must be non-empty and strictly increasing")
+            speedup = tuple(tuple(None if x is None else float(x) for x in r) for r in g["speedup"])
+            if len(speedup) != len(keys) or any(len(r) != len(rows) for r in speedup):
+                raise ValueError(f"grid {n}: speedup must be {len(keys)} × {len(rows)} (keys × rows)")
+            if any(x is not None and not x > 0 for r in speedup for x in r):
+                raise ValueError(f"grid {n}: speed-ups must be positive numbers or null")
+            grids.append(Grid(g["mode"], int(g["head_dim"]), g["dtype"], keys, rows, speedup))
+        margin = float(data.get("margin", 1.03))
+        if not margin > 0:
+            raise ValueError(f"margin must be positive, got {margin}")
+        return cls(str(data["device"]), str(data["arch"]), tuple(grids), margin, dict(data.get("measured", {})))
+
+
+def arch_of(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def cache_path(device: torch.device) -> Path:
+    """Where ``diffusion-int8 tune`` keeps the table of this GPU (``$DIFFUSION_INT8_CACHE`` or ~/.cache)."""
+    root = os.environ.get("DIFFUSION_INT8_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "diffusion_int8")
+    name = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name(device)).strip("-").lower()
+    return Path(root) / f"crossover-{name}-{arch_of(device)}.json"
+
+
+class SpeedGate:
+    """Decides per call whether INT8 pays, from the table for the call's GPU (loaded once per device).
+
+    ``table``: a ``CrossoverTable`` or its file for every device; None finds one per device: the table
+    ``diffusion-int8 tune`` cached for this GPU, else the one shipped for its architecture, else none, and
+    then every call runs SDPA (one warning, when the gate is made, says how to measure a table). Without a
+    ``table``, calls on CPU tensors (the emulation, which exists for correctness and quality checks) are not
+    gated; a given table gates every device.
+    """
+
+    def __init__(self, table: CrossoverTable | str | Path | None = None):
+        if isinstance(table, (str, Path)):
+            table = CrossoverTable.load(table)
+        self._fixed = table
+        self._tables: dict[int | None, CrossoverTable | None] = {}
+        self._decisions: dict[tuple, bool] = {}
+        if table is None and torch.cuda.is_available():  # read now: torch.compile cannot trace file reads
+            for i in range(torch.cuda.device_count()):
+                self._tables[i] = _find_table(torch.device("cuda", i))
+
+    def table_for(self, device: torch.device) -> CrossoverTable | None:
+        if self._fixed is not None:
+            return self._fixed
+        if device.index not in self._tables:
+            self._tables[device.index] = _find_table(device)
+        return self._tables[device.index]
+
+    def pays(self, mode: Mode, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether ``mode`` beats SDPA for (B, H, S, D) ``q`` and ``k`` (BHSD views) on their device."""
+        if q.device.type != "cuda" and self._fixed is None:
+            return True
+        B, H, Sq, D = q.shape
+        key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D)
+        decision = self._decisions.get(key)
+        if decision is None:
+            table = self.table_for(q.device)
+            decision = table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2])
+            if not torch.compiler.is_compiling():
+                self._decisions[key] = decision
+        return decision
+
+
+def _find_table(device: torch.device) -> CrossoverTable | None:
+    path = cache_path(device)
+    if path.exists():
+        return CrossoverTable.load(path)
+    shipped = SHIPPED / f"{arch_of(device)}.json"
+    if shipped.exists():
+        return CrossoverTable.load(shipped)
+    warnings.warn(
+        f"diffusion_int8: no crossover table for {torch.cuda.get_device_name(device)} ({arch_of(device)}), so the speed "
+        f"gate runs every attention call in SDPA. Run `diffusion-int8 tune` once to measure where INT8 pays on this "
+        f"GPU (a few minutes), or pass speed_gate=False to enable() to force INT8.", RuntimeWarning, stacklevel=4)
+    return None
+
+
+# -- measuring a table --
+
+KEYS = (1024, 2048, 4096, 8192, 16384, 32768)
+ROWS = (1 << 15, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21)
+
+
+def _graph_ms(fn, reps: int) -> float:
+    """Median GPU time of ``fn`` replayed from a CUDA graph (launch overhead excluded, as in a warm pipeline)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        if times[0] > 2.0 and len(times) >= 7:  # long calls vary little: fewer replays
+            break
+    del graph
+    torch.cuda.empty_cache()  # the graph's private memory pool, before the next cell allocates
+    return sorted(times)[len(times) // 2]
+
+
+def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloat16"),
+            modes=("int8", "int8_fp16v"), keys=KEYS, rows=ROWS, reps: int = 20, max_work: float = 2**41,
+            progress=print) -> CrossoverTable:
+    """Time SDPA and each INT8 mode on self-attention shapes (keys × rows grid; cells past ``max_work``
+    multiply-adds are left unmeasured and judged by their neighbours below) and return the table. Inputs are
+    laid out as diffusers passes them: (B, S, H, D) memory seen as (B, H, S, D)."""
+    import triton
+    import torch.nn.functional as F
+
+    from .kernels import int8_attention
+
+    grids = []
+    cells = [(d, dt, n, r) for d in head_dims for dt in dtypes for n in keys for r in rows]
+    todo = [c for c in cells if c[3] >= c[2] and c[3] * c[2] * c[0] <= max_work]
+    results: dict[tuple, dict[str, float]] = {}
+    t0 = time.time()
+    for i, (d, dt, n, r) in enumerate(todo):
+        bh = r // n
+        # (B, S, H, D) memory viewed (B, H, S, D), as diffusers' processors hand attention its inputs
+        q, k, v = (torch.randn(1, n, bh, d, device=device, dtype=_DTYPES[dt]).transpose(1, 2) for _ in range(3))
+        k += 3.0 * torch.randn(1, bh, 1, d, device=device, dtype=_DTYPES[dt])  # a K channel bias, as in real models
+        times = {"sdpa": _graph_ms(lambda: F.scaled_dot_product_attention(q, k, v), reps)}
+        for m in modes:
+            times[m] = _graph_ms(lambda m=m: int8_attention(q, k, v, mode=m), reps)
+        results[(d, dt, n, r)] = times
+        progress(f"[{i + 1}/{len(todo)}] head dim {d}, {dt}, {n} keys × {r} rows: sdpa {times['sdpa']:.3f} ms, "
+                 + ", ".join(f"{m} {times['sdpa'] / times[m]:.2f}×" for m in modes)
+                 + f"  ({time.time() - t0:.0f} s)")
+        del q, k, v
+    for m in modes:
+        for d in head_dims:
+            for dt in dtypes:
+                speedup = tuple(tuple(
+                    round(results[(d, dt, n, r)]["sdpa"] / results[(d, dt, n, r)][m], 3) if (d, dt, n, r) in results else None
+                    for r in rows) for n in keys)
+                grids.append(Grid(m, d, dt, tuple(keys), tuple(rows), speedup))
+    measured = {"torch": torch.__version__, "triton": triton.__version__,
+                "date": datetime.date.today().isoformat(), "timing": f"median of {reps} CUDA-graph replays"}
+    return CrossoverTable(torch.cuda.get_device_name(device), arch_of(device), tuple(grids), measured=measured)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tune", help="measure where INT8 attention beats SDPA on this GPU (the speed gate's table)",
+                       description=measure.__doc__)
+    p.add_argument("--out", default=None, help="table file to write (default: this GPU's cache file, see cache_path)")
+    p.add_argument("--head-dims", default="64,128", help="comma-separated head dims to measure (default 64,128)")
+    p.add_argument("--dtypes", default="float16,bfloat16", help="float16 and/or bfloat16")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing table file")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    if not torch.cuda.is_available():
+        print("diffusion-int8 tune: needs a CUDA GPU (the gate only decides for CUDA devices)", file=sys.stderr)
+        return 2
+    try:
+        head_dims = tuple(int(x) for x in args.head_dims.split(","))
+        dtypes = tuple(args.dtypes.split(","))
+    except ValueError:
+        print(f"diffusion-int8 tune: --head-dims takes integers, got {args.head_dims!r}", file=sys.stderr)
+        return 2
+    bad = [d for d in head_dims if not 1 <= d <= MAX_HEAD_DIM] + [t for t in dtypes if t not in _DTYPES]
+    if bad:
+        print(f"diffusion-int8 tune: not accepted: {bad} (head dims 1..{MAX_HEAD_DIM}; dtypes {sorted(_DTYPES)})",
+              file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    out = Path(args.out) if args.out else cache_path(device)
+    if out.exists() and not args.overwrite:
+        print(f"diffusion-int8 tune: {out} exists; pass --overwrite to replace it", file=sys.stderr)
+        return 2
+    table = measure(device, head_dims=head_dims, dtypes=dtypes, progress=lambda s: print(s, flush=True))
+    table.save(out)
+    print(f"wrote {out}")
+    return 0
