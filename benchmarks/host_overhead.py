@@ -1,6 +1,12 @@
-"""Host time of one ``int8_attention`` call, and where it goes (cProfile), at a small shape where the GPU waits.
+"""Host time of one eager attention call, and of one diffusers attention module, at a small shape where the GPU
+waits on the host; SDPA and the stock processor are timed in the same run, and a cProfile of the INT8 calls
+shows where the time goes.
 
-    python benchmarks/host_overhead.py --out bench_out/host.txt
+    python benchmarks/host_overhead.py --out bench_out/host.txt [--json bench_out/host.json]
+
+"host" is the wall time of issuing ``--calls`` calls (the GPU trails behind: host-bound), "host+GPU" adds
+the final synchronization. The processor's own cost is the module call with ``Int8DiffusionProcessor``
+(INT8 forced: no speed gate) minus the stock module call, less the op's own difference to SDPA.
 """
 
 from __future__ import annotations
@@ -8,50 +14,82 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import time
 
 import torch
 
-from diffusion_int8 import int8_attention
+from diffusion_int8 import Int8DiffusionProcessor, int8_attention
+
+
+def host_us(fn, calls: int) -> tuple[float, float]:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return host, (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> None:
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--calls", type=int, default=1000)
     args = ap.parse_args()
-    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.float16) for _ in range(3))
-    lines = []
+    B, H, S, D = 2, 4, 256, 64
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    attn = Attention(query_dim=H * D, heads=H, dim_head=D).cuda().half().eval()
+    x = torch.randn(B, S, H * D, device="cuda", dtype=torch.float16)
+
+    def module(processor):
+        attn.set_processor(processor)
+        return lambda: attn(x)
+
     calls = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)}
-    calls.update({m: (lambda m=m: int8_attention(q, k, v, mode=m)) for m in ("fp16", "int8_fp16v", "int8")})
-    for name, fn in calls.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            fn()
-        host = (time.perf_counter() - t0) / args.calls * 1e6
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / args.calls * 1e6
-        lines.append(f"{name}: host {host:.1f} us/call, host+GPU {wall:.1f} us/call")
-        if name in ("sdpa", "fp16"):
-            continue
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.calls):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-        lines.append(s.getvalue())
+    calls.update({f"int8_attention {m}": (lambda m=m: int8_attention(q, k, v, mode=m)) for m in ("fp16", "int8_fp16v", "int8")})
+    calls["module, stock AttnProcessor2_0"] = module(AttnProcessor2_0())
+    for m in ("int8_fp16v", "int8"):
+        calls[f"module, Int8DiffusionProcessor {m}"] = module(Int8DiffusionProcessor(m, speed_gate=False))
+    results, lines = {}, [f"({B}, {H}, {S}, {D}) fp16, {args.calls} eager calls, {torch.cuda.get_device_name()}, "
+                          f"torch {torch.__version__}", "", "| call | host µs | host+GPU µs |", "|---|---|---|"]
+    with torch.no_grad():
+        for name, fn in calls.items():
+            if name.startswith("module"):
+                fn()  # set the processor before timing
+            host, wall = host_us(fn, args.calls)
+            results[name] = {"host_us": host, "wall_us": wall}
+            lines.append(f"| {name} | {host:.1f} | {wall:.1f} |")
+        for m in ("int8_fp16v", "int8"):
+            own = (results[f"module, Int8DiffusionProcessor {m}"]["host_us"] - results["module, stock AttnProcessor2_0"]["host_us"]
+                   - (results[f"int8_attention {m}"]["host_us"] - results["sdpa"]["host_us"]))
+            results[f"processor's own cost, {m}"] = {"host_us": own}
+            lines.append(f"| processor's own cost beyond the op, {m} | {own:.1f} | |")
+        for name in ("int8_attention int8", "module, Int8DiffusionProcessor int8"):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                calls[name]()
+            prof.disable()
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(15)
+            lines += ["", f"cProfile of {name} (200 calls):", s.getvalue()]
     text = "\n".join(lines)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": [B, H, S, D],
+                       "date": time.strftime("%Y-%m-%d"), "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

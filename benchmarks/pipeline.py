@@ -238,19 +238,22 @@ def main():
                          "reduce-overhead mode would run it")
     ap.add_argument("--calibrated", action="store_true",
                     help="also int8 with static ranges and K means calibrated on the trajectory (no statistics pass)")
+    ap.add_argument("--variants", default="stock,int8_fp16v,int8,int8_fp16v forced,int8 forced",
+                    help="comma-separated: stock, a mode (speed gate on, the default of enable), or '<mode> forced' "
+                         "(speed_gate=False: INT8 for every call)")
     args = ap.parse_args()
     builders = _models()
     results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                         "date": time.strftime("%Y-%m-%d"), "cuda_graph": args.graph}}
-    print(f"| model | config | mode | step ms | speedup | peak GiB | PSNR of one step vs stock (dB) | PSNR of the final latents "
-          f"after {args.denoise_steps} steps (dB) |\n|---|---|---|---|---|---|---|---|")
+    print(f"| model | config | mode | step ms | speedup | INT8 / gated calls | peak GiB | PSNR of one step vs stock (dB) | "
+          f"PSNR of the final latents after {args.denoise_steps} steps (dB) |\n|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         with torch.device("cuda"):
             model, x, dtype, note = builders[name]()
         model = model.to(dtype).eval()
         x = _cast(x, dtype)
         rows = {}
-        variants = ("stock", "int8_fp16v", "int8") + (("int8+calibration",) if args.calibrated else ())
+        variants = tuple(args.variants.split(",")) + (("int8+calibration",) if args.calibrated else ())
         for mode in variants:
             if mode == "stock":
                 handle = None
@@ -258,15 +261,17 @@ def main():
                 cal = _calibrate(model, x, max(args.denoise_steps, 3))
                 handle = diffusion_int8.enable(model, "int8", calibration=cal)
             else:
-                handle = diffusion_int8.enable(model, mode)
+                handle = diffusion_int8.enable(model, mode.split()[0], speed_gate=not mode.endswith(" forced"))
             torch.cuda.reset_peak_memory_stats()
             ms, out = _time(model, x, args.steps, args.graph)
             peak = torch.cuda.max_memory_allocated() / 2**30
             final = _denoise(model, x, args.denoise_steps) if args.denoise_steps else None
             if args.profile and handle is not None:
                 _profile(model, x, f"{name} {mode}")
+            calls = "—"
             if handle is not None:
                 handle.disable()
+                calls = f"{handle.state.int8_calls} / {handle.state.gated_calls}"
             if mode == "stock":
                 ref, ref_final = out, final
                 attn_ms, gpu_ms, names = _attention_share(model, x)
@@ -276,10 +281,13 @@ def main():
                     "needed_for_1.15x": needed_speedup(share, 1.15), "needed_for_1.3x": needed_speedup(share, 1.3)}
             stock = mode == "stock"
             rows[mode] = {"ms": ms, "peak_gib": peak, "psnr": None if stock else psnr(out, ref),
-                          "psnr_final": None if stock or final is None else psnr(final, ref_final)}
+                          "psnr_final": None if stock or final is None else psnr(final, ref_final),
+                          "int8_calls": None if stock else handle.state.int8_calls,
+                          "gated_calls": None if stock else handle.state.gated_calls}
             rows[mode]["speedup"] = rows["stock"]["ms"] / ms
             p, pf = ("—", "—") if stock else (f"{rows[mode]['psnr']:.1f}", "—" if final is None else f"{rows[mode]['psnr_final']:.1f}")
-            print(f"| {name} | {note} | {mode} | {ms:.1f} | {rows[mode]['speedup']:.2f}x | {peak:.1f} | {p} | {pf} |", flush=True)
+            print(f"| {name} | {note} | {mode} | {ms:.1f} | {rows[mode]['speedup']:.2f}x | {calls} | {peak:.1f} | {p} | {pf} |",
+                  flush=True)
         results[name] = {"config": note, "dtype": str(dtype), "rows": rows}
         del model, x, ref, out, ref_final, final
         torch.cuda.empty_cache()
