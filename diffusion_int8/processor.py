@@ -365,12 +365,16 @@ class Int8Handle:
     _hook: Any = field(default=None, repr=False)
 
     def disable(self) -> None:
+        """Put back the processors ``enable`` replaced. A handle already disabled does nothing (a later
+        ``enable`` on the model has its own handle, which this one must not touch)."""
+        if self.model.__dict__.get("_diffusion_int8_handle") is not self:
+            return
         modules = attention_modules(self.model)
         for name, proc in self.originals.items():
             modules[name].set_processor(proc)
         if self._hook is not None:
             self._hook.remove()
-        self.model.__dict__.pop("_diffusion_int8_handle", None)
+        del self.model.__dict__["_diffusion_int8_handle"]
         self.originals = {}
 
 

@@ -107,7 +107,6 @@ def _qkv(**over):
         (dict(v_amax=torch.ones(2, 64, dtype=torch.int32)), TypeError, "float tensor"),
         (dict(k_mean=torch.ones(3, 64)), ValueError, r"k_mean of shape \(3, 64\) does not broadcast to \(1, 2, 64\)"),
         (dict(k_mean=torch.zeros(64), smooth_k=False), ValueError, "needs smooth_k=True"),
-        (dict(k=torch.randn(1, 2, 0, 64).half(), v=torch.randn(1, 2, 0, 64).half()), ValueError, ">= 1"),
     ],
 )
 def test_bad_inputs_raise(kwargs, exc, match):
@@ -165,3 +164,31 @@ def test_tracers_record_the_op_and_eager_skips_its_layers(monkeypatch):
     eager = fn(q, k, v)
     assert not calls  # eager: the custom-op layers are skipped
     torch.testing.assert_close(eager, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["q_amax", "k_amax", "v_amax", "k_mean"])
+def test_invalid_static_ranges_are_refused_on_cpu(name, monkeypatch):
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+    q = k = v = torch.randn(1, 2, 16, 32, dtype=torch.float16)
+    shape = (1, 2, 32) if name in ("v_amax", "k_mean") else (1, 2)
+    bads = (float("nan"), float("inf")) if name == "k_mean" else (0.0, -1.0, float("nan"), float("inf"))
+    for bad in bads:
+        t = torch.ones(shape)
+        t[0, 1] = bad
+        with pytest.raises(ValueError, match=name):
+            diffusion_int8.int8_attention(q, k, v, mode="int8", **{name: t})
+    diffusion_int8.int8_attention(q, k, v, mode="int8", **{name: torch.ones(shape)})  # valid: runs
+
+
+@pytest.mark.parametrize("backend", ["emulation", "triton"])
+def test_empty_batch_and_sequences_give_zeros_in_both_backends(backend, monkeypatch):
+    if backend == "triton" and not config.interpreting() and not torch.cuda.is_available():
+        pytest.skip("the Triton backend needs a GPU or the interpreter")
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", backend)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for (B, Sq, Sk) in ((0, 16, 16), (2, 0, 16), (2, 16, 0)):
+        q = torch.randn(B, 2, Sq, 32, dtype=torch.float16, device=device)
+        k = v = torch.randn(B, 2, Sk, 32, dtype=torch.float16, device=device)
+        for mode in ("int8", "int8_fp16v"):
+            out = diffusion_int8.int8_attention(q, k, v, mode=mode)
+            assert out.shape == q.shape and out.dtype == q.dtype and not out.any()

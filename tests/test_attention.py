@@ -340,3 +340,21 @@ def test_launch_plans_from_two_threads(kdev):
         t.join()
     for (q, k, v, kw, alone), got in zip(work, results):
         assert torch.equal(got, alone)
+
+
+@pytest.mark.parametrize("which", ["q_amax", "k_amax", "v_amax"])
+def test_invalid_static_range_gives_nan_in_kernel_and_emulation(kdev, which):
+    # A range that is not finite and positive (here: head 1's) must not give finite, wrong output: kernel and
+    # emulation both make NaN of exactly the rows it reaches (the API refuses such ranges where it can check
+    # without a host synchronization; this is what runs when it cannot).
+    B, H, S, D = 1, 3, 70, 64
+    q, k, v = realistic_qkv(B, H, S, S, D, device=kdev)
+    good = {"q_amax": q.float().abs().amax((2, 3)), "k_amax": (k.float() - k.float().mean(2, keepdim=True)).abs().amax((2, 3)),
+            "v_amax": v.float().abs().amax(2)}
+    for bad in (float("nan"), -1.0, 0.0, float("inf")):
+        amax = good[which].clone()
+        amax[:, 1] = bad
+        kw = dict(layout="BHSD", pv=PV.INT8 if which == "v_amax" else PV.FP8, **{which: amax})
+        for out in (run_kernel(q, k, v, **kw), R.emulate_attention(q, k, v, **kw)):
+            assert torch.isnan(out[:, 1]).all(), (which, bad)
+            assert torch.isfinite(out[:, [0, 2]]).all(), (which, bad)

@@ -271,3 +271,18 @@ def test_compiles_without_graph_breaks(family):
         compiled = torch.compile(model, fullgraph=True, backend="eager")(**x, return_dict=False)[0]
     handle.disable()
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_stale_handle_disable_is_a_no_op():
+    model, x = build("dit")
+    stock = {n: m.processor for n, m in attention_modules(model).items()}
+    h1 = enable(model, "int8")
+    h1.disable()
+    h2 = enable(model, "int8")
+    h1.disable()  # stale: must leave h2's processors and marker alone
+    with pytest.raises(RuntimeError, match="already enabled"):
+        enable(model, "int8")  # so a third enable cannot nest INT8 processors
+    assert all(isinstance(m.processor, Int8DiffusionProcessor) for m in attention_modules(model).values())
+    h2.disable()
+    h2.disable()
+    assert {n: m.processor for n, m in attention_modules(model).items()} == stock

@@ -34,7 +34,8 @@ def int8_attention(
         q: (B, Hq, Sq, D) for ``layout="BHSD"`` or (B, Sq, Hq, D) for ``"BSHD"``; fp16 or bf16.
             Read through its strides: transposed views need no copy.
         k, v: (B, Hkv, Sk, D) or (B, Sk, Hkv, D), same dtype and device as ``q``. ``Hq`` must be a
-            multiple of ``Hkv`` (GQA/MQA). Any Sq, Sk >= 1; any D from 1 to 256 (padded inside).
+            multiple of ``Hkv`` (GQA/MQA). Any Sq, Sk >= 0 (B = 0, Sq = 0 or Sk = 0 give zeros: a row without
+            keys is 0, as a fully masked row is); any D from 1 to 256 (padded inside).
         mode: ``"int8_fp16v"`` (Q·Kᵀ INT8, P·V in the input's 16-bit type), ``"int8"`` (Q·Kᵀ INT8,
             P·V in FP8 e4m3 on sm89+ and INT8 before that) or ``"fp16"`` (exact, through
             ``torch.nn.functional.scaled_dot_product_attention``).
@@ -45,7 +46,9 @@ def int8_attention(
             to it; it removes the channel bias that breaks naive INT8 K).
         q_amax, k_amax: static quantization ranges broadcastable to (B, Hq) / (B, Hkv), e.g. per-head
             calibrated ranges (``Calibration.ranges``; ``k_amax`` is of the smoothed K). Values beyond
-            are clipped.
+            are clipped. Ranges must be finite and positive: on CPU tensors (and with ``check_finite``)
+            anything else raises ``ValueError``; on a GPU without the check, the rows an invalid range
+            reaches come out NaN (the emulation does the same).
         v_amax: static per-channel range of V, broadcastable to (B, Hkv, D).
         k_mean: static smoothing vector, broadcastable to (B, Hkv, D), subtracted from every key instead
             of K's measured token mean (exact for any vector: softmax is invariant to it; it only sets
@@ -71,15 +74,19 @@ def int8_attention(
             if len(_CHECKED) >= 4096:
                 _CHECKED.clear()
             _CHECKED[sig] = checked
-    mode, scale, gqa = checked
+    mode, scale, gqa, empty = checked
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} contains NaN or Inf")
+    if check_finite or q.device.type == "cpu":  # reading the values synchronizes with a GPU
+        _check_range_values(q_amax, k_amax, v_amax, k_mean)
     if mode is Mode.FP16:
         qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
         return out if layout == "BHSD" else out.transpose(1, 2)
+    if empty:  # no batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     backend = select_backend(q.device)
     pv = pv_for_mode(mode, q.device)
     return dispatch(
@@ -87,7 +94,8 @@ def int8_attention(
     )
 
 
-# Call signatures that passed the checks, with what they give: (mode, scale, whether heads are grouped)
+# Call signatures that passed the checks, with what they give: (mode, scale, whether heads are grouped, whether
+# the call has no work)
 _CHECKED: dict[tuple, tuple] = {}
 
 
@@ -113,14 +121,14 @@ def _check_call(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_ama
     if mode is Mode.FP16:
         if any(t is not None for t in (q_amax, k_amax, v_amax, k_mean)):
             raise ValueError("static quantization ranges (q_amax/k_amax/v_amax/k_mean) do not apply to mode 'fp16'")
-        return mode, float(scale), Hq != Hkv
+        return mode, float(scale), Hq != Hkv, False
     _check_amax("q_amax", q_amax, q, (B, Hq))
     _check_amax("k_amax", k_amax, q, (B, Hkv))
     _check_amax("v_amax", v_amax, q, (B, Hkv, D))
     _check_amax("k_mean", k_mean, q, (B, Hkv, D))
     if k_mean is not None and not smooth_k:
         raise ValueError("k_mean is a smoothing vector: it needs smooth_k=True")
-    return mode, float(scale), Hq != Hkv
+    return mode, float(scale), Hq != Hkv, 0 in (B, Sq, Sk)
 
 
 def kernel_info(device: torch.device | str, mode: str | Mode = "int8", head_dim: int = 128) -> dict:
@@ -178,8 +186,6 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -
             f"q has {hq} heads and k/v have {hkv}: the query heads must be a multiple of the key/value "
             f"heads (check the layout: {layout!r} puts heads on dim {h_ax})"
         )
-    if q.shape[s_ax] == 0 or k.shape[s_ax] == 0:
-        raise ValueError(f"sequence lengths must be >= 1, got q {q.shape[s_ax]} and k {k.shape[s_ax]}")
 
 
 def _check_mask(mask: torch.Tensor, q: torch.Tensor, full: tuple[int, int, int, int]) -> None:
@@ -199,6 +205,17 @@ def _check_mask(mask: torch.Tensor, q: torch.Tensor, full: tuple[int, int, int, 
             f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Sq, Sk) = {full}; "
             f"a key-padding mask is (B, 1, 1, Sk)"
         )
+
+
+def _check_range_values(q_amax, k_amax, v_amax, k_mean) -> None:
+    """Static ranges must be finite and positive, a static K mean finite (the kernels turn an invalid one into NaN
+    outputs; here it is an error before any work)."""
+    for name, t in (("q_amax", q_amax), ("k_amax", k_amax), ("v_amax", v_amax)):
+        if t is not None and not bool(((t > 0) & torch.isfinite(t)).all()):
+            bad = t[~((t > 0) & torch.isfinite(t))].flatten()[0].item()
+            raise ValueError(f"{name} must be finite and positive everywhere; it holds {bad!r}")
+    if k_mean is not None and not bool(torch.isfinite(k_mean).all()):
+        raise ValueError("k_mean must be finite everywhere; it holds NaN or Inf")
 
 
 def _check_amax(name: str, amax: torch.Tensor | None, q: torch.Tensor, full: tuple[int, ...]) -> None:

@@ -66,6 +66,12 @@ def _per_group(x, GROUPS: tl.constexpr, reduce: tl.constexpr):
 
 
 @triton.jit
+def _static_range(amax):
+    """``reference.static_range``: a given range where finite and positive, NaN elsewhere."""
+    return tl.where((amax > 0.0) & (amax < float("inf")), amax, float("nan"))
+
+
+@triton.jit
 def _quant_int8(x, AMAX, GROUPS: tl.constexpr, STATIC: tl.constexpr):
     """Symmetric INT8 of a float32 (tokens, DP) tile: one range per token (GROUPS = 0, Q) or per K group
     of the tile (GROUPS = 1 or 4), measured or read from the scalar at ``AMAX`` (STATIC). Returns the
@@ -76,8 +82,9 @@ def _quant_int8(x, AMAX, GROUPS: tl.constexpr, STATIC: tl.constexpr):
         poison = _per_group(poison, GROUPS, "sum")
         amax = _per_group(amax, GROUPS, "max")
     if STATIC:
-        amax = tl.load(AMAX) + poison * 0.0
-    amax = tl.maximum(amax, _AMAX_FLOOR) + poison
+        amax = _static_range(tl.load(AMAX)) + poison * 0.0
+    # the GPU's max drops a NaN operand: adding amax·0 keeps a NaN (invalid static) range
+    amax = tl.maximum(amax, _AMAX_FLOOR) + amax * 0.0 + poison
     y = tl.minimum(tl.maximum(x * _rdiv(_INT8_MAX, amax)[:, None], -_INT8_MAX), _INT8_MAX)
     return _round_to_int8(y), tl.math.div_rn(amax, amax * 0.0 + _INT8_MAX)
 
@@ -151,7 +158,8 @@ def _quant_kv_block(
     if V_FMT != 0:
         # the range as reference.v_channel_amax gives it: floored, NaN where non-finite, padded with 1
         if V_STATIC:
-            amax = tl.load(VAMAX + b * stride_vab + h * stride_vah + offs_d * stride_vad, mask=offs_d < D, other=1.0)
+            amax = _static_range(tl.load(VAMAX + b * stride_vab + h * stride_vah + offs_d * stride_vad,
+                                         mask=offs_d < D, other=1.0))
         else:
             amax = tl.load(VRANGE + pid_bh * DP + offs_d)
         amax = tl.where(offs_d < D, tl.maximum(amax, _AMAX_FLOOR) + amax * 0.0, 1.0)
@@ -275,7 +283,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
     """
     D = k.shape[3]
     mean, vmax = kv_moments(k, v)
-    return mean[..., :D], (None if v is None else v_channel_amax(v, vmax[..., :D]))
+    return mean[..., :D], (None if v is None else v_channel_amax(v, vmax[..., :D], static=False))
 
 
 def quantize_qkv(

@@ -57,6 +57,13 @@ def _guard(amax: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
     return amax.clamp_min(AMAX_FLOOR) + nonfinite
 
 
+def static_range(amax: torch.Tensor) -> torch.Tensor:
+    """A given range as the kernels read it: itself where finite and positive, NaN elsewhere, so an invalid
+    range makes NaN of every output it reaches rather than finite, wrong values."""
+    amax = amax.float()
+    return torch.where((amax > 0) & torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
+
+
 def _div(a: float | torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
     """One correctly rounded fp32 division, as ``tl.math.div_rn`` (``scalar / tensor`` in PyTorch is
     ``reciprocal() * scalar``, which rounds twice)."""
@@ -80,7 +87,7 @@ def _quantize_groups(x: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.
     if amax is None:
         amax = x.abs().amax(-1)
     else:
-        amax = amax.float().expand(B, H)[..., None].expand_as(nonfinite)
+        amax = static_range(amax).expand(B, H)[..., None].expand_as(nonfinite)
     amax = _guard(amax, nonfinite)
     return _round_int8(x * _div(INT8_MAX, amax)[..., None]), _div(amax, INT8_MAX)
 
@@ -131,18 +138,19 @@ def quantize_k(
     return k8, ks.reshape(B, H, s_pad)
 
 
-def v_channel_amax(v: torch.Tensor, v_amax: torch.Tensor | None = None) -> torch.Tensor:
+def v_channel_amax(v: torch.Tensor, v_amax: torch.Tensor | None = None, static: bool = True) -> torch.Tensor:
     """Per-channel range of V, floored, NaN where a channel holds a NaN/Inf, padded with 1.
 
     v: (B, H, S, D). v_amax: a measured (e.g. ``kv_stats``) or static range broadcastable to
-    (B, H, D); measured here when None. Returns (B, H, DP) float32.
+    (B, H, D) (a static one, ``static=True``, is read through ``static_range``); measured here when None.
+    Returns (B, H, DP) float32.
     """
     B, H, S, D = v.shape
     if v_amax is None:
         lo, hi = torch.aminmax(v, dim=2)
         amax = torch.maximum(-lo, hi).float()
     else:
-        amax = v_amax.float().expand(B, H, D)
+        amax = (static_range(v_amax) if static else v_amax.float()).expand(B, H, D)
     amax = amax.clamp_min(AMAX_FLOOR) + amax * 0.0  # inf * 0 = NaN
     return F.pad(amax, (0, padded_head_dim(D) - D), value=1.0)
 
