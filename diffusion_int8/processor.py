@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from .kernels import Mode, int8_attention
 from .kernels.config import MAX_HEAD_DIM
 from .schedule import PrecisionSchedule
-from .speed_gate import SpeedGate
+from .speed_gate import CrossoverTable, SpeedGate
 
 Schedule = Union[PrecisionSchedule, str, Callable[[float], Union[str, Mode]]]
 
@@ -76,6 +76,19 @@ def _routed(fn: Callable, sdpa: Callable, dispatch: Callable) -> Callable | None
     return copy
 
 
+def _other_backend(inner) -> bool:
+    """Whether a dispatcher-based stock processor is set to an attention backend other than diffusers' native
+    one, or to split attention across devices (context parallelism): such calls keep the stock path."""
+    if getattr(inner, "_parallel_config", None) is not None:
+        return True
+    backend = getattr(inner, "_attention_backend", None)
+    if backend is None and hasattr(inner, "_attention_backend"):
+        from diffusers.models import attention_dispatch as ad
+
+        backend = ad._AttentionBackendRegistry.get_active_backend()[0]
+    return backend is not None and backend != "native"
+
+
 class _RouteToInt8(TorchFunctionMode):
     """Routes F.scaled_dot_product_attention to ``sdpa`` for the duration of one processor call (traced by
     torch.compile); ``dispatch_attention_fn``'s native backend ends in that call."""
@@ -103,9 +116,7 @@ def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     (1, H), (1, H, D), (1, H, D) (``Calibration.ranges``; ``k_mean`` may be None).
     """
     mode = Mode.parse(mode)
-    D = query.shape[-1]
-    mask_ok = attn_mask is None or (attn_mask.dim() <= 4 and _broadcasts(attn_mask, query, key))
-    if mode is Mode.FP16 or is_causal or dropout_p > 0 or query.dim() != 4 or D > MAX_HEAD_DIM or not mask_ok:
+    if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal):
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
@@ -119,6 +130,14 @@ def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,
                          q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean)
     return out.to(dtype)
+
+
+def kernel_takes(query, key, attn_mask=None, dropout_p=0.0, is_causal=False) -> bool:
+    """Whether an SDPA call (BHSD) is one the INT8 kernel covers: 4-D, no dropout, not causal, head dim
+    <= 256, a mask that broadcasts to (B, H, Sq, Sk). Other calls stay on SDPA."""
+    if is_causal or dropout_p > 0 or query.dim() != 4 or query.shape[-1] > MAX_HEAD_DIM:
+        return False
+    return attn_mask is None or (attn_mask.dim() <= 4 and _broadcasts(attn_mask, query, key))
 
 
 def _broadcasts(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -136,9 +155,9 @@ def _as_gate(speed_gate) -> SpeedGate | None:
         return None
     if isinstance(speed_gate, SpeedGate):
         return speed_gate
-    if isinstance(speed_gate, (str, Path)):
+    if isinstance(speed_gate, (str, Path, CrossoverTable)):
         return SpeedGate(speed_gate)
-    raise TypeError(f"speed_gate must be True, False, a SpeedGate or a crossover table file, got {speed_gate!r}")
+    raise TypeError(f"speed_gate must be True, False, a SpeedGate, a CrossoverTable or its file, got {speed_gate!r}")
 
 
 def _as_calibration(calibration):
@@ -232,6 +251,7 @@ class Int8DiffusionProcessor:
         self.observer = observer
         self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._routed_calls: dict[type, Callable] = {}  # stock processor type -> its routed __call__
+        self._routed_hit = False  # set by the routes: did the first routed call reach them
         self._ranges: tuple = (None, None, None)  # (timestep, device, ranges) of the last call
 
     def current_mode(self) -> Mode:
@@ -264,22 +284,34 @@ class Int8DiffusionProcessor:
             return inner(attn, hidden_states, *args, **kwargs)
         if torch.compiler.is_compiling():
             # dynamo cannot trace a function whose globals differ from its module's; a torch-function mode
-            # costs nothing in a compiled graph (it is traced away)
+            # costs nothing in a compiled graph (it is traced away). As in eager, another attention backend
+            # or a context-parallel split keeps the stock processor.
+            if _other_backend(inner):
+                return inner(attn, hidden_states, *args, **kwargs)
             with _RouteToInt8(self._attention):
                 return inner(attn, hidden_states, *args, **kwargs)
         call = self._routed_calls.get(type(inner))
-        if call is None:
-            call = self._routed_calls[type(inner)] = self._route(type(inner))
-        return call(inner, attn, hidden_states, *args, **kwargs)
+        if call is not None:
+            return call(inner, attn, hidden_states, *args, **kwargs)
+        # first call of this processor type: check that the routed copy reaches the INT8 path; where it
+        # cannot (attention reached another way), route through a torch-function mode instead
+        routed = _routed(type(inner).__call__, self._attention, self._dispatch)
+        call = routed or self._mode_call
+        self._routed_hit = False
+        out = call(inner, attn, hidden_states, *args, **kwargs)
+        if routed is None or (not self._routed_hit and not _other_backend(inner)):
+            warnings.warn(f"diffusion_int8: {type(inner).__name__} reaches attention outside its module's F and "
+                          f"dispatch_attention_fn; routing it through a torch-function mode (more host time per call)",
+                          RuntimeWarning, stacklevel=2)
+            if routed is not None:
+                call = self._mode_call
+                out = call(inner, attn, hidden_states, *args, **kwargs)
+        self._routed_calls[type(inner)] = call
+        return out
 
-    def _route(self, processor_type: type) -> Callable:
-        call = _routed(processor_type.__call__, self._attention, self._dispatch)
-        if call is None:
-            warnings.warn(f"diffusion_int8: {processor_type.__name__} calls attention neither through F."
-                          f"scaled_dot_product_attention nor dispatch_attention_fn; its modules run stock attention",
-                          RuntimeWarning, stacklevel=4)
-            return processor_type.__call__
-        return call
+    def _mode_call(self, inner, attn, hidden_states, *args, **kwargs):
+        with _RouteToInt8(self._attention):
+            return inner(attn, hidden_states, *args, **kwargs)
 
     def _static_ranges(self, device: torch.device):
         """The calibration's ranges at the current timestep, evaluated once per step and device."""
@@ -295,18 +327,23 @@ class Int8DiffusionProcessor:
                    enable_gqa=False):
         """What the stock processor's ``F.scaled_dot_product_attention`` call runs: this call's mode, shown to
         the observer first."""
+        if not torch.compiler.is_compiling():
+            self._routed_hit = True
         mode = self.current_mode()
+        exact = None
         if self.observer is not None:
             exact = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
             self.observer(self, query, key, value, attn_mask, scale, exact)
-            if mode is Mode.FP16:
-                return exact
-        if mode is not Mode.FP16 and self.gate is not None and not self.gate.pays(mode, query, key):
+        if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal):
+            return exact if exact is not None else F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa)
+        if self.gate is not None and not self.gate.pays(mode, query, key):
             self.state.gated_calls += 1
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        self.state.int8_calls += mode is not Mode.FP16
+            return exact if exact is not None else F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
+        self.state.int8_calls += 1
         return int8_sdpa(mode, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                          ranges=self._static_ranges(query.device))
 

@@ -44,11 +44,18 @@ class Grid:
     speedup: tuple[tuple[float | None, ...], ...]
 
     def at(self, sk: int, rows: int) -> float | None:
-        """The speed-up of the cell at or below (``sk``, ``rows``); None below the grid. (Plain loops, which
+        """The speed-up of the cell at or below (``sk``, ``rows``), or of the nearest measured cell below it in
+        both axes when that one was too large to measure; None below the grid. (Plain loops, which
         torch.compile traces.)"""
         i = sum(1 for x in self.keys if x <= sk) - 1
         j = sum(1 for x in self.rows if x <= rows) - 1
-        return None if i < 0 or j < 0 else self.speedup[i][j]
+        best = None
+        for a in range(i + 1):
+            for b in range(j + 1):
+                # nearest by steps, then by keys (which move the speed-up most)
+                if self.speedup[a][b] is not None and (best is None or (a + b, a) > (best[0] + best[1], best[0])):
+                    best = (a, b)
+        return None if best is None else self.speedup[best[0]][best[1]]
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,8 @@ class SpeedGate:
     def __init__(self, table: CrossoverTable | str | Path | None = None):
         if isinstance(table, (str, Path)):
             table = CrossoverTable.load(table)
+        if table is not None and not isinstance(table, CrossoverTable):
+            raise TypeError(f"table must be a CrossoverTable or its file, got {type(table).__name__}")
         self._fixed = table
         self._tables: dict[int | None, CrossoverTable | None] = {}
         self._decisions: dict[tuple, bool] = {}
@@ -191,12 +200,22 @@ class SpeedGate:
 
 
 def _find_table(device: torch.device) -> CrossoverTable | None:
+    if torch.version.hip is not None:  # ROCm reports capabilities that look like NVIDIA's (gfx90a as 9.0)
+        return _no_table(device)
     path = cache_path(device)
     if path.exists():
-        return CrossoverTable.load(path)
+        try:
+            return CrossoverTable.load(path)
+        except ValueError as exc:
+            warnings.warn(f"diffusion_int8: ignoring the cached crossover table: {exc}. Run `diffusion-int8 tune "
+                          f"--overwrite` to measure it again.", RuntimeWarning, stacklevel=4)
     shipped = SHIPPED / f"{arch_of(device)}.json"
     if shipped.exists():
         return CrossoverTable.load(shipped)
+    return _no_table(device)
+
+
+def _no_table(device: torch.device) -> None:
     warnings.warn(
         f"diffusion_int8: no crossover table for {torch.cuda.get_device_name(device)} ({arch_of(device)}), so the speed "
         f"gate runs every attention call in SDPA. Run `diffusion-int8 tune` once to measure where INT8 pays on this "
@@ -237,7 +256,7 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
             modes=("int8", "int8_fp16v"), keys=KEYS, rows=ROWS, reps: int = 20, max_work: float = 2**41,
             progress=print) -> CrossoverTable:
     """Time SDPA and each INT8 mode on self-attention shapes (keys × rows grid; cells past ``max_work``
-    multiply-adds are left unmeasured and judged by their neighbours below) and return the table. Inputs are
+    multiply-adds are left unmeasured and judged by the nearest measured cell below) and return the table. Inputs are
     laid out as diffusers passes them: (B, S, H, D) memory seen as (B, H, S, D)."""
     import triton
     import torch.nn.functional as F

@@ -246,6 +246,7 @@ def test_sm90_compile_failure_falls_back_once(monkeypatch):
 
     if not interpreting():
         pytest.skip("simulated in the interpreter, where the portable kernel runs on CPU tensors")
+    monkeypatch.setattr(attention, "_PLANS", {})  # a replayed plan would not reach the launch
     monkeypatch.setattr(hopper, "compile_failure", None)
     monkeypatch.setattr(hopper, "supports", lambda *a: True)
 
@@ -327,6 +328,9 @@ def test_launch_plans_from_two_threads(kdev):
         kw = dict(layout="BHSD", pv=PV.FP8 if i % 4 < 2 else PV.FP16, sm_scale=D**-0.5)
         work.append((q, k, v, kw, triton_attention(q, k, v, **kw)))
     results = [None] * len(work)
+    from diffusion_int8.kernels import attention
+
+    attention._PLANS.clear()  # the threads record the plans again, concurrently
 
     def worker(idx):
         for i in idx:

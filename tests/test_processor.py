@@ -286,3 +286,28 @@ def test_stale_handle_disable_is_a_no_op():
     h2.disable()
     h2.disable()
     assert {n: m.processor for n, m in attention_modules(model).items()} == stock
+
+
+def test_processor_reaching_attention_another_way_is_routed_with_a_warning():
+    # a stock processor that calls torch.nn.functional.scaled_dot_product_attention by its full name is not
+    # reached by the routed copy's F: the first call notices, warns once, and routes it another way
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    class FullName(AttnProcessor2_0):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, **kw):
+            b = hidden_states.shape[0]
+            ctx = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+            q, k, v = (t.view(b, -1, attn.heads, t.shape[-1] // attn.heads).transpose(1, 2)
+                       for t in (attn.to_q(hidden_states), attn.to_k(ctx), attn.to_v(ctx)))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return attn.to_out[1](attn.to_out[0](out.transpose(1, 2).flatten(2)))
+
+    model, x = build("dit")
+    stock = run(model, x)
+    for m in attention_modules(model).values():
+        m.set_processor(FullName())
+    handle = enable(model, "int8", speed_gate=False)
+    with pytest.warns(RuntimeWarning, match="torch-function mode"):
+        out = run(model, x)
+    assert handle.state.int8_calls > 0 and 0 < rel_l2(out, stock) <= BOUND["int8"]
+    handle.disable()

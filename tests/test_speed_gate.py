@@ -100,3 +100,22 @@ def test_gate_without_table_on_cpu_does_not_gate():
     assert SpeedGate().pays(Mode.INT8, q, q)
     with pytest.raises(TypeError, match="speed_gate"):
         enable(build("dit")[0], "int8", speed_gate=3)
+
+
+def test_unmeasured_cells_take_the_nearest_measured_cell_below():
+    # cells too large to measure are null; a shape there is judged by a measured cell below, not sent to SDPA
+    t = table(keys=(1024, 32768), rows=(32, 1 << 20), speedup=((0.5, 0.9), (1.2, None)), head_dim=128)
+    assert t.speedup("int8", 128, torch.float16, rows=1 << 21, sk=75_600) == 1.2
+    assert t.pays("int8", 128, torch.float16, rows=1 << 21, sk=75_600)
+
+
+def test_gated_counts_skip_calls_the_kernel_does_not_take():
+    # a 3-D call (legal for SDPA) and a causal one stay on SDPA without reaching the gate or the counters
+    from diffusion_int8 import Int8DiffusionProcessor
+
+    proc = Int8DiffusionProcessor("int8", speed_gate=table(head_dim=16))
+    q = torch.randn(2, 8, 16)
+    torch.testing.assert_close(proc._attention(q, q, q), torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    q4 = torch.randn(1, 2, 8, 16)
+    proc._attention(q4, q4, q4, is_causal=True)
+    assert proc.state.int8_calls == proc.state.gated_calls == 0

@@ -70,7 +70,7 @@ def int8_attention(
         sig, checked = None, None
     if checked is None:
         checked = _check_call(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean)
-        if sig is not None:
+        if sig is not None and not torch.compiler.is_compiling():  # a traced store would fail dynamo's guard
             if len(_CHECKED) >= 4096:
                 _CHECKED.clear()
             _CHECKED[sig] = checked

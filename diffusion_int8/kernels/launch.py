@@ -197,13 +197,16 @@ def plan_or_run(plans: dict, key: tuple, inputs: list, record: Callable[[Runner]
     launches through the runner), keeping a plan of it for the next call with this key when it can be replayed."""
     plan = plans.get(key)
     if plan is not None:
-        return plan(inputs)
+        return record(EAGER) if plan is _NO_PLAN else plan(inputs)
     rec = Recorder()
     record(rec)
     try:
         plan = Plan(rec, inputs)
-    except NotReplayable:
-        return
+    except NotReplayable:  # remembered, so later calls of the key skip the recording
+        plan = _NO_PLAN
     if len(plans) >= max_plans:
         plans.clear()
     plans[key] = plan
+
+
+_NO_PLAN = object()  # a key whose calls cannot be replayed: they run through Triton's launcher
