@@ -1,14 +1,32 @@
-"""``diffusion-int8`` command line: ``demo``, ``calibrate``, ``eval``, ``check`` and ``tune`` (each has ``--help``)."""
+"""``diffusion-int8`` command line: ``demo``, ``calibrate``, ``eval``, ``check`` and ``tune`` (each has ``--help``).
+
+A user error (a bad argument, a missing or invalid file, outputs that exist) prints one line,
+``diffusion-int8 <command>: error: <what to change>``, and exits with status 2; ``--debug`` or
+DIFFUSION_INT8_DEBUG=1 shows its traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from .usage import UsageError
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="diffusion-int8", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+DEBUG_ENV = "DIFFUSION_INT8_DEBUG"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (``--help`` shows the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="diffusion-int8", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help=f"show the traceback of user errors too (or set {DEBUG_ENV}=1)")
+    sub = parser.add_subparsers(dest="command", required=True)  # subcommands' parsers are _Parsers too
     from .calibration.cli import add_parser as add_calibrate
     from .check import add_parser as add_check
     from .demo import add_parser as add_demo
@@ -20,8 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     add_eval(sub)
     add_check(sub)
     add_tune(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        if args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        one_line = " ".join(str(e).split("\n"))
+        print(f"diffusion-int8 {args.command}: error: {one_line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import time
 import torch
 
 from .kernels import Mode, attention_ref, int8_attention, kernel_info
+from .usage import positive_int
 
 
 def _realistic(B, H, S, D, device, dtype, seed=0):
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("check", help="run every attention mode on an example and report accuracy (and speed on a GPU)")
-    p.add_argument("--shape", type=int, nargs=4, default=[1, 4, 1024, 64], metavar=("B", "H", "S", "D"))
+    p.add_argument("--shape", type=positive_int, nargs=4, default=[1, 4, 1024, 64], metavar=("B", "H", "S", "D"))
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=run)

@@ -3,6 +3,9 @@
 calibrate (exact attention, recording ranges and per-precision errors) → a schedule derived from the
 measured errors → eval (FP16 against each INT8 mode, the schedule and calibrated static ranges, same
 seeds). On a machine without a GPU the INT8 modes run the kernel's PyTorch emulation.
+
+``--out`` receives ``calibration/`` and eval's reports and images as one set (``outputs.output_set``):
+an interrupted demo leaves the previous outputs or none.
 """
 
 from __future__ import annotations
@@ -12,23 +15,31 @@ from pathlib import Path
 
 from .calibration import cli as calibrate_cli
 from .eval import cli as eval_cli
+from .outputs import check_out, output_set
+from .usage import nonnegative_int, positive_float, positive_int
+
+OUTPUTS = ("calibration",) + eval_cli.OUTPUTS
 
 
 def run(args: argparse.Namespace) -> int:
-    common = dict(model="embedded", prompts=None, class_labels=args.class_labels, steps=args.steps,
-                  batch_size=args.batch_size, seed=args.seed, guidance_scale=None, device=args.device,
-                  overwrite=args.overwrite)
-    calib = args.out / "calibration"
-    print(f"[1/2] calibrate → {calib}")
-    calibrate_cli.run(argparse.Namespace(**common, out=calib, percentile=99.0, budget=args.budget, per_layer=False))
-    print(f"[2/2] eval → {args.out}")
-    eval_cli.run(argparse.Namespace(**common, out=args.out, modes=["int8", "int8_fp16v"],
-                                    schedule=str(calib / "schedule.json"), calibration=str(calib),
-                                    generate_only=False, score=None, lpips_weights=args.lpips_weights,
-                                    fid_weights=args.fid_weights,
-                                    # the demo shows INT8's quality: at the shipped model's 256 tokens a GPU's
-                                    # speed gate would send every call to SDPA
-                                    no_speed_gate=True))
+    check_out(args.out, OUTPUTS, args.overwrite)
+    with output_set(args.out, OUTPUTS, args.overwrite) as tmp:
+        # both steps write into the demo's fresh temporary directory: nothing there to overwrite
+        common = dict(model="embedded", prompts=None, class_labels=args.class_labels, steps=args.steps,
+                      batch_size=args.batch_size, seed=args.seed, guidance_scale=None, device=args.device,
+                      overwrite=False)
+        print(f"[1/2] calibrate → {args.out / 'calibration'}")
+        calib = tmp / "calibration"
+        calibrate_cli.run(argparse.Namespace(**common, out=calib, shown_out=args.out / "calibration", percentile=99.0,
+                                             budget=args.budget, per_layer=False))
+        print(f"[2/2] eval → {args.out}")
+        eval_cli.run(argparse.Namespace(**common, out=tmp, shown_out=args.out, modes=["int8", "int8_fp16v"],
+                                        schedule=str(calib / "schedule.json"), calibration=str(calib),
+                                        generate_only=False, score=None, lpips_weights=args.lpips_weights,
+                                        fid_weights=args.fid_weights,
+                                        # the demo shows INT8's quality: at the shipped model's 256 tokens a GPU's
+                                        # speed gate would send every call to SDPA
+                                        no_speed_gate=True))
     print(f"open {args.out / 'report.html'}")
     return 0
 
@@ -38,10 +49,10 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("diffusion-int8-demo"), help="output directory (default ./diffusion-int8-demo)")
     p.add_argument("--class-labels", nargs="+", default=None, help="default: one image of each of the 16 classes")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget", type=float, default=0.015, help="error budget of the derived schedule")
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--budget", type=positive_float, default=0.015, help="error budget of the derived schedule")
     p.add_argument("--device", default=None)
     p.add_argument("--lpips-weights", default=None)
     p.add_argument("--fid-weights", default=None)

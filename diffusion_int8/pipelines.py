@@ -47,12 +47,30 @@ def read_items(prompts: str | Path | None, class_labels: Sequence[str] | None) -
         return Items(labels, "class_labels")
     path = Path(prompts)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    lines = [ln.strip() for ln in path.read_text().splitlines()]
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"prompt file {path} {what}; give a UTF-8 text file, one prompt per line")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                         f"save it as UTF-8, one prompt per line") from None
+    if "\x00" in text:  # valid UTF-8 all the same, but a binary file, not prompts
+        raise ValueError(f"prompt file {path} holds NUL bytes: a binary file, not text; give one prompt per line")
+    lines = [ln.strip() for ln in text.splitlines()]
     values = [ln for ln in lines if ln and not ln.startswith("#")]
     if not values:
-        raise ValueError(f"{path} holds no prompts (one per line; blank lines and # comments are skipped)")
+        raise ValueError(f"prompt file {path} holds no prompts (one per line; blank lines and # comments are skipped)")
     return Items(values, "prompt")
+
+
+def check_labels(pipe, items: Items) -> None:
+    """Raise ``ValueError`` now, not at the first generation, for class labels the pipeline does not know."""
+    if items.kind != "class_labels":
+        return
+    if hasattr(pipe, "label_ids"):
+        pipe.label_ids(items.values)
+    elif any(isinstance(c, str) for c in items.values) and hasattr(pipe, "get_label_ids"):
+        pipe.get_label_ids(items.values)  # as generate() calls it
 
 
 def default_items(pipe) -> Items:

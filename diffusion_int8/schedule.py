@@ -11,16 +11,19 @@ module's name to a ``Mode``. Rules are tried in order; the first that matches wi
     )
     diffusion_int8.enable(pipe, schedule=schedule)
 
-Schedules serialize to JSON (``save`` / ``load``). ``PrecisionSchedule.from_calibration`` derives the
-rules from measured errors: at each calibrated step (and, optionally, layer) the cheapest mode whose
-error stays under a budget.
+Schedules serialize to JSON (``save`` / ``load``); ``load`` checks every field, so a bad file fails there,
+with a ``ValueError`` naming the file and the field, not during generation. ``PrecisionSchedule.from_calibration``
+derives the rules from measured errors: at each calibrated step (and, optionally, layer) the cheapest mode
+whose error stays under a budget.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
-from dataclasses import asdict, dataclass, field
+import math
+import numbers
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -28,6 +31,17 @@ import torch
 from .kernels import Mode
 
 SCHEMA_VERSION = 1
+_FIELDS = ("schema_version", "kind", "name", "default", "num_train_timesteps", "rules")  # to_dict's
+
+
+def _is_number(x) -> bool:
+    """A finite real number (NumPy's included); JSON's true/false are not numbers here."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _json_type(x) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}.get(
+        type(x), "a number")
 
 
 def noise_level(timestep: float, num_train_timesteps: float | None = None, scale: float | None = None) -> float:
@@ -54,8 +68,13 @@ class Rule:
 
     def __post_init__(self):
         object.__setattr__(self, "mode", Mode.parse(self.mode))
+        for name in ("min_noise", "max_noise"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a number in [0, 1], got {getattr(self, name)!r}")
         if not 0.0 <= self.min_noise <= self.max_noise <= 1.0:
             raise ValueError(f"a rule needs 0 <= min_noise <= max_noise <= 1, got {self.min_noise}, {self.max_noise}")
+        if not isinstance(self.layers, str):
+            raise ValueError(f"layers must be a module-name pattern (a string such as '*attn2*'), got {self.layers!r}")
 
     def matches(self, noise: float, layer: str | None) -> bool:
         if not self.min_noise <= noise <= self.max_noise:
@@ -76,6 +95,9 @@ class PrecisionSchedule:
     def __post_init__(self):
         object.__setattr__(self, "rules", tuple(r if isinstance(r, Rule) else Rule(**r) for r in self.rules))
         object.__setattr__(self, "default", Mode.parse(self.default))
+        ntt = self.num_train_timesteps
+        if ntt is not None and not (_is_number(ntt) and ntt > 0):
+            raise ValueError(f"num_train_timesteps must be null or a number > 0 (the timesteps' scale), got {ntt!r}")
 
     def __hash__(self):
         return hash((self.rules, self.default, self.num_train_timesteps))
@@ -154,14 +176,39 @@ class PrecisionSchedule:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "PrecisionSchedule":
-        if data.get("schema_version") != SCHEMA_VERSION or data.get("kind") != "rules":
-            raise ValueError(
-                f"not a diffusion-int8 rule schedule of schema {SCHEMA_VERSION}: "
-                f"schema_version={data.get('schema_version')!r}, kind={data.get('kind')!r}"
-            )
-        return cls(rules=tuple(Rule(**r) for r in data["rules"]), default=data["default"],
-                   num_train_timesteps=data.get("num_train_timesteps"), name=data.get("name", "custom"))
+    def from_dict(cls, data: dict, source: str = "schedule") -> "PrecisionSchedule":
+        """The schedule ``to_dict`` wrote; anything else raises ``ValueError`` naming ``source`` and the field."""
+
+        def bad(where: str, what: str) -> ValueError:
+            return ValueError(f"{source}: {where}: {what}")
+
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: a schedule is a JSON object (as PrecisionSchedule.save writes), "
+                             f"got {_json_type(data)}")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise bad("schema_version", f"{data.get('schema_version')!r} is not a diffusion-int8 schedule schema; "
+                                        f"this version reads schema {SCHEMA_VERSION}")
+        if data.get("kind") != "rules":
+            raise bad("kind", f"{data.get('kind')!r}; a schedule file has kind \"rules\"")
+        unknown = sorted(set(data) - set(_FIELDS))
+        if unknown:
+            raise bad(unknown[0], f"unknown field; the fields are {', '.join(_FIELDS)}")
+        if "default" not in data:
+            raise bad("default", f"missing; give the mode where no rule matches: {', '.join(m.value for m in Mode)}")
+        try:
+            default = Mode.parse(data["default"])
+        except ValueError as e:
+            raise bad("default", str(e)) from None
+        if not isinstance(data.get("rules"), list):
+            raise bad("rules", f"must be a list of rules (it may be empty), got {_json_type(data.get('rules'))}")
+        rules = tuple(_rule_from_dict(r, f"rules[{i}]", bad) for i, r in enumerate(data["rules"]))
+        if not isinstance(data.get("name", ""), str):
+            raise bad("name", f"must be a string, got {_json_type(data['name'])}")
+        try:
+            return cls(rules=rules, default=default, num_train_timesteps=data.get("num_train_timesteps"),
+                       name=data.get("name", "custom"))
+        except ValueError as e:  # the only field left to check
+            raise bad("num_train_timesteps", str(e)) from None
 
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
         path = Path(path)
@@ -172,13 +219,38 @@ class PrecisionSchedule:
 
     @classmethod
     def load(cls, path_or_preset: str | Path) -> "PrecisionSchedule":
-        """A preset name (``PRESETS``) or a JSON file written by ``save``."""
+        """A preset name (``PRESETS``) or a JSON file written by ``save``, checked whole (see ``from_dict``)."""
         if str(path_or_preset) in PRESETS:
             return PRESETS[str(path_or_preset)]
         path = Path(path_or_preset)
         if not path.is_file():
             raise FileNotFoundError(f"{path} is neither a schedule file nor a preset ({', '.join(PRESETS)})")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not a schedule: not UTF-8 text (byte {e.start}: {e.reason}); "
+                             f"a schedule is the JSON that PrecisionSchedule.save writes") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+        return cls.from_dict(data, source=str(path))
+
+
+_RULE_FIELDS = tuple(f.name for f in fields(Rule))
+
+
+def _rule_from_dict(data, where: str, bad) -> Rule:
+    """One rule of a schedule file; ``bad(where, what)`` makes the error."""
+    if not isinstance(data, dict):
+        raise bad(where, f"a rule is an object with {', '.join(_RULE_FIELDS)}, got {_json_type(data)}")
+    unknown = sorted(set(data) - set(_RULE_FIELDS))
+    if unknown:
+        raise bad(f"{where}.{unknown[0]}", f"unknown field; a rule's fields are {', '.join(_RULE_FIELDS)}")
+    if "mode" not in data:
+        raise bad(f"{where}.mode", f"missing; give one of {', '.join(m.value for m in Mode)}")
+    try:
+        return Rule(**data)
+    except ValueError as e:
+        raise bad(where, str(e)) from None
 
 
 # Starting points, not measured optima: calibration-driven schedules will replace guesses with data.

@@ -303,3 +303,143 @@ def test_two_processes_merge_exactly(tmp_path):
     for layer in one.layers:
         for key, t in one.layers[layer].items():
             assert torch.equal(t, two.layers[layer][key]), (layer, key)
+
+
+def _file_parts(path):
+    """The tensors and metadata of a safetensors file, to write altered copies."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+
+
+def _write(path, tensors, meta=None, raw_meta=None):
+    """A calibration file without a checksum (as written before checksums), so that its contents are checked."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"diffusion_int8": raw_meta if raw_meta is not None else json.dumps(meta)})
+    return path
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A valid calibration file, its tensors and metadata."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIFFUSION_INT8_BACKEND", "emulation")  # as the function-scoped fixture does
+        _, cal = make_calibration()
+    path = cal.save(tmp_path_factory.mktemp("cal"))
+    tensors, header = _file_parts(path)
+    return path, tensors, json.loads(header["diffusion_int8"])
+
+
+def _damaged(saved, what):
+    _, tensors, meta = saved
+    tensors, meta = dict(tensors), json.loads(json.dumps(meta))
+    layer = "transformer_blocks.0.attn1"
+    if what == "missing fit":
+        del tensors[f"{layer}::fit.q"]
+    elif what == "wrong shape":
+        tensors[f"{layer}::q_max"] = tensors[f"{layer}::q_max"][:1]
+    elif what == "missing noise":
+        del tensors["noise"]
+    elif what == "unknown tensor":
+        tensors[f"{layer}::q_p90"] = tensors[f"{layer}::q_p99"].clone()
+    elif what == "layers differ":
+        meta["layers"]["transformer_blocks.9.attn1"] = meta["layers"][layer]
+    elif what == "bad heads":
+        meta["layers"][layer]["heads"] = "2"
+    elif what == "bad scale":
+        meta["num_train_timesteps"] = 0
+    elif what == "steps disagree":
+        meta["steps"] = 5
+    return tensors, meta
+
+
+@pytest.mark.parametrize("what, message", [
+    ("missing fit", "layer 'transformer_blocks.0.attn1' lacks tensor transformer_blocks.0.attn1::fit.q"),
+    ("wrong shape", "tensor transformer_blocks.0.attn1::q_max has shape (1, 3)"),
+    ("missing noise", "tensor 'noise' is missing"),
+    ("unknown tensor", "tensor transformer_blocks.0.attn1::q_p90 is not a calibration statistic"),
+    ("layers differ", "metadata field layers and the tensors name different layers: transformer_blocks.9.attn1"),
+    ("bad heads", "metadata field layers['transformer_blocks.0.attn1'] must be"),
+    ("bad scale", "metadata field num_train_timesteps must be null or a number > 0"),
+    ("steps disagree", "metadata field steps disagree"),
+])
+def test_invalid_calibration_files_fail_at_load_naming_file_and_field(saved, tmp_path, what, message):
+    tensors, meta = _damaged(saved, what)
+    path = _write(tmp_path / "bad.safetensors", tensors, meta)
+    with pytest.raises(ValueError) as err:
+        Calibration.load(path)
+    assert str(err.value).startswith(f"{path}") and message in str(err.value), str(err.value)
+
+
+def test_unreadable_calibration_files_fail_naming_the_file(saved, tmp_path):
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="not a readable safetensors file") as err:
+        Calibration.load(garbage)
+    assert str(garbage) in str(err.value)
+    tensors, _ = _damaged(saved, None)
+    bad_json = _write(tmp_path / "json.safetensors", tensors, raw_meta="{schema")
+    with pytest.raises(ValueError, match="metadata 'diffusion_int8' is not valid JSON") as err:
+        Calibration.load(bad_json)
+    assert str(bad_json) in str(err.value)
+    as_list = _write(tmp_path / "list.safetensors", tensors, raw_meta="[2]")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        Calibration.load(as_list)
+    v9 = _write(tmp_path / "v9.safetensors", tensors, {"schema_version": 9})
+    with pytest.raises(ValueError, match="schema 9 .metadata field schema_version") as err:
+        Calibration.load(v9)
+    assert str(v9) in str(err.value)
+
+
+def test_checksum_refuses_changed_tensors_and_files_without_one_still_load(saved, tmp_path):
+    path, tensors, meta = saved
+    _, header = _file_parts(path)
+    from diffusion_int8.calibration.file import tensors_sha256
+
+    assert header["diffusion_int8.sha256"] == tensors_sha256(tensors)
+    # one flipped bit in the last tensor's data, which sits at the end of the file
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    flipped = tmp_path / "flipped.safetensors"
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="do not match the checksum") as err:
+        Calibration.load(flipped)
+    assert str(flipped) in str(err.value)
+    # a tensor rewritten with the old checksum kept
+    from safetensors.torch import save_file
+
+    edited = dict(tensors)
+    key = next(k for k in edited if k.endswith("::fit.v"))
+    edited[key] = edited[key] * 1.01
+    save_file(edited, str(tmp_path / "edited.safetensors"), metadata=header)
+    with pytest.raises(ValueError, match="do not match the checksum"):
+        Calibration.load(tmp_path / "edited.safetensors")
+    # written before checksums: loads, equal to the checksummed original
+    old = Calibration.load(_write(tmp_path / "old.safetensors", tensors, meta))
+    new = Calibration.load(path)
+    assert old.meta == new.meta and all(torch.equal(t, new.layers[n][k]) for n, st in old.layers.items()
+                                        for k, t in st.items())
+
+
+@pytest.mark.parametrize("fit, coef, message", [
+    ("fit.qmax", float("nan"), "the fitted q_max range (tensor transformer_blocks.1.attn1::fit.qmax) is nan at noise level 0.000, head 1"),
+    ("fit.v", float("inf"), "the fitted v_amax range (tensor transformer_blocks.1.attn1::fit.v) is inf"),
+    # finite coefficients whose quadratic overflows float32 towards the end of the noise interval
+    ("fit.k", 3e38, "the fitted k_p99 range (tensor transformer_blocks.1.attn1::fit.k) is inf at noise level"),
+    ("fit.m", float("-inf"), "the fitted K mean (tensor transformer_blocks.1.attn1::fit.m) is -inf"),
+])
+def test_fitted_ranges_are_checked_over_the_noise_interval_at_load(saved, tmp_path, fit, coef, message):
+    cal = Calibration.load(saved[0])
+    cal.layers = {n: {k: t.clone() for k, t in st.items()} for n, st in cal.layers.items()}
+    layer = "transformer_blocks.1.attn1"
+    t = cal.layers[layer][fit]
+    t[1, ..., 2 if coef == 3e38 else 0] = coef  # head 1: n² coefficient, or the constant
+    if coef == 3e38:
+        t[1, ..., 1] = 3e38
+    path = cal.save(tmp_path)  # a consistent checksum: the ranges themselves are refused
+    with pytest.raises(ValueError) as err:
+        Calibration.load(path)
+    assert str(err.value).startswith(f"{path}: layer '{layer}': ") and message in str(err.value), str(err.value)
+    assert "finite" in str(err.value)

@@ -191,3 +191,50 @@ def test_eval_sharded_across_two_processes_matches_one(tmp_path):
     assert a["variants"]["int8"]["quality"]["per_image"] == b["variants"]["int8"]["quality"]["per_image"]
     for i in range(3):
         assert (tmp_path / "one/images/int8" / f"{i:05d}.png").read_bytes() == (tmp_path / "two/images/int8" / f"{i:05d}.png").read_bytes()
+
+
+def test_non_finite_images_are_flagged_and_not_scored(tmp_path, monkeypatch, capsys):
+    """An int8 image with NaN and a reference image with Inf: flagged in the three reports, one terminal
+    warning, and left out of the metrics (int8 scores 1 image of 3, int8_fp16v 2)."""
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+    from diffusion_int8.__main__ import main
+    from diffusion_int8.eval import cli as eval_cli
+
+    real = eval_cli.run_variant
+
+    def run_variant(pipe, model, items, batches, args, device, kwargs):
+        images, speed, per_step = real(pipe, model, items, batches, args, device, kwargs)
+        if kwargs is None:
+            images[2][0, 3, 4] = float("inf")
+        elif kwargs.get("mode") == "int8":
+            images[1][:, :5] = float("nan")
+        return images, speed, per_step
+
+    monkeypatch.setattr(eval_cli, "run_variant", run_variant)
+    labels = ["red circle", "yellow square", "blue ring"]
+    assert main(["eval", "--class-labels", *labels, "--steps", "2", "--out", str(tmp_path / "rep")]) == 0
+    err = capsys.readouterr().err
+    warnings = [ln for ln in err.splitlines() if "NaN/Inf" in ln]
+    assert warnings == ["warning: images with NaN/Inf values: fp16 #2; int8 #1. They are flagged in the report "
+                        "and left out of the quality metrics."], err
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["baseline"]["non_finite_images"] == [2]
+    int8, fp16v = report["variants"]["int8"], report["variants"]["int8_fp16v"]
+    assert int8["non_finite_images"] == [1] and fp16v["non_finite_images"] == []
+    assert int8["quality"]["excluded"] == [1, 2] and fp16v["quality"]["excluded"] == [2]
+    psnr = int8["quality"]["per_image"]["psnr"]
+    assert psnr[1] is None and psnr[2] is None and math.isfinite(psnr[0])
+    agg = int8["quality"]["aggregate"]
+    assert agg["psnr"]["n"] == 1 and agg["psnr"]["excluded"] == 2 and agg["psnr"]["mean"] == pytest.approx(psnr[0])
+    assert agg["ssim"]["n"] == 1 and fp16v["quality"]["aggregate"]["psnr"]["n"] == 2
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "Images with NaN/Inf values. They are not scored" in md
+    assert "- fp16: #2 (blue ring)" in md and "- int8: #1 (yellow square)" in md
+    assert "[2 non-finite excluded]" in md and "[1 non-finite excluded]" in md
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert page.count("class=nonfinite") == 2 and "int8: #1 (yellow square)" in page
+    if chromium():
+        check_html_in_chromium(tmp_path / "rep" / "report.html")
+    # the saved PNGs are images all the same: NaN is black
+    _, imgs = load_folder(tmp_path / "rep" / "images" / "int8")
+    assert (imgs[1, :, :5] == 0).all()

@@ -63,3 +63,45 @@ def test_enable_with_a_schedule_switches_per_step_and_layer(monkeypatch):
     assert got[(100.0, layers[0])] == "int8_fp16v"
     handle = diffusion_int8.enable(model, schedule="balanced")  # preset by name
     handle.disable()
+
+
+VALID = PRESETS["balanced"].to_dict()
+
+
+def _with(**changes) -> str:
+    return json.dumps({**VALID, **changes})
+
+
+@pytest.mark.parametrize("content, where", [
+    ("{not json", "not valid JSON: Expecting property name enclosed in double quotes at line 1, column 2"),
+    ("[1, 2]", "a schedule is a JSON object"),
+    (_with(schema_version=2), "schema_version: 2 is not a diffusion-int8 schedule schema"),
+    (_with(kind="table"), "kind: 'table'"),
+    (json.dumps({k: v for k, v in VALID.items() if k != "default"}), "default: missing; give the mode"),
+    (_with(default="int4"), "default: mode must be one of"),
+    (_with(extra=1), "extra: unknown field"),
+    (_with(rules={"mode": "int8"}), "rules: must be a list of rules"),
+    (_with(rules=[{"min_noise": 0.5}]), "rules[0].mode: missing; give one of int8, int8_fp16v, fp16"),
+    (_with(rules=[{"mode": "int8"}, {"mode": "int8", "max_nosie": 0.5}]), "rules[1].max_nosie: unknown field"),
+    (_with(rules=["int8"]), "rules[0]: a rule is an object"),
+    (_with(rules=[{"mode": "int4"}]), "rules[0]: mode must be one of"),
+    (_with(rules=[{"mode": "int8", "min_noise": "0.5"}]), "rules[0]: min_noise must be a number in [0, 1], got '0.5'"),
+    (_with(rules=[{"mode": "int8", "min_noise": 0.9, "max_noise": 0.1}]), "rules[0]: a rule needs 0 <= min_noise"),
+    (_with(rules=[{"mode": "int8", "layers": 3}]), "rules[0]: layers must be a module-name pattern"),
+    (_with(num_train_timesteps=0), "num_train_timesteps: num_train_timesteps must be null or a number > 0"),
+    (_with(name=["x"]), "name: must be a string"),
+    (b"\xff\xfe{}", "not UTF-8 text"),
+])
+def test_invalid_schedule_files_fail_at_load_naming_file_and_field(tmp_path, content, where):
+    path = tmp_path / "bad.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError) as err:
+        PrecisionSchedule.load(path)
+    assert str(err.value).startswith(f"{path}: ") and where in str(err.value), str(err.value)
+
+
+def test_a_valid_file_with_every_field_loads(tmp_path):
+    s = PrecisionSchedule(rules=(Rule("fp16", min_noise=0.9), Rule("int8", 0, 1, "*attn1*")), default="int8_fp16v",
+                          num_train_timesteps=1000, name="mine")
+    path = s.save(tmp_path / "s.json")
+    assert PrecisionSchedule.load(path) == s and PrecisionSchedule.load(path).name == "mine"

@@ -4,7 +4,8 @@
     accelerate launch --multi_gpu --num_processes 8 -m diffusion_int8 calibrate ...   # prompts sharded
 
 Writes to ``--out``: ``calibration.safetensors``, ``schedule.json`` (the cheapest mode per step within
-``--budget``), ``summary.md``/``summary.json`` and the plots ``ranges.png``/``errors.png``.
+``--budget``), ``summary.md``/``summary.json`` and the plots ``ranges.png``/``errors.png``, all at once
+(``outputs.output_set``): an interrupted run leaves the previous outputs or none.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .. import pipelines
+from ..outputs import check_out, output_set, shown_out
 from ..processor import enable
 from ..schedule import PrecisionSchedule
+from ..usage import UsageError, nonnegative_float, nonnegative_int, percentile, positive_float, positive_int, user_errors
 from .collect import Collector, merge
 from .file import FILE_NAME, Calibration
 from .summary import write_all
 
-OUTPUTS = (FILE_NAME, "schedule.json", "summary.md", "summary.json")
+OUTPUTS = (FILE_NAME, "schedule.json", "summary.md", "summary.json", "ranges.png", "errors.png")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -32,34 +35,46 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", type=Path, help="text file, one prompt per line")
     src.add_argument("--class-labels", nargs="+", help="class names or ids, for class-conditional pipelines")
-    p.add_argument("--steps", type=int, default=20, help="denoising steps")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0, help="image i is seeded with seed + i")
-    p.add_argument("--guidance-scale", type=float, default=None, help="default: the pipeline's")
+    p.add_argument("--steps", type=positive_int, default=20, help="denoising steps")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="image i is seeded with seed + i")
+    p.add_argument("--guidance-scale", type=nonnegative_float, default=None, help="default: the pipeline's")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: the process's GPU, else cpu)")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs in --out")
 
 
-def items_for(args, pipe) -> pipelines.Items:
+def read_items(args) -> pipelines.Items | None:
+    """``--prompts`` or ``--class-labels``, read before the model loads (None: the pipeline's default)."""
     if args.prompts is None and args.class_labels is None:
-        if hasattr(pipe, "labels") and isinstance(pipe.labels, (list, tuple)):
-            return pipelines.default_items(pipe)
-        raise SystemExit("error: give --prompts FILE or --class-labels ...")
-    return pipelines.read_items(args.prompts, args.class_labels)
+        return None
+    with user_errors():
+        return pipelines.read_items(args.prompts, args.class_labels)
 
 
-def check_out(out: Path, names, overwrite: bool) -> None:
-    existing = [n for n in names if (out / n).exists()]
-    if existing and not overwrite:
-        raise SystemExit(f"error: {out} already holds {', '.join(existing)}; choose another --out or pass --overwrite")
+def items_for(args, pipe, items: pipelines.Items | None) -> pipelines.Items:
+    """``items``, or the pipeline's default; class labels checked against the pipeline."""
+    if items is None:
+        if not (hasattr(pipe, "labels") and isinstance(pipe.labels, (list, tuple))):
+            raise UsageError(f"{args.model} has no default labels: give --prompts FILE or --class-labels ...")
+        items = pipelines.default_items(pipe)
+    with user_errors(ValueError):
+        pipelines.check_labels(pipe, items)
+    return items
+
+
+def load_pipeline(args, device):
+    """``--model`` on ``device``; a directory that is not a pipeline is the user's error."""
+    with user_errors(FileNotFoundError):
+        return pipelines.load(args.model, device)
 
 
 def run(args: argparse.Namespace) -> int:
     check_out(args.out, OUTPUTS, args.overwrite)
+    items = read_items(args)
     shards = pipelines.Shards(args.device)
-    pipe = pipelines.load(args.model, shards.device)
-    items = items_for(args, pipe)
+    pipe = load_pipeline(args, shards.device)
+    items = items_for(args, pipe, items)
     model = pipelines.denoiser(pipe)
     if shards.is_main:
         print(f"calibrating {type(model).__name__} from {args.model} on {shards.device}: {len(items.values)} "
@@ -91,12 +106,13 @@ def run(args: argparse.Namespace) -> int:
                 "seed": args.seed, "guidance_scale": args.guidance_scale, "percentile": args.percentile,
                 "dtype": str(model.dtype), "processes": shards.world}
         cal = Calibration.from_stats(meta, timesteps, stats)
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = cal.save(args.out, overwrite=args.overwrite)
         schedule = PrecisionSchedule.from_calibration(cal, args.budget, per_layer=args.per_layer)
-        schedule.save(args.out / "schedule.json", overwrite=args.overwrite)
-        summary = write_all(cal, schedule, args.out, args.budget)
-        print(f"wrote {path}, {args.out / 'schedule.json'} and {args.out / 'summary.md'} in {time.time() - t0:.0f} s")
+        with output_set(args.out, OUTPUTS, args.overwrite) as tmp:
+            cal.save(tmp)
+            schedule.save(tmp / "schedule.json")
+            summary = write_all(cal, schedule, tmp, args.budget)
+        out = shown_out(args)
+        print(f"wrote {out / FILE_NAME}, {out / 'schedule.json'} and {out / 'summary.md'} in {time.time() - t0:.0f} s")
         for m, e in summary["errors"].items():
             print(f"  {m:11s} rel L1 mean {e['mean_rel_l1']:.4f}, worst {e['max_rel_l1']:.4f} "
                   f"({e['most_sensitive'][0]['layer']} at step {e['most_sensitive'][0]['step']})")
@@ -112,8 +128,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="record per-layer ranges and per-precision errors over the schedule",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--percentile", type=float, default=99.0, help="percentile of |Q| and |K| to record (their maxima are recorded too; static ranges use the maxima unless Calibration.ranges(clip=\"p99\"))")
-    p.add_argument("--budget", type=float, default=0.02,
+    p.add_argument("--percentile", type=percentile, default=99.0, help="percentile of |Q| and |K| to record (their maxima are recorded too; static ranges use the maxima unless Calibration.ranges(clip=\"p99\"))")
+    p.add_argument("--budget", type=positive_float, default=0.02,
                    help="largest relative L1 attention error the derived schedule accepts (default 0.02)")
     p.add_argument("--per-layer", action="store_true", help="derive the schedule per layer as well as per step")
     p.set_defaults(func=run)

@@ -2,7 +2,13 @@
 
 The file is safetensors (``calibration.safetensors``): tensors named ``{layer}::{stat}`` and the
 global ``timesteps`` and ``noise``, with JSON metadata under the key ``diffusion_int8`` (model,
-model class, diffusers version, scheduler, steps, prompt hash, schema version). Nothing is unpickled.
+model class, diffusers version, scheduler, steps, prompt hash, schema version) and the tensors' sha256
+under ``diffusion_int8.sha256`` (``tensors_sha256``). Nothing is unpickled.
+
+``load`` checks the whole file before returning: the checksum (files written before it existed have none),
+the metadata, every tensor's presence and shape, and that the fitted ranges are finite and positive, and
+K's mean finite, over the whole noise interval [0, 1]. Anything wrong is a ``ValueError`` naming the file
+and the tensor or field, raised at load rather than during generation.
 
 Ranges and K's mean are also fitted as quadratics in the noise level (``fit.q``, ``fit.k``, ``fit.qmax``,
 ``fit.kmax`` (H, 3), ``fit.v``, ``fit.m`` (H, D, 3), coefficients of 1, n, n²), so ``ranges`` gives static
@@ -12,13 +18,16 @@ Q/K maxima were recorded) still load; their ranges are the p99 ones, with the ke
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..kernels import Mode
 from ..kernels.config import MAX_HEAD_DIM
 from ..schedule import noise_level
 
@@ -26,6 +35,9 @@ SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 FILE_NAME = "calibration.safetensors"
 _META_KEY = "diffusion_int8"
+_SHA_KEY = "diffusion_int8.sha256"
+_RANGE_FITS = ("q", "k", "v", "qmax", "kmax")  # must stay finite and > 0; "m" (K's mean) finite
+_NOISE_GRID = 65  # points of [0, 1], both ends included, at which load checks the fits
 _FIT_OF = {"q": "q_p99", "k": "k_p99", "v": "v_amax"}  # what the summary reports
 _FITS = {**_FIT_OF, "qmax": "q_max", "kmax": "k_max", "m": "k_mean"}  # every fit; the last three since schema 2
 
@@ -53,8 +65,34 @@ def r_squared(values: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate_fit(coef: torch.Tensor, noise: torch.Tensor | float) -> torch.Tensor:
+    """Quadratics ``coef`` (..., 3) at noise level(s) ``noise`` (scalar or (N,)) -> (..., 1) or (..., N)."""
     n = torch.as_tensor(noise, dtype=coef.dtype, device=coef.device)
     return coef[..., 0:1] + coef[..., 1:2] * n + coef[..., 2:3] * n * n
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors in name order: each one's name, dtype and shape, then its bytes."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _expected_shapes(schema: int, H: int, D: int, T: int) -> dict[str, tuple[int, ...]]:
+    """The per-layer tensors a file of ``schema`` must hold, and their shapes."""
+    shapes = {"q_p99": (H, T), "k_p99": (H, T), "v_amax": (H, D, T), "fit.q": (H, 3), "fit.k": (H, 3), "fit.v": (H, D, 3)}
+    if schema >= 2:
+        shapes.update({"q_max": (H, T), "k_max": (H, T), "k_mean": (H, D, T), "fit.qmax": (H, 3), "fit.kmax": (H, 3),
+                       "fit.m": (H, D, 3)})
+    return shapes
+
+
+def _error_stat(stat: str) -> bool:
+    """``err.{mode}.{rel_l1|cos}``: the measured errors, (H, T) for any mode."""
+    parts = stat.split(".")
+    return len(parts) == 3 and parts[0] == "err" and parts[1] in {m.value for m in Mode} and parts[2] in ("rel_l1", "cos")
 
 
 @dataclass
@@ -105,39 +143,56 @@ class Calibration:
         for name, st in self.layers.items():
             for key, t in st.items():
                 tensors[f"{name}::{key}"] = t.contiguous()
-        save_file(tensors, str(path), metadata={_META_KEY: json.dumps(self.meta)})
+        save_file(tensors, str(path), metadata={_META_KEY: json.dumps(self.meta), _SHA_KEY: tensors_sha256(tensors)})
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
-        """Read a file written by ``save`` (or the directory holding ``calibration.safetensors``)."""
-        from safetensors import safe_open
-
+        """Read a file written by ``save`` (or the directory holding ``calibration.safetensors``), checked whole:
+        a ``ValueError`` naming the file and what is wrong with it (see the module docstring)."""
         path = Path(path)
         if path.is_dir():
             path = path / FILE_NAME
         if not path.is_file():
             raise FileNotFoundError(f"no calibration file at {path}; make one with `diffusion-int8 calibrate`")
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get(_META_KEY)
-            if raw is None:
-                raise ValueError(f"{path} is a safetensors file but not a diffusion-int8 calibration (no metadata)")
-            meta = json.loads(raw)
-            if meta.get("schema_version") not in READABLE_SCHEMAS:
-                raise ValueError(f"{path} has calibration schema {meta.get('schema_version')}; "
-                                 f"this version of diffusion-int8 reads schemas {READABLE_SCHEMAS}")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        if meta["schema_version"] == 1:
-            warnings.warn(f"{path} is a schema 1 calibration: it has no Q/K maxima and no K mean, so static ranges "
-                          f"are its p99 percentiles (which clip outliers; BENCHMARKS.md measured them well below "
-                          f"the maxima in quality) and K's mean is measured per call. Run `diffusion-int8 "
-                          f"calibrate` again to record them.", UserWarning, stacklevel=2)
+        meta, tensors = _read(path)
         layers: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
             if "::" in key:
                 name, stat = key.split("::", 1)
                 layers.setdefault(name, {})[stat] = t
-        return cls(meta, tensors["timesteps"], tensors["noise"], layers)
+            elif key not in ("timesteps", "noise"):
+                raise ValueError(f"{path}: tensor {key!r} is not part of a calibration (layers' tensors are "
+                                 f"named 'layer::statistic')")
+        _check_structure(path, meta, tensors, layers)
+        cal = cls(meta, tensors["timesteps"], tensors["noise"], layers)
+        cal.check_ranges(source=str(path))
+        if meta["schema_version"] == 1:
+            warnings.warn(f"{path} is a schema 1 calibration: it has no Q/K maxima and no K mean, so static ranges "
+                          f"are its p99 percentiles (which clip outliers; BENCHMARKS.md measured them well below "
+                          f"the maxima in quality) and K's mean is measured per call. Run `diffusion-int8 "
+                          f"calibrate` again to record them.", UserWarning, stacklevel=2)
+        return cal
+
+    def check_ranges(self, source: str = "calibration", points: int = _NOISE_GRID) -> None:
+        """Raise ``ValueError`` unless, at ``points`` noise levels spanning [0, 1], every layer's static ranges
+        (as ``ranges`` gives them) are finite and > 0 and its fitted K mean is finite."""
+        grid = torch.linspace(0, 1, points, dtype=torch.float64)
+        for name, st in self.layers.items():
+            checks = [(short, self._fitted(st, short, grid).float(), True) for short in _RANGE_FITS if f"fit.{short}" in st]
+            if "fit.m" in st:
+                checks.append(("m", evaluate_fit(st["fit.m"].double(), grid).float(), False))
+            for short, values, positive in checks:
+                bad = ~torch.isfinite(values) | (values <= 0 if positive else False)
+                if bad.any():
+                    where = bad.nonzero()[0].tolist()
+                    value = float(values[tuple(where)])
+                    what = "K mean" if short == "m" else f"{_FITS[short]} range"
+                    raise ValueError(
+                        f"{source}: layer {name!r}: the fitted {what} (tensor {name}::fit.{short}) is {value} at noise "
+                        f"level {float(grid[where[-1]]):.3f}, head {where[0]}; static ranges must be finite"
+                        f"{' and > 0' if positive else ''} over the noise interval [0, 1]. The file is damaged or "
+                        f"its calibration diverged: run `diffusion-int8 calibrate` again")
 
     # ----------------------------------------------------------------------------------- applying
     def validate(self, model: torch.nn.Module) -> None:
@@ -183,14 +238,17 @@ class Calibration:
                              f"use clip='p99' or None, or record them by running `diffusion-int8 calibrate` again")
         n = noise_level(timestep, self.meta.get("num_train_timesteps"), self.meta.get("timestep_scale"))
         shorts = ("qmax", "kmax", "v") if clip != "p99" and has_max else ("q", "k", "v")
-        out = []
-        for short in shorts:
-            measured = st[_FITS[short]]
-            # the fit can undershoot between steps; never below a tenth of the smallest measured range
-            floor = measured.amin(-1).clamp_min(1e-6) * 0.1
-            out.append(torch.maximum(evaluate_fit(st[f"fit.{short}"].double(), n)[..., 0], floor.double()))
+        out = [self._fitted(st, short, n)[..., 0] for short in shorts]
         out.append(evaluate_fit(st["fit.m"].double(), n)[..., 0] if "fit.m" in st else None)
         return tuple(None if t is None else t.float()[None].to(device, non_blocking=True) for t in out)
+
+    @staticmethod
+    def _fitted(st: dict[str, torch.Tensor], short: str, noise) -> torch.Tensor:
+        """The range fit ``fit.{short}`` at ``noise`` (scalar or (N,)), float64 (..., 1) or (..., N)."""
+        measured = st[_FITS[short]]
+        # the fit can undershoot between steps; never below a tenth of the smallest measured range
+        floor = measured.amin(-1).clamp_min(1e-6) * 0.1
+        return torch.maximum(evaluate_fit(st[f"fit.{short}"].double(), noise), floor.double()[..., None])
 
     # ------------------------------------------------------------------------------------ summary
     def modes(self) -> list[str]:
@@ -215,3 +273,83 @@ class Calibration:
                 "max_over_min": float((vals.amax(-1) / vals.amin(-1).clamp_min(1e-30)).median()),
             }
         return report
+
+
+# ------------------------------------------------------------------------------------ reading
+def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The metadata and tensors of a calibration file, its checksum verified; ``ValueError`` for anything else."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a calibration: not a readable safetensors file ({e})") from None
+    raw = header.get(_META_KEY)
+    if raw is None:
+        raise ValueError(f"{path} is a safetensors file but not a diffusion-int8 calibration (no metadata {_META_KEY!r})")
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: metadata {_META_KEY!r} is not valid JSON ({e.msg}); the file is damaged") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: metadata {_META_KEY!r} must be a JSON object, got {type(meta).__name__}")
+    if meta.get("schema_version") not in READABLE_SCHEMAS:
+        raise ValueError(f"{path} has calibration schema {meta.get('schema_version')} (metadata field schema_version); "
+                         f"this version of diffusion-int8 reads schemas {READABLE_SCHEMAS}")
+    want = header.get(_SHA_KEY)
+    if want is not None and tensors_sha256(tensors) != want:  # files written before the checksum have none
+        raise ValueError(f"{path}: its tensors do not match the checksum stored with them (metadata {_SHA_KEY!r}): "
+                         f"the file was changed or damaged after `diffusion-int8 calibrate` wrote it; calibrate again "
+                         f"or restore a copy")
+    return meta, tensors
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _check_structure(path: Path, meta: dict, tensors: dict[str, torch.Tensor], layers: dict) -> None:
+    """``ValueError`` naming ``path`` and the field or tensor unless metadata and tensors are what ``save`` writes."""
+    for key in ("timesteps", "noise"):
+        t = tensors.get(key)
+        if t is None:
+            raise ValueError(f"{path}: tensor {key!r} is missing; the file is damaged")
+        if t.dim() != 1 or t.numel() == 0 or not t.is_floating_point() or not torch.isfinite(t).all():
+            raise ValueError(f"{path}: tensor {key!r} must be a non-empty 1-d float tensor of finite values, "
+                             f"got {t.dtype} of shape {tuple(t.shape)}")
+    T = tensors["noise"].numel()
+    if tensors["timesteps"].numel() != T or meta.get("steps", T) != T:
+        raise ValueError(f"{path}: tensors 'timesteps' and 'noise' and metadata field steps disagree on the number of "
+                         f"steps: {tensors['timesteps'].numel()}, {T}, {meta.get('steps')}")
+    for key in ("num_train_timesteps", "timestep_scale"):
+        v = meta.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{path}: metadata field {key} must be null or a number > 0, got {v!r}")
+    declared = meta.get("layers")
+    if not isinstance(declared, dict):
+        raise ValueError(f"{path}: metadata field layers must map layer names to heads and head_dim, "
+                         f"got {type(declared).__name__}")
+    if set(declared) != set(layers):
+        diff = sorted(set(declared) ^ set(layers))
+        raise ValueError(f"{path}: metadata field layers and the tensors name different layers: {', '.join(diff[:5])}")
+    schema = meta["schema_version"]
+    for name, st in layers.items():
+        info = declared[name]
+        if not (isinstance(info, dict) and _positive_int(info.get("heads")) and _positive_int(info.get("head_dim"))):
+            raise ValueError(f"{path}: metadata field layers[{name!r}] must be {{\"heads\": H, \"head_dim\": D}} "
+                             f"with H, D > 0, got {info!r}")
+        H, D = info["heads"], info["head_dim"]
+        shapes = _expected_shapes(schema, H, D, T)
+        for stat, t in st.items():
+            want = shapes.get(stat, (H, T) if _error_stat(stat) else None)
+            if want is None:
+                raise ValueError(f"{path}: tensor {name}::{stat} is not a calibration statistic of schema {schema}")
+            if tuple(t.shape) != want or not t.is_floating_point():
+                raise ValueError(f"{path}: tensor {name}::{stat} has shape {tuple(t.shape)} ({t.dtype}); "
+                                 f"layer {name!r} ({H} heads of dim {D}, {T} steps) needs a float tensor of shape {want}")
+        missing = sorted(set(shapes) - set(st))
+        if missing:
+            raise ValueError(f"{path}: layer {name!r} lacks tensor {name}::{missing[0]} "
+                             f"(schema {schema} files have {', '.join(sorted(shapes))})")

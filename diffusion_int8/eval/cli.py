@@ -6,14 +6,17 @@
     diffusion-int8 eval --score imgs/images/fp16 other/folder --out scores/              # score folders
     accelerate launch --multi_gpu --num_processes 8 -m diffusion_int8 eval ...         # prompts sharded
 
-Writes ``report.json``, ``report.md``, ``report.html`` and ``images/<variant>/*.png`` to ``--out``;
-existing reports are kept unless ``--overwrite``.
+Writes ``report.json``, ``report.md``, ``report.html`` and ``images/<variant>/*.png`` to ``--out``, all at
+once (``outputs.output_set``); existing reports are kept unless ``--overwrite``. ``--schedule`` and
+``--calibration`` are loaded, and the calibration checked against the model, before any image is made.
+Images with NaN or Inf values are flagged in the reports and left out of the quality metrics.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,14 +25,18 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import pipelines
-from ..calibration.cli import add_model_args, check_out, items_for
+from ..calibration import Calibration
+from ..calibration.cli import add_model_args, items_for, load_pipeline, read_items
 from ..kernels import Mode, kernel_info
+from ..outputs import check_out, output_set, shown_out
 from ..processor import enable
 from ..schedule import PrecisionSchedule
+from ..usage import UsageError, user_errors
 from . import report as R
 from .score import Scorer, load_folder, save_images
 
 BASELINE = "fp16"
+OUTPUTS = R.REPORT_FILES + ("images",)
 
 
 class StepTimer:
@@ -67,15 +74,22 @@ class StepTimer:
         self._post.remove()
 
 
-def variants(args) -> dict[str, dict]:
+def load_inputs(args) -> tuple[PrecisionSchedule | None, Calibration | None]:
+    """``--schedule`` and ``--calibration``, loaded (so checked) before the model loads or any image is made."""
+    with user_errors():
+        schedule = PrecisionSchedule.load(args.schedule) if args.schedule else None
+        calibration = Calibration.load(args.calibration) if args.calibration else None
+    return schedule, calibration
+
+
+def variants(args, schedule: PrecisionSchedule | None = None, calibration: Calibration | None = None) -> dict[str, dict]:
     """``{name: enable() kwargs}`` in report order; the baseline (stock pipeline) is not listed."""
     out = {m: {"mode": m} for m in args.modes}
-    if args.schedule:
-        sched = PrecisionSchedule.load(args.schedule)
-        out[f"schedule:{sched.name}"] = {"schedule": sched}
-    if args.calibration:
+    if schedule is not None:
+        out[f"schedule:{schedule.name}"] = {"schedule": schedule}
+    if calibration is not None:
         base_name, base = list(out.items())[-1] if out else ("int8", {"mode": "int8"})
-        out[f"{base_name}+static-ranges"] = {**base, "calibration": args.calibration}
+        out[f"{base_name}+static-ranges"] = {**base, "calibration": calibration}
     return out
 
 
@@ -127,62 +141,92 @@ def _modes_per_step(trace) -> list[str]:
     return [max(set(m), key=m.count) for _, m in sorted(by_step.items())]
 
 
-def generate_all(args, shards) -> tuple[dict, dict, dict, list, object]:
-    pipe = pipelines.load(args.model, shards.device)
-    items = items_for(args, pipe)
+def generate_all(args, shards, pipe, items, plan: dict) -> tuple[dict, dict, dict, dict]:
+    """Every variant's images (uint8, by index), speed, modes per step and the indices of non-finite images."""
     model = pipelines.denoiser(pipe)
     batches = shards.mine(items.batches(args.batch_size))
-    plan = {BASELINE: None, **variants(args)}
-    results, speeds, per_step = {}, {}, {}
-    for name, kwargs in tqdm(plan.items(), desc="variants", disable=not shards.is_main):
+    results, speeds, per_step, nonfinite = {}, {}, {}, {}
+    for name, kwargs in tqdm({BASELINE: None, **plan}.items(), desc="variants", disable=not shards.is_main):
         imgs, speeds[name], per_step[name] = run_variant(pipe, model, items, batches, args, shards.device, kwargs)
-        results[name] = {i: (t * 255).round().to(torch.uint8) for i, t in imgs.items()}
-    return results, speeds, per_step, items, pipe
+        # flagged before the uint8 conversion, which would turn NaN into an ordinary (black) pixel
+        nonfinite[name] = sorted(i for i, t in imgs.items() if not torch.isfinite(t).all())
+        results[name] = {i: _to_uint8(t) for i, t in imgs.items()}
+    return results, speeds, per_step, nonfinite
+
+
+def _to_uint8(img: torch.Tensor) -> torch.Tensor:
+    """[0, 1] floats as uint8; NaN as 0, ±Inf as the ends of the range (flagged separately)."""
+    return (torch.nan_to_num(img, nan=0.0, posinf=1.0, neginf=0.0).clamp(0, 1) * 255).round().to(torch.uint8)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.score:
         return score_folders(args)
-    check_out(args.out, R.REPORT_FILES + ("images",), args.overwrite)
+    check_out(args.out, OUTPUTS, args.overwrite)
+    items = read_items(args)
+    schedule, calibration = load_inputs(args)
     shards = pipelines.Shards(args.device)
     if shards.is_main:
         print(f"eval on {shards.device}: INT8 kernel {kernel_info(shards.device, 'int8')['backend']}"
               + ("" if shards.device.type == "cuda" else " (no GPU: the INT8 modes run the kernel's PyTorch emulation)"))
-    results, speeds, per_step, items, pipe = generate_all(args, shards)
-    gathered = shards.gather([(results, speeds)])
+    pipe = load_pipeline(args, shards.device)
+    items = items_for(args, pipe, items)
+    if calibration is not None:
+        with user_errors(ValueError):
+            calibration.validate(pipelines.denoiser(pipe))
+    results, speeds, per_step, nonfinite = generate_all(args, shards, pipe, items, variants(args, schedule, calibration))
+    gathered = shards.gather([(results, speeds, nonfinite)])
     if not shards.is_main:
         shards.barrier()
         return 0
     images: dict[str, torch.Tensor] = {}
     for name in results:
         merged = {}
-        for res, _ in gathered:
+        for res, _, _ in gathered:
             merged.update(res[name])
         images[name] = torch.stack([merged[i] for i in sorted(merged)]).float() / 255
-    speed = {name: _merge_speed([s[name] for _, s in gathered]) for name in results}
-    out = args.out
-    for name, imgs in images.items():
-        save_images(imgs, out / "images" / _dirname(name), list(range(len(imgs))))
+    speed = {name: _merge_speed([s[name] for _, s, _ in gathered]) for name in results}
+    bad = {name: sorted({i for _, _, nf in gathered for i in nf[name]}) for name in results}
+    _warn_nonfinite(bad)
     report = _report_head(args, items, shards.device)
-    report["baseline"] = {"name": BASELINE, "speed": speed[BASELINE]}
-    report["variants"] = {n: {"speed": speed[n]} for n in images if n != BASELINE}
+    report["baseline"] = {"name": BASELINE, "speed": speed[BASELINE], "non_finite_images": bad[BASELINE]}
+    report["variants"] = {n: {"speed": speed[n], "non_finite_images": bad[n]} for n in images if n != BASELINE}
     report["image_dirs"] = {n: f"images/{_dirname(n)}" for n in images}
     sched_name = next((n for n in images if n.startswith("schedule:")), None)
     if sched_name:
         report["schedule"] = {"name": sched_name.split(":", 1)[1], "per_step": per_step[sched_name],
-                              "errors": _calibrated_errors(args, len(per_step[sched_name]))}
+                              "errors": _calibrated_errors(calibration, len(per_step[sched_name]))}
     if args.generate_only:
         report["metrics_available"] = {}
-        R.write_json(report, out)
-        print(f"wrote {len(images)} image sets under {out / 'images'} and {out / 'report.json'} (timings only)")
     else:
         scorer = Scorer(args.lpips_weights, args.fid_weights, shards.device)
         report["metrics_available"] = scorer.availability()
         for name in report["variants"]:
-            report["variants"][name]["quality"] = scorer.score(images[name], images[BASELINE])
-        _write_reports(report, images, items.values, out)
+            # an image is compared only where both it and its reference are finite
+            exclude = sorted(set(bad[name]) | set(bad[BASELINE]))
+            report["variants"][name]["quality"] = scorer.score(images[name], images[BASELINE], exclude=exclude)
+    with output_set(args.out, OUTPUTS, args.overwrite) as tmp:
+        for name, imgs in images.items():
+            save_images(imgs, tmp / "images" / _dirname(name), list(range(len(imgs))))
+        if args.generate_only:
+            R.write_json(report, tmp)
+        else:
+            _write_reports(report, images, items.values, tmp)
+    if args.generate_only:
+        out = shown_out(args)
+        print(f"wrote {len(images)} image sets under {out / 'images'} and {out / 'report.json'} (timings only)")
+    else:
+        _print_summary(report, shown_out(args))
     shards.barrier()
     return 0
+
+
+def _warn_nonfinite(bad: dict[str, list[int]]) -> None:
+    """One terminal warning for every image with NaN/Inf values, by variant."""
+    flagged = {n: idx for n, idx in bad.items() if idx}
+    if flagged:
+        print("warning: images with NaN/Inf values: " + "; ".join(f"{n} #{', #'.join(map(str, idx))}" for n, idx in flagged.items())
+              + ". They are flagged in the report and left out of the quality metrics.", file=sys.stderr)
 
 
 def _merge_speed(parts: list[dict]) -> dict:
@@ -200,15 +244,10 @@ def _dirname(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_+." else "_" for c in name)
 
 
-def _calibrated_errors(args, steps: int) -> dict | None:
-    if not args.calibration:
-        return None
-    from ..calibration import Calibration
-
-    cal = Calibration.load(args.calibration)
-    if len(cal.noise) != steps:
-        return None  # calibrated at another step count: the per-step errors do not line up
-    return {m: [float(x) for x in cal.error(m).amax(0)] for m in cal.modes()}
+def _calibrated_errors(calibration: Calibration | None, steps: int) -> dict | None:
+    if calibration is None or len(calibration.noise) != steps:
+        return None  # none, or calibrated at another step count: the per-step errors do not line up
+    return {m: [float(x) for x in calibration.error(m).amax(0)] for m in calibration.modes()}
 
 
 def _report_head(args, items, device) -> dict:
@@ -218,15 +257,21 @@ def _report_head(args, items, device) -> dict:
             "num_images": len(items.values), "items": items.values}
 
 
-def _write_reports(report: dict, images: dict, labels: list, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [R.write_json(report, out), R.write_markdown(report, out), R.write_html(report, images, labels, out)]
-    print("wrote " + ", ".join(str(p) for p in paths))
+def _write_reports(report: dict, images: dict, labels: list, dest: Path) -> None:
+    R.write_json(report, dest)
+    R.write_markdown(report, dest)
+    R.write_html(report, images, labels, dest)
+
+
+def _print_summary(report: dict, out: Path) -> None:
+    print("wrote " + ", ".join(str(out / f) for f in R.REPORT_FILES))
     for name, v in report["variants"].items():
         agg = v["quality"]["aggregate"]
         ms, base = v["speed"].get("denoiser_ms_per_step"), report["baseline"]["speed"].get("denoiser_ms_per_step")
-        print(f"  {name:28s} PSNR {agg['psnr']['mean']:.2f} dB (min {agg['psnr']['min']:.2f}), "
-              f"SSIM {agg['ssim']['mean']:.4f}" + (f", {base / ms:.2f}× stock step time" if ms and base else ""))
+        excluded = agg["psnr"].get("excluded", 0)
+        print(f"  {name:28s} PSNR {R._fmt(agg['psnr']['mean'], 2)} dB (min {R._fmt(agg['psnr']['min'], 2)}), "
+              f"SSIM {R._fmt(agg['ssim']['mean'], 4)}" + (f", {base / ms:.2f}× stock step time" if ms and base else "")
+              + (f"; {excluded} non-finite image(s) left out" if excluded else ""))
     for k, v in report["metrics_available"].items():
         if not v["available"]:
             print(f"  {k}: unavailable: {v['reason']}")
@@ -237,8 +282,10 @@ def score_folders(args) -> int:
     check_out(args.out, R.REPORT_FILES, args.overwrite)
     ref_dir, *cands = [Path(p) for p in args.score]
     if not cands:
-        raise SystemExit("error: --score needs a reference folder and at least one folder to score")
-    names, ref = load_folder(ref_dir)
+        raise UsageError("--score needs a reference folder and at least one folder to score")
+    with user_errors():
+        names, ref = load_folder(ref_dir)
+        folders = [(c, *load_folder(c)) for c in cands]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     scorer = Scorer(args.lpips_weights, args.fid_weights, device)
     images = {ref_dir.name or str(ref_dir): ref}
@@ -246,15 +293,16 @@ def score_folders(args) -> int:
               "device": str(device), "kernel": "n/a (scoring only)", "steps": "?", "seed": "?", "num_images": len(names),
               "items": names, "baseline": {"name": ref_dir.name, "speed": {}}, "variants": {},
               "metrics_available": scorer.availability(), "image_dirs": {ref_dir.name: str(ref_dir)}}
-    for c in cands:
-        cnames, imgs = load_folder(c)
+    for c, cnames, imgs in folders:
         if cnames != names:
-            raise SystemExit(f"error: {c} and {ref_dir} hold different file names; they are matched by name")
+            raise UsageError(f"{c} and {ref_dir} hold different file names; they are matched by name")
         key = c.name if c.name not in images else str(c)
         images[key] = imgs
         report["variants"][key] = {"speed": {}, "quality": scorer.score(imgs, ref)}
         report["image_dirs"][key] = str(c)
-    _write_reports(report, images, names, args.out)
+    with output_set(args.out, R.REPORT_FILES, args.overwrite) as tmp:
+        _write_reports(report, images, names, tmp)
+    _print_summary(report, args.out)
     return 0
 
 

@@ -164,7 +164,10 @@ def features(net: torch.nn.Module, images: torch.Tensor, batch: int = 64) -> tor
 
 
 def aggregate(values: torch.Tensor) -> dict:
+    """Mean, std, min, max and counts of per-image values; None statistics when there are none."""
     v = values.double()
     finite = v[torch.isfinite(v)]
+    if not len(v):  # every image excluded
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0, "n_finite": 0}
     return {"mean": float(v.mean()), "std": float(v.std()) if len(v) > 1 else 0.0, "min": float(v.min()),
             "max": float(v.max()), "n": len(v), "n_finite": len(finite)}

@@ -3,6 +3,8 @@
 The HTML embeds every picture as a data URI (side-by-side grids, difference heat maps, the schedule
 plot), so it can be mailed or archived as one file. A few lines of script record, in ``data-`` attributes
 of ``<body>``, how many images decoded and any script error, which the tests read in headless Chromium.
+Images with NaN/Inf values (``non_finite_images`` of each variant) are listed in all three reports and
+marked in the HTML grid; the quality metrics leave them out.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def _quality_cells(q: dict) -> list[str]:
         a = agg.get(k, {})
         if a.get("available") is False:
             cells.append("n/a")
+        elif a.get("n") == 0:
+            cells.append("– (no finite image)")
         elif "mean" in a:
             cells.append(f"{_fmt(a['mean'], 2 if k == 'psnr' else 4)} ± {_fmt(a['std'], 2 if k == 'psnr' else 4)} "
                          f"(min {_fmt(a['min'] if k != 'lpips' else a['max'], 2 if k == 'psnr' else 4)})")
@@ -75,6 +79,9 @@ def _quality_cells(q: dict) -> list[str]:
     for k in ("fid", "kid"):
         a = agg.get(k, {})
         cells.append("n/a" if a.get("available") is False else _fmt(a.get("value", a.get("mean")), 4) if a else "–")
+    excluded = agg.get("psnr", {}).get("excluded")
+    if excluded:
+        cells[0] += f" [{excluded} non-finite excluded]"
     return cells
 
 
@@ -98,6 +105,25 @@ def _calls(speed: dict) -> str:
     return f"{speed['int8_calls']} / {speed['gated_calls']}"
 
 
+def non_finite(report: dict) -> dict[str, list[int]]:
+    """``{variant: indices}`` of the images with NaN/Inf values, baseline first; only variants that have some."""
+    entries = [(report["baseline"]["name"], report["baseline"]), *report["variants"].items()]
+    return {name: v["non_finite_images"] for name, v in entries if v.get("non_finite_images")}
+
+
+def _non_finite_note(report: dict) -> tuple[str, list[str]] | None:
+    """The reports' paragraph on non-finite images and one line per variant, or None when there are none."""
+    bad = non_finite(report)
+    if not bad:
+        return None
+    items = report.get("items") or []
+    label = lambda i: f"#{i}" + (f" ({items[i]})" if i < len(items) else "")  # noqa: E731
+    lines = [f"{name}: {', '.join(label(i) for i in idx)}" for name, idx in bad.items()]
+    return (f"Images with NaN/Inf values. They are not scored: each variant's PSNR, SSIM, LPIPS, FID and KID "
+            f"leave out its own non-finite images and those of the reference ({report['baseline']['name']}); "
+            f"the saved PNGs show NaN as black.", lines)
+
+
 HEADER = ["variant", "PSNR dB (min)", "SSIM (min)", "LPIPS (max)", "FID", "KID", "denoiser ms/step",
           "speed-up", "s/image", "peak MiB", "INT8 / gated calls"]
 
@@ -117,6 +143,9 @@ def write_markdown(report: dict, out: Path) -> Path:
     na = {k: v["reason"] for k, v in report["metrics_available"].items() if not v["available"]}
     if na:
         lines += ["", "Unavailable metrics:", ""] + [f"- **{k}**: {r}" for k, r in na.items()]
+    note = _non_finite_note(report)
+    if note:
+        lines += ["", f"**{note[0]}**", ""] + [f"- {ln}" for ln in note[1]]
     if report.get("schedule"):
         s = report["schedule"]
         lines += ["", f"Schedule `{s['name']}` per step: {' '.join(s['per_step'])}"]
@@ -166,12 +195,15 @@ def write_html(report: dict, images: dict[str, torch.Tensor], labels: list[str],
     scale = max(1, 128 // ref.shape[-1])
     diffs = {n: (images[n] - ref).abs().mean(1) for n in names[1:]}
     vmax = 0.1  # a tenth of the range at white: small differences stay visible, larger ones saturate
+    bad = {n: set(idx) for n, idx in non_finite(report).items()}
     head = "".join(f"<th>{e(n)}</th>" + (f"<th>|{e(n)} − {e(names[0])}|</th>" if n in diffs else "") for n in names)
     body = []
     for i in range(min(len(ref), max_rows)):
         cells = [f"<td class=label>{e(str(labels[i]))}</td>"]
         for n in names:
-            cells.append(f"<td><img src='{_png_uri(_to_uint8(images[n][i]), scale)}' alt='{e(n)} {i}'></td>")
+            flag = i in bad.get(n, ())
+            cells.append(f"<td{' class=nonfinite' if flag else ''}><img src='{_png_uri(_to_uint8(images[n][i]), scale)}' "
+                         f"alt='{e(n)} {i}'>{'<div>NaN/Inf</div>' if flag else ''}</td>")
             if n in diffs:
                 cells.append(f"<td><img src='{_png_uri(heatmap(diffs[n][i], vmax), scale)}' alt='diff {e(n)} {i}'></td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
@@ -179,13 +211,17 @@ def write_html(report: dict, images: dict[str, torch.Tensor], labels: list[str],
     rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in _rows(report))
     na = [f"<li><b>{e(k)}</b>: {e(v['reason'])}</li>" for k, v in report["metrics_available"].items() if not v["available"]]
     plot = schedule_plot(report)
+    note = _non_finite_note(report)
+    note_html = (f'<p class="warn">{e(note[0])}</p><ul class="warn">' + "".join(f"<li>{e(ln)}</li>" for ln in note[1])
+                 + "</ul>") if note else ""
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>INT8 attention evaluation — {e(report['model'])}</title>
 <style>
 body{{font-family:system-ui,sans-serif;margin:24px;color:#222}} table{{border-collapse:collapse}}
 .metrics td,.metrics th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} .metrics td:first-child{{text-align:left}}
 .grid td{{padding:2px;text-align:center}} .grid img{{image-rendering:pixelated;display:block}} .label{{font-size:12px;text-align:right}}
-.note{{color:#555;font-size:13px}}
+.note{{color:#555;font-size:13px}} .warn{{color:#a00;font-weight:600}}
+.nonfinite{{outline:2px solid #d00}} .nonfinite div{{color:#d00;font-size:11px}}
 </style></head>
 <body data-images-ok="pending" data-errors="">
 <h1>INT8 attention evaluation</h1>
@@ -196,6 +232,7 @@ device {e(report['device'])} · INT8 kernel: {e(report['kernel'])} · {e(report[
 <p class="note">Mean ± std over images; PSNR and SSIM show the worst image in brackets, LPIPS the worst (largest).
 Speed: denoiser time per step (median over steps after a warm-up run) and its ratio to {e(names[0])}.</p>
 {'<ul class="note">' + ''.join(na) + '</ul>' if na else ''}
+{note_html}
 {f'<h2>Schedule</h2><img src="{plot}" alt="schedule">' if plot else ''}
 <h2>Images</h2>
 <p class="note">Heat maps: mean absolute difference over channels, black = 0, white ≥ {vmax} (of the [0, 1] range).</p>

@@ -46,23 +46,45 @@ class Scorer:
             out[name] = net.to_dict() if isinstance(net, M.Unavailable) else {"available": True}
         return out
 
-    def score(self, images: torch.Tensor, ref: torch.Tensor) -> dict:
-        """Per-image lists and aggregates of PSNR, SSIM, LPIPS; FID and KID of the sets."""
+    def score(self, images: torch.Tensor, ref: torch.Tensor, exclude=()) -> dict:
+        """Per-image lists and aggregates of PSNR, SSIM, LPIPS; FID and KID of the sets.
+
+        Images listed in ``exclude``, and images with NaN/Inf values in either set, are not scored: their
+        per-image values are None, the aggregates and FID/KID cover the others, and ``excluded`` lists them.
+        """
         if images.shape != ref.shape:
             raise ValueError(f"image sets differ in shape: {tuple(images.shape)} vs reference {tuple(ref.shape)}")
+        keep = non_finite(images).logical_or_(non_finite(ref)).logical_not_()
+        keep[list(exclude)] = False
+        images, ref, kept = images[keep], ref[keep], keep.nonzero().flatten().tolist()
         per = {"psnr": M.psnr(images, ref), "ssim": M.ssim(images, ref)}
-        if not isinstance(self.lpips, M.Unavailable):
+        if not isinstance(self.lpips, M.Unavailable) and kept:
             per["lpips"] = M.lpips_distance(self.lpips, images, ref)
-        out = {"per_image": {k: [float(x) for x in v] for k, v in per.items()},
-               "aggregate": {k: M.aggregate(v) for k, v in per.items()}}
+        excluded = (~keep).nonzero().flatten().tolist()
+        out = {"per_image": {k: _scatter(v, kept, len(keep)) for k, v in per.items()},
+               "aggregate": {k: {**M.aggregate(v), "excluded": len(excluded)} for k, v in per.items()},
+               "excluded": excluded}
         if isinstance(self.lpips, M.Unavailable):
             out["aggregate"]["lpips"] = self.lpips.to_dict()
         if isinstance(self.inception, M.Unavailable):
             out["aggregate"]["fid"] = out["aggregate"]["kid"] = self.inception.to_dict()
-        else:
+        elif kept:
             fa, fr = M.features(self.inception, images), M.features(self.inception, ref)
             out["aggregate"]["fid"] = {"value": M.frechet_distance(fa, fr), "n": len(fa)}
             if len(fa) >= 2:
                 mean, std = M.kernel_inception_distance(fa, fr, subset_size=self.kid_subset_size)
                 out["aggregate"]["kid"] = {"mean": mean, "std": std, "n": len(fa)}
         return out
+
+
+def non_finite(images: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: which of (N, ...) images hold a NaN or an Inf."""
+    return ~torch.isfinite(images).flatten(1).all(1)
+
+
+def _scatter(values: torch.Tensor, kept: list[int], n: int) -> list:
+    """Per-image values of the kept images at their indices, None for the excluded ones."""
+    out = [None] * n
+    for i, x in zip(kept, values.tolist()):
+        out[i] = float(x)
+    return out

@@ -1,0 +1,116 @@
+"""Output sets, written whole or not at all: ``check_out`` before any work, ``output_set`` around the writing.
+
+A command's outputs (``calibrate``: the calibration file, schedule, summaries and plots; ``eval``: the
+reports and images) are written into a temporary directory beside ``--out`` (``.<name>.tmp-<pid>``: the
+same parent, so the same file system, where renames are atomic) and moved into ``--out`` once complete.
+With ``--overwrite`` the previous outputs move aside to ``.<name>.old-<pid>`` until the new ones are in
+place, and move back if anything fails on the way. An interrupted run therefore leaves the previous
+outputs or none, never a mix, and no temporary directory. Files in ``--out`` that are not the command's
+outputs are left where they are.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from .usage import UsageError, user_errors
+
+
+def _present(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
+def shown_out(args) -> Path:
+    """``--out`` for messages: the demo runs ``calibrate`` and ``eval`` into its own temporary directory and
+    passes the final path as ``args.shown_out``."""
+    return getattr(args, "shown_out", None) or args.out
+
+
+def check_out(out: Path, names: Sequence[str], overwrite: bool) -> None:
+    """Raise ``UsageError`` unless ``out`` can receive the outputs ``names``: not a file, its parent (or the
+    nearest existing ancestor) a writable directory, and none of ``names`` there unless ``overwrite``."""
+    out = Path(out)
+    if _present(out) and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a directory (new, or one holding earlier outputs)")
+    ancestor = out.absolute().parent
+    while not _present(ancestor):
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UsageError(f"--out {out} cannot be created: {ancestor} is a file, not a directory")
+    # the outputs are written beside --out and renamed into it: both need the parent writable
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: cannot write in {ancestor} (permission denied); "
+                         f"choose an --out inside a directory you can write to")
+    if not out.is_dir():
+        return
+    existing = [n for n in names if _present(out / n)]
+    if existing and not overwrite:
+        raise UsageError(f"{out} already holds {', '.join(existing)}; choose another --out or pass --overwrite")
+    if existing and not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: cannot replace its outputs (permission denied)")
+
+
+@contextmanager
+def output_set(out: Path, names: Sequence[str], overwrite: bool) -> Iterator[Path]:
+    """Yield an empty temporary directory to write the outputs ``names`` into; on leaving without an
+    exception, move them into ``out`` (replacing earlier ones when ``overwrite``, see the module docstring)."""
+    check_out(out, names, overwrite)  # again: --out may have changed while the command ran
+    real = Path(os.path.realpath(out))
+    created = [p for p in (real.parent, *real.parent.parents) if not _present(p)]  # deepest first
+    tmp = real.parent / f".{real.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed earlier run of this pid's
+    try:
+        with user_errors(OSError):  # e.g. permissions that os.access did not tell
+            real.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        yield tmp
+        _commit(tmp, real, names, overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _present(real):  # nothing was written: nor are the parents made for it kept
+            for p in created:
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
+
+
+def _move(src: Path, dst: Path) -> None:
+    os.rename(src, dst)
+
+
+def _commit(tmp: Path, out: Path, names: Sequence[str], overwrite: bool) -> None:
+    """Move the complete set in ``tmp`` into ``out``; on any failure put everything back as it was."""
+    written = sorted(os.listdir(tmp))
+    stray = set(written) - set(names)
+    if stray:
+        raise RuntimeError(f"outputs {sorted(stray)} are not among the declared {list(names)}")
+    if not _present(out):
+        _move(tmp, out)  # one rename: all or nothing
+        return
+    check_out(out, names, overwrite)
+    backup = out.parent / f".{out.name}.old-{os.getpid()}"
+    shutil.rmtree(backup, ignore_errors=True)
+    backup.mkdir()
+    old, new = [], []
+    try:
+        for n in names:
+            if _present(out / n):
+                _move(out / n, backup / n)
+                old.append(n)
+        for n in written:
+            _move(tmp / n, out / n)
+            new.append(n)
+    except BaseException:
+        # undo in reverse; if that fails too the backup is kept (it holds the previous outputs)
+        for n in reversed(new):
+            _move(out / n, tmp / n)
+        for n in reversed(old):
+            _move(backup / n, out / n)
+        backup.rmdir()
+        raise
+    shutil.rmtree(backup)

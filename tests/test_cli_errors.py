@@ -1,0 +1,322 @@
+"""The command line's user errors and outputs: one line on stderr and status 2 (a traceback with --debug),
+checks before any work, and output sets that are written whole or not at all."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from diffusion_int8 import outputs, pipelines
+from diffusion_int8.__main__ import main
+from diffusion_int8.calibration import Calibration
+from diffusion_int8.usage import UsageError
+from test_calibration import cli_env
+
+CALIBRATE = ["calibrate", "--class-labels", "red circle", "--steps", "1", "--batch-size", "1"]
+EVAL = ["eval", "--class-labels", "red circle", "--steps", "1", "--modes", "int8"]
+
+
+@pytest.fixture(autouse=True)
+def _emulation(monkeypatch):
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+    monkeypatch.delenv("DIFFUSION_INT8_DEBUG", raising=False)
+
+
+def cli(argv, capsys) -> tuple[int, str]:
+    """Run ``diffusion-int8 argv`` in this process: (exit status, stderr)."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def assert_usage_error(code, err, command, *fragments, alone=True):
+    """Status 2 and one line ``diffusion-int8 <command>: error: ...`` holding ``fragments``, no traceback;
+    ``alone``: nothing else on stderr (else the line is the last, after the model loading's progress bar)."""
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert "Traceback" not in err and (len(lines) == 1 if alone else lines), err
+    assert lines[-1].startswith(f"diffusion-int8 {command}: error: "), err
+    assert sum(": error: " in ln for ln in lines) == 1, err
+    for f in fragments:
+        assert str(f) in lines[-1], (f, err)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if the pipeline loads: the checks must come before any work."""
+
+    def load(*_, **__):
+        raise AssertionError("the model loaded before the arguments were checked")
+
+    monkeypatch.setattr(pipelines, "load", load)
+
+
+@pytest.fixture
+def no_images(monkeypatch):
+    """Fail the test if an image is generated."""
+
+    def generate(*_, **__):
+        raise AssertionError("an image was generated before the inputs were checked")
+
+    monkeypatch.setattr(pipelines, "generate", generate)
+
+
+# ------------------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize("argv, fragment", [
+    (["calibrate", "--steps", "0", "--out", "x"], "argument --steps: must be an integer >= 1, got 0"),
+    (["eval", "--batch-size", "-2", "--out", "x"], "argument --batch-size: must be an integer >= 1, got -2"),
+    (["eval", "--seed", "-1", "--out", "x"], "argument --seed: must be an integer >= 0, got -1"),
+    (["calibrate", "--steps", "many", "--out", "x"], "argument --steps: must be an integer >= 1, got 'many'"),
+    (["calibrate", "--percentile", "0", "--out", "x"], "argument --percentile: must be a percentile in (0, 100], got '0'"),
+    (["calibrate", "--percentile", "100.5", "--out", "x"], "must be a percentile in (0, 100]"),
+    (["calibrate", "--budget", "nan", "--out", "x"], "argument --budget: must be a finite number, got 'nan'"),
+    (["calibrate", "--budget", "inf", "--out", "x"], "must be a finite number, got 'inf'"),
+    (["calibrate", "--budget", "0", "--out", "x"], "argument --budget: must be a finite number > 0, got '0'"),
+    (["eval", "--guidance-scale", "-1", "--out", "x"], "argument --guidance-scale: must be a finite number >= 0"),
+    (["demo", "--steps", "0"], "argument --steps: must be an integer >= 1"),
+    (["demo", "--budget", "-0.1"], "argument --budget: must be a finite number > 0"),
+    (["check", "--shape", "1", "0", "256", "64"], "argument --shape: must be an integer >= 1, got 0"),
+    (["eval", "--modes", "int4", "--out", "x"], "argument --modes: invalid choice: 'int4'"),
+    (["calibrate"], "the following arguments are required: --out"),
+])
+def test_arguments_are_range_checked_in_one_line(argv, fragment, capsys, no_model):
+    code, err = cli(argv, capsys)
+    assert_usage_error(code, err, argv[0], fragment)
+
+
+# ------------------------------------------------------------------------------------ --out
+def test_out_is_checked_before_any_work(tmp_path, capsys, no_model, monkeypatch):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for argv in (CALIBRATE, EVAL, ["demo"]):
+        code, err = cli(argv + ["--out", a_file], capsys)
+        assert_usage_error(code, err, argv[0], f"--out {a_file} is a file")
+        code, err = cli(argv + ["--out", a_file / "sub" / "out"], capsys)
+        assert_usage_error(code, err, argv[0], f"{a_file} is a file, not a directory")
+    previous = tmp_path / "previous"
+    (previous / "images").mkdir(parents=True)
+    (previous / "schedule.json").write_text("{}")
+    for argv, name in ((CALIBRATE, "schedule.json"), (EVAL, "images"), (["demo"], "images")):
+        code, err = cli(argv + ["--out", previous], capsys)
+        assert_usage_error(code, err, argv[0], f"{previous} already holds {name}", "pass --overwrite")
+    # the parent must be writable: the outputs are written beside --out, then renamed into it
+    monkeypatch.setattr(outputs.os, "access", lambda *_: False)
+    code, err = cli(CALIBRATE + ["--out", tmp_path / "new" / "cal"], capsys)
+    assert_usage_error(code, err, "calibrate", f"cannot write in {tmp_path} (permission denied)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "previous"]  # nothing made
+
+
+# ---------------------------------------------------------------------------------- input files
+def test_prompt_files_missing_empty_or_not_text(tmp_path, capsys, no_model):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# only a comment\n\n")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"PK\x03\x04\x00\x00")
+    cases = [(tmp_path / "missing.txt", "does not exist"), (tmp_path, "is a directory"),
+             (empty, "holds no prompts"), (latin1, "is not UTF-8 text (byte 3: invalid continuation byte)"),
+             (binary, "holds NUL bytes")]
+    for path, fragment in cases:
+        for command in ("calibrate", "eval"):
+            code, err = cli([command, "--prompts", path, "--out", tmp_path / "out"], capsys)
+            assert_usage_error(code, err, command, f"prompt file {path}", fragment)
+
+
+def test_schedule_and_calibration_load_before_the_model(tmp_path, capsys, no_model):
+    bad_schedule = tmp_path / "schedule.json"
+    bad_schedule.write_text(json.dumps({"schema_version": 1, "kind": "rules", "default": "int8", "rules": [{"min_noise": 0.5}]}))
+    code, err = cli(EVAL + ["--schedule", bad_schedule, "--out", tmp_path / "r"], capsys)
+    assert_usage_error(code, err, "eval", f"{bad_schedule}: rules[0].mode: missing")
+    code, err = cli(EVAL + ["--schedule", "balance", "--out", tmp_path / "r"], capsys)
+    assert_usage_error(code, err, "eval", "balance is neither a schedule file nor a preset (int8, int8_fp16v, fp16, balanced)")
+    not_calibration = tmp_path / "calibration.safetensors"
+    not_calibration.write_bytes(b"not safetensors")
+    code, err = cli(EVAL + ["--calibration", tmp_path, "--out", tmp_path / "r"], capsys)
+    assert_usage_error(code, err, "eval", f"{not_calibration} is not a calibration")
+    code, err = cli(EVAL + ["--calibration", tmp_path / "nowhere", "--out", tmp_path / "r"], capsys)
+    assert_usage_error(code, err, "eval", "no calibration file at", "make one with `diffusion-int8 calibrate`")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """A ``calibrate`` output set of the shipped model (one label, one step)."""
+    out = tmp_path_factory.mktemp("calibrated") / "cal"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+        assert main([*CALIBRATE, "--out", str(out)]) == 0
+    return out
+
+
+def test_calibration_is_validated_against_the_model_before_any_image(calibrated, tmp_path, capsys, no_images):
+    cal = Calibration.load(calibrated)
+    first = next(iter(cal.layers))
+    cal.layers["elsewhere.attn1"] = cal.layers.pop(first)
+    cal.meta["layers"]["elsewhere.attn1"] = cal.meta["layers"].pop(first)
+    path = cal.save(tmp_path / "renamed.safetensors")
+    capsys.readouterr()
+    code, err = cli(EVAL + ["--calibration", path, "--out", tmp_path / "r"], capsys)
+    assert_usage_error(code, err, "eval", "does not match this model", "layers not in the model: elsewhere.attn1",
+                       alone=False)
+    code, err = cli(["eval", "--class-labels", "red circle", "purple blob", "--out", tmp_path / "r"], capsys)
+    assert_usage_error(code, err, "eval", "unknown class 'purple blob'", alone=False)
+    assert not (tmp_path / "r").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys, no_model, monkeypatch):
+    argv = EVAL + ["--schedule", tmp_path / "missing.json", "--out", tmp_path / "r"]
+    with pytest.raises(UsageError, match="neither a schedule file nor a preset") as err:
+        main(["--debug", *map(str, argv)])
+    assert isinstance(err.value.__cause__, FileNotFoundError)  # the original error, chained
+    monkeypatch.setenv("DIFFUSION_INT8_DEBUG", "1")
+    with pytest.raises(UsageError):
+        main([str(a) for a in argv])
+
+
+def test_entry_point_prints_one_line_and_exits_2(tmp_path):
+    argv = [sys.executable, "-m", "diffusion_int8", "eval", "--schedule", "missing.json", "--out", "r"]
+    res = subprocess.run(argv, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "diffusion-int8 eval: error: missing.json is neither a schedule file nor a preset "
+        "(int8, int8_fp16v, fp16, balanced)"], res.stderr
+    res = subprocess.run(argv, cwd=tmp_path, env={**cli_env(), "DIFFUSION_INT8_DEBUG": "1"}, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 1 and "Traceback" in res.stderr and "FileNotFoundError" in res.stderr, res.stderr
+
+
+# ---------------------------------------------------------------------------------- output sets
+def snapshot(root) -> dict:
+    """Every file under ``root`` (relative path -> bytes) and the names beside it."""
+    files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {"files": files, "beside": sorted(p.name for p in root.parent.iterdir())}
+
+
+def fill(folder, names, text):
+    folder.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        if n == "images":
+            (folder / n / "a").mkdir(parents=True)
+            (folder / n / "a" / "0.png").write_text(text)
+        else:
+            (folder / n).write_text(text)
+
+
+NAMES = ("report.json", "report.md", "images")
+
+
+def test_output_set_failing_writer_leaves_nothing_or_the_previous_set(tmp_path):
+    fresh = tmp_path / "a" / "b" / "out"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with outputs.output_set(fresh, NAMES, overwrite=False) as tmp:
+            fill(tmp, NAMES[:2], "new")
+            raise RuntimeError("interrupted")
+    assert list(tmp_path.iterdir()) == []  # neither the set, its temporary directory, nor the parents made for it
+    out = tmp_path / "out"
+    fill(out, NAMES, "old")
+    (out / "notes.txt").write_text("the user's")
+    before = snapshot(out)
+    with pytest.raises(KeyboardInterrupt):
+        with outputs.output_set(out, NAMES, overwrite=True) as tmp:
+            fill(tmp, NAMES, "new")
+            raise KeyboardInterrupt
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("fail_at", range(1, 7))
+def test_output_set_failing_move_puts_the_previous_set_back(tmp_path, monkeypatch, fail_at):
+    out = tmp_path / "out"
+    fill(out, NAMES, "old")
+    (out / "notes.txt").write_text("the user's")
+    before = snapshot(out)
+    moves, real = [], outputs._move
+
+    def move(src, dst):
+        moves.append((src, dst))
+        if len(moves) == fail_at:
+            raise OSError("disk full")
+        real(src, dst)
+
+    monkeypatch.setattr(outputs, "_move", move)
+    with pytest.raises(OSError, match="disk full"):
+        with outputs.output_set(out, NAMES, overwrite=True) as tmp:
+            fill(tmp, NAMES, "new")
+    assert len(moves) >= fail_at and snapshot(out) == before
+
+
+def test_output_set_replaces_the_whole_set_and_keeps_other_files(tmp_path):
+    out = tmp_path / "out"
+    fill(out, NAMES, "old")
+    (out / "notes.txt").write_text("the user's")
+    with outputs.output_set(out, NAMES, overwrite=True) as tmp:
+        fill(tmp, ("report.json",), "new")
+    got = snapshot(out)
+    assert got["files"] == {"notes.txt": b"the user's", "report.json": b"new"}  # no old report.md or images left
+    assert got["beside"] == ["out"]
+    with pytest.raises(UsageError, match="pass --overwrite"):
+        with outputs.output_set(out, NAMES, overwrite=False):
+            pass
+    with pytest.raises(RuntimeError, match="not among the declared"):
+        with outputs.output_set(out, NAMES, overwrite=True) as tmp:
+            fill(tmp, ("report.html",), "new")
+    assert snapshot(out) == got
+
+
+def _raise(*_, **__):
+    raise RuntimeError("interrupted")
+
+
+def test_interrupted_calibrate_keeps_the_previous_outputs(calibrated, tmp_path, monkeypatch):
+    out = tmp_path / "cal"
+    shutil.copytree(calibrated, out)
+    before = snapshot(out)
+    from diffusion_int8.calibration import summary
+    from diffusion_int8.schedule import PrecisionSchedule
+
+    # before the first file, after the first, after all but the plots
+    for owner, name in ((Calibration, "save"), (PrecisionSchedule, "save"), (summary, "plot")):
+        with monkeypatch.context() as mp:
+            mp.setattr(owner, name, _raise)
+            with pytest.raises(RuntimeError, match="interrupted"):  # a failure, not a user error: its traceback
+                main([*CALIBRATE, "--seed", "1", "--out", str(out), "--overwrite"])
+        assert snapshot(out) == before, name
+    with monkeypatch.context() as mp:
+        mp.setattr(Calibration, "save", _raise)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            main([*CALIBRATE, "--out", str(tmp_path / "new")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal"]
+
+
+def test_interrupted_eval_keeps_the_previous_outputs(tmp_path, monkeypatch):
+    out = tmp_path / "rep"
+    assert main([*EVAL, "--class-labels", "red circle", "blue ring", "--out", str(out)]) == 0
+    before = snapshot(out)
+    from diffusion_int8.eval import cli as eval_cli
+    from diffusion_int8.eval import report
+
+    calls = []
+
+    def second_image_set_fails(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("interrupted")
+        return real_save(*a, **kw)
+
+    real_save = eval_cli.save_images
+    for owner, name, fn in ((eval_cli, "save_images", second_image_set_fails), (report, "write_html", _raise)):
+        with monkeypatch.context() as mp:
+            mp.setattr(owner, name, fn)
+            with pytest.raises(RuntimeError, match="interrupted"):
+                main([*EVAL, "--seed", "3", "--out", str(out), "--overwrite"])
+        assert snapshot(out) == before, name
+    # a whole new set replaces the old one, stale files included: --generate-only writes no report.md
+    assert main([*EVAL, "--generate-only", "--out", str(out), "--overwrite"]) == 0
+    got = snapshot(out)
+    assert sorted(got["files"]) == ["images/fp16/00000.png", "images/int8/00000.png", "report.json"]
+    assert got["beside"] == ["rep"]
