@@ -64,8 +64,11 @@ def read_items(prompts: str | Path | None, class_labels: Sequence[str] | None) -
 
 
 def check_labels(pipe, items: Items) -> None:
-    """Raise ``ValueError`` now, not at the first generation, for class labels the pipeline does not know."""
+    """Raise ``ValueError`` now, not at the first generation, for class labels the pipeline does not know (or
+    prompts naming none, for a class-conditional pipeline that takes prompts: the shipped one)."""
     if items.kind != "class_labels":
+        if hasattr(pipe, "label_ids"):
+            pipe.label_ids(items.values)
         return
     if hasattr(pipe, "label_ids"):
         pipe.label_ids(items.values)

@@ -166,7 +166,7 @@ def test_calibration_is_validated_against_the_model_before_any_image(calibrated,
     assert_usage_error(code, err, "eval", "does not match this model", "layers not in the model: elsewhere.attn1",
                        alone=False)
     code, err = cli(["eval", "--class-labels", "red circle", "purple blob", "--out", tmp_path / "r"], capsys)
-    assert_usage_error(code, err, "eval", "unknown class 'purple blob'", alone=False)
+    assert_usage_error(code, err, "eval", "'purple blob' names no class", alone=False)
     assert not (tmp_path / "r").exists()
 
 

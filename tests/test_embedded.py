@@ -67,3 +67,16 @@ def test_samples_are_recognisable(pipe, reference):
         mean = img[:, sat].mean(1)
         target = torch.tensor(want[label.split()[0]], dtype=mean.dtype)
         assert ((mean > 0.5).float() == target).all(), (label, mean.tolist())
+
+
+def test_prompts_name_classes():
+    # one string is one prompt (not a list of letters), and a prompt that names a class is that class
+    pipe = load_pipeline(device="cpu")
+    assert pipe.label_ids("red circle") == [CLASSES.index("red circle")]
+    assert pipe.label_ids(["a blue ring, centered", 3]) == [CLASSES.index("blue ring"), 3]
+    with pytest.raises(ValueError, match="names no class"):
+        pipe.label_ids("a photo of a cat")
+    a = pipe("red circle", num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np").images
+    b = pipe(prompt=["a red circle"], num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+             output_type="np").images
+    assert a.shape == (1, 32, 32, 3) and (a == b).all()

@@ -40,13 +40,15 @@ class ShapesPipeline(DiffusionPipeline):
         super().__init__()
         self.register_modules(transformer=transformer, scheduler=scheduler)
 
-    def label_ids(self, class_labels: Sequence[int | str]) -> list[int]:
+    def label_ids(self, class_labels: int | str | Sequence[int | str]) -> list[int]:
+        """Class indices of ``class_labels``: indices, class names, or prompts that name one class ("a red
+        circle on white" is ``red circle``); one string or index is one label."""
+        if isinstance(class_labels, (str, int)):
+            class_labels = [class_labels]
         ids = []
         for c in class_labels:
             if isinstance(c, str):
-                if c not in CLASSES:
-                    raise ValueError(f"unknown class {c!r}; the classes are: {', '.join(CLASSES)}")
-                c = CLASSES.index(c)
+                c = CLASSES.index(_class_named_in(c))
             if not 0 <= int(c) < NUM_CLASSES:
                 raise ValueError(f"class index {c} is out of range 0..{NUM_CLASSES - 1}")
             ids.append(int(c))
@@ -55,23 +57,29 @@ class ShapesPipeline(DiffusionPipeline):
     @torch.no_grad()
     def __call__(
         self,
-        class_labels: Sequence[int | str],
+        class_labels: int | str | Sequence[int | str] | None = None,
         num_inference_steps: int = 20,
         guidance_scale: float = 3.0,
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_type: str = "pil",
         return_dict: bool = True,
+        prompt: str | Sequence[str] | None = None,
     ):
         """Generate one image per label.
 
         Args:
-            class_labels: class names (``pipe.labels``) or indices.
+            class_labels: class names (``pipe.labels``), prompts that name a class, or indices; one string
+                is one label, as diffusers pipelines take one prompt.
+            prompt: the same, by the name text-to-image pipelines use (give one of the two).
             num_inference_steps: Euler steps of the flow.
             guidance_scale: classifier-free guidance; 1 turns it off (and halves the batch).
             generator: one generator, or one per image (the noise of image i then depends only on its own).
             output_type: ``"pil"``, ``"np"`` (B, 32, 32, 3) float, or ``"pt"`` (B, 3, 32, 32) float in [0, 1].
         """
-        ids = self.label_ids(class_labels)
+        if (class_labels is None) == (prompt is None):
+            raise ValueError("give the labels either as class_labels or as prompt (class names or prompts naming "
+                             f"one): {', '.join(CLASSES)}")
+        ids = self.label_ids(class_labels if prompt is None else prompt)
         device, dtype = self._execution_device, self.transformer.dtype
         size = self.transformer.config.sample_size
         x = randn_tensor((len(ids), 3, size, size), generator=generator, device=device, dtype=torch.float32)
@@ -97,6 +105,18 @@ class ShapesPipeline(DiffusionPipeline):
             if output_type == "pil":
                 out = self.numpy_to_pil(out)
         return ImagePipelineOutput(images=out) if return_dict else (out,)
+
+
+def _class_named_in(text: str) -> str:
+    """The class a label or prompt names: the class name itself, or the one class name the prompt contains."""
+    if text in CLASSES:
+        return text
+    words = " ".join(text.lower().replace(",", " ").split())
+    named = [c for c in CLASSES if f" {c} " in f" {words} "]
+    if len(named) != 1:
+        why = "names no class" if not named else f"names several classes ({', '.join(named)})"
+        raise ValueError(f"{text!r} {why}; the classes are: {', '.join(CLASSES)}")
+    return named[0]
 
 
 def load_pipeline(path: str | Path | None = None, *, device: str | torch.device | None = None,
