@@ -76,17 +76,23 @@ def _routed(fn: Callable, sdpa: Callable, dispatch: Callable) -> Callable | None
     return copy
 
 
-def _other_backend(inner) -> bool:
-    """Whether a dispatcher-based stock processor is set to an attention backend other than diffusers' native
-    one, or to split attention across devices (context parallelism): such calls keep the stock path."""
-    if getattr(inner, "_parallel_config", None) is not None:
+def _keeps_stock(backend, parallel_config) -> bool:
+    """Whether a ``dispatch_attention_fn`` call goes to another attention backend than diffusers' native one
+    (``backend`` None: the active one), or is split across devices (context parallelism): such calls stay stock."""
+    if parallel_config is not None:
         return True
-    backend = getattr(inner, "_attention_backend", None)
-    if backend is None and hasattr(inner, "_attention_backend"):
+    if backend is None:
         from diffusers.models import attention_dispatch as ad
 
         backend = ad._AttentionBackendRegistry.get_active_backend()[0]
-    return backend is not None and backend != "native"
+    return backend != "native"
+
+
+def _other_backend(inner) -> bool:
+    """``_keeps_stock`` for a stock processor's settings; processors without the dispatcher have none."""
+    if not hasattr(inner, "_attention_backend") and getattr(inner, "_parallel_config", None) is None:
+        return False
+    return _keeps_stock(getattr(inner, "_attention_backend", None), getattr(inner, "_parallel_config", None))
 
 
 class _RouteToInt8(TorchFunctionMode):
@@ -121,6 +127,11 @@ def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
         )
+    return _int8_core(mode, query, key, value, attn_mask, scale, ranges)
+
+
+def _int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges):
+    """``int8_sdpa`` for a call ``kernel_takes`` (the processor has checked it already)."""
     dtype = query.dtype
     if dtype not in (torch.float16, torch.bfloat16):  # fp32 models: the kernel computes in fp16
         query, key, value = (t.to(torch.float16) for t in (query, key, value))
@@ -344,18 +355,15 @@ class Int8DiffusionProcessor:
             return exact if exact is not None else F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
         self.state.int8_calls += 1
-        return int8_sdpa(mode, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                         ranges=self._static_ranges(query.device))
+        return _int8_core(mode, query, key, value, attn_mask, scale, self._static_ranges(query.device))
 
     def _dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
         """What the stock processor's ``dispatch_attention_fn`` call runs: (B, S, H, D) in and out, as the
         dispatcher's. Calls for another backend than the native one, or split across devices, go to it."""
-        from diffusers.models import attention_dispatch as ad
+        if attention_kwargs or _keeps_stock(backend, parallel_config):
+            from diffusers.models import attention_dispatch as ad
 
-        if backend is None:
-            backend = ad._AttentionBackendRegistry.get_active_backend()[0]
-        if backend != ad.AttentionBackendName.NATIVE or parallel_config is not None or attention_kwargs:
             return ad.dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             attention_kwargs, backend=backend, parallel_config=parallel_config)
         out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,

@@ -44,7 +44,7 @@ def write_markdown(summary: dict, path: Path) -> None:
         lines += ["", f"Most sensitive (layer, step) in `{m}`:", "", "| layer | step | noise | rel L1 |", "|---|---|---|---|"]
         lines += [f"| {r['layer']} | {r['step']} | {r['noise']:.3f} | {r['rel_l1']:.4f} |" for r in e["most_sensitive"]]
     lines += ["", "## How ranges move with sigma", "",
-              "R² of the seed documents' proportional model (range = c·σ) against the stored quadratic fit, "
+              "R² of a model where ranges scale in proportion to sigma (range = c·σ) against the stored quadratic fit, "
               "median over (layer, head); `max/min` is the median ratio of a head's largest to smallest range over the schedule.",
               "", "| range | R² proportional | R² quadratic | max/min |", "|---|---|---|---|"]
     for stat, r in summary["ranges_vs_sigma"].items():

@@ -102,13 +102,13 @@ def tile_config(head_dim: int, pv: PV) -> TileConfig:
     """Tiles for one head dim and P·V precision.
 
     The table is fixed (not autotuned) because ``block_n`` and ``k_groups`` define K's quantization,
-    which the emulation must reproduce; the entries come from same-run sweeps (NOTES.md v3, v17).
+    which the emulation must reproduce; the entries come from same-run sweeps (``benchmarks/attention.py --sweep``).
     """
     dp = padded_head_dim(head_dim)
     if dp <= 64:
-        # 4 K groups per tile: one scale per 64-key tile missed issue #2's bounds now and then at ~100
-        # keys (a sink key inflates its tile's range), and per 128-key tile often; with 4 groups the
-        # worst of 300 draws keeps a margin at 128-key tiles too (NOTES v4, v17)
+        # 4 K groups per tile: one scale per 64-key tile missed the accuracy bounds (tests/test_attention.py)
+        # now and then at ~100 keys (a sink key inflates its tile's range), and per 128-key tile often; with 4
+        # groups the worst of 300 draws keeps a margin at 128-key tiles too
         if pv is PV.FP16 and head_dim < 64:  # SD1.5's 40: 128-row tiles measured 8% faster
             return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, k_groups=4)
         return TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, k_groups=4)

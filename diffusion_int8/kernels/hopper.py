@@ -1,18 +1,18 @@
 """The sm_90 attention kernels, in Gluon: the same numerics as ``attention._attn_fwd_kernel``, scheduled by hand.
 
 Triton 3.6 waits for every ``tl.dot`` right after issuing it, so the portable kernel runs its MMAs and
-its softmax one after the other (NOTES v11). Here the wgmmas are asynchronous: while the softmax of
+its softmax one after the other. Here the wgmmas are asynchronous: while the softmax of
 block j runs, the tensor cores compute P·V of block j-1 (FlashAttention-3's intra-warpgroup overlap),
 and K/V tiles arrive by TMA into a ring of shared-memory stages ahead of their use. Two kernels:
 
 - ``_attn_fwd_sm90_pingpong`` (FP8 P·V): two consumer warpgroups of 64 query rows and a producer warp
   (``gl.warp_specialize``). The consumers take turns at the tensor cores, so one's softmax runs under the
-  other's MMAs (FlashAttention-3's ping-pong), and they share every K/V tile (NOTES v14).
+  other's MMAs (FlashAttention-3's ping-pong), and they share every K/V tile.
 - ``_attn_fwd_sm90`` (16-bit P·V): one warpgroup of 128 rows that loads its own tiles. Its 64-key steps
-  are too short for the ping-pong: the handshakes cost more than they hide (NOTES v14).
+  are too short for the ping-pong: the handshakes cost more than they hide.
 
 Covers the hot path only: sm_90, no attention mask, a padded head dim of 128 (at 64 neither kernel beat
-the portable one: NOTES v12, v18), P·V in FP8 or in V's 16-bit type with V readable by TMA. At that head
+the portable one in same-run sweeps), P·V in FP8 or in V's 16-bit type with V readable by TMA. At that head
 dim K has one scale per key tile (``config.tile_config``), stored per key: the kernels read each tile's first.
 ``attention.triton_attention`` routes everything else to the portable kernel.
 """
@@ -453,9 +453,8 @@ class _Plan(NamedTuple):
 def _plan(dp: int, pv: PV) -> _Plan | None:
     """The sm_90 kernel's tiles where it beats the portable kernel, else None.
 
-    The key tile is K's quantization block (``config.tile_config``). From the same-run sweeps in NOTES v12
-    and v14: at D = 128 the ping-pong kernel for FP8 P·V (3 stages: 2 exposed the TMA latency, 4 was no
-    better) and one warpgroup of 128 rows for 16-bit P·V; at D = 64 nothing beat the portable kernel (v12, v18).
+    The key tile is K's quantization block (``config.tile_config``). From same-run sweeps: at D = 128 the ping-pong kernel for FP8 P·V (3 stages: 2 exposed the TMA latency, 4 was no
+    better) and one warpgroup of 128 rows for 16-bit P·V; at D = 64 nothing beat the portable kernel.
     """
     if dp != 128:
         return None
