@@ -8,10 +8,12 @@ not depend on how many processes ran them.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -108,22 +110,70 @@ def model_id(model: str | Path) -> str:
 
 
 def generate(pipe, items: Items, batch_items: list, indices: list[int], *, steps: int, seed: int,
-             guidance_scale: float | None = None) -> torch.Tensor:
-    """Images (B, 3, H, W) float32 in [0, 1] on the CPU; image i is seeded with ``seed + i``."""
+             guidance_scale: float | None = None, on_step: Callable[[int], object] | None = None) -> torch.Tensor:
+    """Images (B, 3, H, W) float32 in [0, 1] on the CPU; image i is seeded with ``seed + i``.
+
+    ``on_step(n)`` is called as denoising advances, ``steps`` in all per call (a progress bar's ``update``):
+    from the pipeline's ``callback_on_step_end`` where it has one, else whenever the timestep that the
+    denoiser receives changes.
+    """
     gens = [torch.Generator().manual_seed(seed + i) for i in indices]
     kwargs = {"num_inference_steps": steps, "generator": gens, "output_type": "np"}
     if guidance_scale is not None:
         kwargs["guidance_scale"] = guidance_scale
-    if items.kind == "class_labels":
-        ids = batch_items
-        if hasattr(pipe, "label_ids"):
-            ids = pipe.label_ids(ids)
-        elif any(isinstance(c, str) for c in ids):
-            ids = pipe.get_label_ids(ids)  # DiTPipeline's names -> ids
-        out = pipe(class_labels=ids, **kwargs).images
-    else:
-        out = pipe(prompt=batch_items, **kwargs).images
+    with _step_progress(pipe, kwargs, steps, on_step):
+        if items.kind == "class_labels":
+            ids = batch_items
+            if hasattr(pipe, "label_ids"):
+                ids = pipe.label_ids(ids)
+            elif any(isinstance(c, str) for c in ids):
+                ids = pipe.get_label_ids(ids)  # DiTPipeline's names -> ids
+            out = pipe(class_labels=ids, **kwargs).images
+        else:
+            out = pipe(prompt=batch_items, **kwargs).images
     return torch.from_numpy(np.asarray(out, dtype=np.float32)).permute(0, 3, 1, 2).contiguous()
+
+
+@contextmanager
+def _step_progress(pipe, kwargs: dict, steps: int, on_step: Callable[[int], object] | None):
+    """Report denoising steps to ``on_step``: exactly ``steps`` of them, the rest at the end if fewer were seen
+    (a scheduler of higher order, a pipeline that skips steps), none beyond."""
+    if on_step is None:
+        yield
+        return
+    done = 0
+
+    def advance():
+        nonlocal done
+        if done < steps:
+            done += 1
+            on_step(1)
+
+    hook = None
+    if "callback_on_step_end" in inspect.signature(pipe.__call__).parameters:
+        def callback(_pipe, _i, _t, _tensors):
+            advance()
+            return {}
+
+        kwargs.update(callback_on_step_end=callback, callback_on_step_end_tensor_inputs=[])
+    else:  # DiTPipeline and others without the callback: count the distinct timesteps the denoiser sees
+        last = [None]
+
+        def pre_hook(_module, args, kw):
+            t = kw.get("timestep", args[1] if len(args) > 1 else None)
+            t = float(t.reshape(-1)[0]) if torch.is_tensor(t) else t
+            if t != last[0]:
+                last[0] = t
+                advance()
+
+        hook = denoiser(pipe).register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hook.remove()
+    if done < steps:
+        on_step(steps - done)
 
 
 def denoiser(pipe) -> torch.nn.Module:

@@ -443,3 +443,35 @@ def test_fitted_ranges_are_checked_over_the_noise_interval_at_load(saved, tmp_pa
         Calibration.load(path)
     assert str(err.value).startswith(f"{path}: layer '{layer}': ") and message in str(err.value), str(err.value)
     assert "finite" in str(err.value)
+
+
+class RecordingBar:
+    """Stands in for tqdm: records the total, each update and what the bar was told to show."""
+
+    made: list = []
+
+    def __init__(self, *_, total=None, disable=False, **__):
+        self.total, self.disable, self.updates, self.postfix = total, disable, [], []
+        RecordingBar.made.append(self)
+
+    def update(self, n=1):
+        self.updates.append(n)
+
+    def set_postfix_str(self, s):
+        self.postfix.append(s)
+
+    def close(self):
+        pass
+
+
+def test_calibrate_progress_counts_denoising_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+    from diffusion_int8.__main__ import main
+    from diffusion_int8.calibration import cli as calibrate_cli
+
+    RecordingBar.made = []
+    monkeypatch.setattr(calibrate_cli, "tqdm", RecordingBar)
+    assert main(["calibrate", "--class-labels", "red circle", "blue ring", "green triangle", "--steps", "3",
+                 "--batch-size", "2", "--out", str(tmp_path / "cal")]) == 0
+    (bar,) = RecordingBar.made
+    assert bar.total == 2 * 3 and bar.updates == [1] * 6  # 2 batches × 3 steps, one tick per step

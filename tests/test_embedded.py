@@ -80,3 +80,46 @@ def test_prompts_name_classes():
     b = pipe(prompt=["a red circle"], num_inference_steps=2, generator=torch.Generator().manual_seed(0),
              output_type="np").images
     assert a.shape == (1, 32, 32, 3) and (a == b).all()
+
+
+def test_callback_on_step_end_sees_and_replaces_the_latents():
+    # the diffusers protocol: called after every step with the tensors asked for; a returned "latents" replaces them
+    pipe = load_pipeline(device="cpu")
+    seen = []
+
+    def callback(p, i, t, tensors):
+        seen.append((i, float(t), tuple(tensors["latents"].shape)))
+        return {"latents": torch.zeros_like(tensors["latents"])} if i == 2 else {}
+
+    out = pipe(["red circle", "blue ring"], num_inference_steps=3, generator=torch.Generator().manual_seed(0),
+               output_type="pt", callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"]).images
+    assert [s[0] for s in seen] == [0, 1, 2] and all(s[2] == (2, 3, 32, 32) for s in seen)
+    assert seen[0][1] > seen[1][1] > seen[2][1]  # the timesteps, from high noise to low
+    torch.testing.assert_close(out, torch.full_like(out, 0.5))  # zero latents in [-1, 1] are mid-grey
+    with pytest.raises(ValueError, match="callback_on_step_end_tensor_inputs"):
+        pipe("red circle", num_inference_steps=1, callback_on_step_end=callback,
+             callback_on_step_end_tensor_inputs=["prompt_embeds"])
+
+
+class WithoutCallback:
+    """A pipeline whose ``__call__`` has no ``callback_on_step_end`` (as ``DiTPipeline``)."""
+
+    def __init__(self, pipe):
+        self.pipe, self.transformer, self.label_ids = pipe, pipe.transformer, pipe.label_ids
+
+    def __call__(self, class_labels, num_inference_steps, generator, output_type):
+        return self.pipe(class_labels, num_inference_steps=num_inference_steps, generator=generator,
+                         output_type=output_type)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["callback", "denoiser-hook"])
+def test_generate_reports_every_denoising_step(wrap):
+    from diffusion_int8 import pipelines
+
+    pipe = load_pipeline(device="cpu")
+    pipe = WithoutCallback(pipe) if wrap else pipe
+    ticks = []
+    items = pipelines.Items(["red circle", "blue ring"], "class_labels")
+    imgs = pipelines.generate(pipe, items, items.values, [0, 1], steps=4, seed=0, on_step=ticks.append)
+    assert imgs.shape == (2, 3, 32, 32)
+    assert ticks == [1, 1, 1, 1]  # one per step as it happens, not one lump at the end

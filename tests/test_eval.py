@@ -202,8 +202,8 @@ def test_non_finite_images_are_flagged_and_not_scored(tmp_path, monkeypatch, cap
 
     real = eval_cli.run_variant
 
-    def run_variant(pipe, model, items, batches, args, device, kwargs):
-        images, speed, per_step = real(pipe, model, items, batches, args, device, kwargs)
+    def run_variant(pipe, model, items, batches, args, device, kwargs, **kw):
+        images, speed, per_step = real(pipe, model, items, batches, args, device, kwargs, **kw)
         if kwargs is None:
             images[2][0, 3, 4] = float("inf")
         elif kwargs.get("mode") == "int8":
@@ -238,3 +238,18 @@ def test_non_finite_images_are_flagged_and_not_scored(tmp_path, monkeypatch, cap
     # the saved PNGs are images all the same: NaN is black
     _, imgs = load_folder(tmp_path / "rep" / "images" / "int8")
     assert (imgs[1, :, :5] == 0).all()
+
+
+def test_eval_progress_counts_denoising_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+    from diffusion_int8.__main__ import main
+    from diffusion_int8.eval import cli as eval_cli
+    from test_calibration import RecordingBar
+
+    RecordingBar.made = []
+    monkeypatch.setattr(eval_cli, "tqdm", RecordingBar)
+    assert main(["eval", "--class-labels", "red circle", "blue ring", "green triangle", "--steps", "2",
+                 "--batch-size", "2", "--modes", "int8", "--generate-only", "--out", str(tmp_path / "gen")]) == 0
+    (bar,) = RecordingBar.made
+    # 2 variants (fp16, int8) × 2 batches × 2 steps, one tick per step; the warm-up run is not counted
+    assert bar.total == 8 and bar.updates == [1] * 8 and bar.postfix == ["fp16", "int8"]

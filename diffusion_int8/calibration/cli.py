@@ -82,14 +82,18 @@ def run(args: argparse.Namespace) -> int:
     collector = Collector(percentile=args.percentile)
     handle = enable(pipe, mode="fp16", observer=collector)
     records, t0 = [], time.time()
+    batches = shards.mine(items.batches(args.batch_size))
+    # one tick per denoising step of each batch: with a few large batches a bar of batches would not move
+    bar = tqdm(total=len(batches) * args.steps, desc=f"calibrate[{shards.rank}]", unit="step",
+               disable=not shards.is_main and shards.world > 1)
     try:
-        for b, batch, idx in tqdm(shards.mine(items.batches(args.batch_size)), desc=f"calibrate[{shards.rank}]",
-                                  disable=not shards.is_main and shards.world > 1):
+        for b, batch, idx in batches:
             handle.state.reset()
             pipelines.generate(pipe, items, batch, idx, steps=args.steps, seed=args.seed,
-                               guidance_scale=args.guidance_scale)
+                               guidance_scale=args.guidance_scale, on_step=bar.update)
             records.append(collector.record(b))
     finally:
+        bar.close()
         handle.disable()
     records = shards.gather(records)
     if shards.is_main:

@@ -13,10 +13,11 @@ ship in the package (``EMBEDDED_PATH``, fp16 safetensors) and load offline:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from diffusers import DiffusionPipeline, DiTTransformer2DModel, FlowMatchEulerDiscreteScheduler, ImagePipelineOutput
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.utils.torch_utils import randn_tensor
 
 from .shapes import CLASSES, NUM_CLASSES
@@ -35,6 +36,7 @@ class ShapesPipeline(DiffusionPipeline):
 
     model_cpu_offload_seq = "transformer"
     labels = CLASSES
+    _callback_tensor_inputs = ["latents"]
 
     def __init__(self, transformer: DiTTransformer2DModel, scheduler: FlowMatchEulerDiscreteScheduler):
         super().__init__()
@@ -64,6 +66,8 @@ class ShapesPipeline(DiffusionPipeline):
         output_type: str = "pil",
         return_dict: bool = True,
         prompt: str | Sequence[str] | None = None,
+        callback_on_step_end: Callable | PipelineCallback | MultiPipelineCallbacks | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
     ):
         """Generate one image per label.
 
@@ -75,11 +79,21 @@ class ShapesPipeline(DiffusionPipeline):
             guidance_scale: classifier-free guidance; 1 turns it off (and halves the batch).
             generator: one generator, or one per image (the noise of image i then depends only on its own).
             output_type: ``"pil"``, ``"np"`` (B, 32, 32, 3) float, or ``"pt"`` (B, 3, 32, 32) float in [0, 1].
+            callback_on_step_end: as in diffusers, called after every denoising step as
+                ``callback_on_step_end(pipe, step, timestep, callback_kwargs)``; ``callback_kwargs`` holds the
+                tensors named in ``callback_on_step_end_tensor_inputs`` (``"latents"``: the current sample, in
+                [-1, 1] pixel space), and a ``"latents"`` entry of the dict it returns replaces the sample.
         """
         if (class_labels is None) == (prompt is None):
             raise ValueError("give the labels either as class_labels or as prompt (class names or prompts naming "
                              f"one): {', '.join(CLASSES)}")
         ids = self.label_ids(class_labels if prompt is None else prompt)
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        unknown = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
+        if unknown:
+            raise ValueError(f"callback_on_step_end_tensor_inputs has to be in {self._callback_tensor_inputs}, "
+                             f"but found {unknown}")
         device, dtype = self._execution_device, self.transformer.dtype
         size = self.transformer.config.sample_size
         x = randn_tensor((len(ids), 3, size, size), generator=generator, device=device, dtype=torch.float32)
@@ -88,7 +102,7 @@ class ShapesPipeline(DiffusionPipeline):
         if cfg:
             labels = torch.cat([torch.full_like(labels, NUM_CLASSES), labels])
         self.scheduler.set_timesteps(num_inference_steps, device=device)
-        for t in self.progress_bar(self.scheduler.timesteps):
+        for i, t in enumerate(self.progress_bar(self.scheduler.timesteps)):
             model_in = torch.cat([x, x]) if cfg else x
             v = self.transformer(model_in.to(dtype), timestep=t.expand(model_in.shape[0]), class_labels=labels).sample
             v = v.float()
@@ -96,6 +110,10 @@ class ShapesPipeline(DiffusionPipeline):
                 v_uncond, v_cond = v.chunk(2)
                 v = v_uncond + guidance_scale * (v_cond - v_uncond)
             x = self.scheduler.step(v, t, x).prev_sample
+            if callback_on_step_end is not None:
+                tensors = {"latents": x}
+                outputs = callback_on_step_end(self, i, t, {k: tensors[k] for k in callback_on_step_end_tensor_inputs})
+                x = (outputs or {}).pop("latents", x)
         images = (x / 2 + 0.5).clamp(0, 1)
         self.maybe_free_model_hooks()
         if output_type == "pt":

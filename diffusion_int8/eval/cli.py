@@ -93,8 +93,10 @@ def variants(args, schedule: PrecisionSchedule | None = None, calibration: Calib
     return out
 
 
-def run_variant(pipe, model, items, batches, args, device, kwargs: dict | None):
-    """Images (by index) and speed of one variant; ``kwargs`` None runs the stock pipeline."""
+def run_variant(pipe, model, items, batches, args, device, kwargs: dict | None, on_step=None):
+    """Images (by index) and speed of one variant; ``kwargs`` None runs the stock pipeline.
+
+    ``on_step(n)`` hears of every timed denoising step (the warm-up run is not counted)."""
     handle = enable(pipe, record=True, speed_gate=not args.no_speed_gate, **kwargs) if kwargs is not None else None
     timer = StepTimer(model, device)
     images, seconds, n_images, int8_calls, gated_calls = {}, 0.0, 0, 0, 0
@@ -112,7 +114,7 @@ def run_variant(pipe, model, items, batches, args, device, kwargs: dict | None):
                 handle.state.reset()
             t0 = time.perf_counter()
             imgs = pipelines.generate(pipe, items, batch, idx, steps=args.steps, seed=args.seed,
-                                      guidance_scale=args.guidance_scale)
+                                      guidance_scale=args.guidance_scale, on_step=on_step)
             seconds += time.perf_counter() - t0
             if handle is not None:
                 int8_calls, gated_calls = int8_calls + handle.state.int8_calls, gated_calls + handle.state.gated_calls
@@ -146,11 +148,19 @@ def generate_all(args, shards, pipe, items, plan: dict) -> tuple[dict, dict, dic
     model = pipelines.denoiser(pipe)
     batches = shards.mine(items.batches(args.batch_size))
     results, speeds, per_step, nonfinite = {}, {}, {}, {}
-    for name, kwargs in tqdm({BASELINE: None, **plan}.items(), desc="variants", disable=not shards.is_main):
-        imgs, speeds[name], per_step[name] = run_variant(pipe, model, items, batches, args, shards.device, kwargs)
-        # flagged before the uint8 conversion, which would turn NaN into an ordinary (black) pixel
-        nonfinite[name] = sorted(i for i, t in imgs.items() if not torch.isfinite(t).all())
-        results[name] = {i: _to_uint8(t) for i, t in imgs.items()}
+    todo = {BASELINE: None, **plan}
+    # one tick per denoising step of every batch of every variant
+    bar = tqdm(total=len(todo) * len(batches) * args.steps, desc="generate", unit="step", disable=not shards.is_main)
+    try:
+        for name, kwargs in todo.items():
+            bar.set_postfix_str(name)
+            imgs, speeds[name], per_step[name] = run_variant(pipe, model, items, batches, args, shards.device, kwargs,
+                                                             on_step=bar.update)
+            # flagged before the uint8 conversion, which would turn NaN into an ordinary (black) pixel
+            nonfinite[name] = sorted(i for i, t in imgs.items() if not torch.isfinite(t).all())
+            results[name] = {i: _to_uint8(t) for i, t in imgs.items()}
+    finally:
+        bar.close()
     return results, speeds, per_step, nonfinite
 
 
