@@ -108,21 +108,45 @@ def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 
-def check_html_in_chromium(path):
+WINDOW = (1280, 900)
+
+
+def chromium_body(path) -> str:
+    """The ``<body>`` tag of ``path`` after its scripts ran, in headless Chromium with a 1280×900 window."""
+    import re
+    import tempfile
+
     exe = chromium()
     if exe is None:
         pytest.skip("Chromium is not installed (`apt-get install chromium`; .ci/run installs it)")
-    res = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
-                          "--dump-dom", path.resolve().as_uri()], capture_output=True, text=True, timeout=120)
+    with tempfile.TemporaryDirectory() as profile:
+        res = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                              "--no-first-run", "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
+                              f"--window-size={WINDOW[0]},{WINDOW[1]}", "--virtual-time-budget=5000",
+                              "--dump-dom", path.resolve().as_uri()], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+    return re.search(r"<body[^>]*>", res.stdout).group(0)
+
+
+def page_width(body: str) -> int:
+    """The page's scroll width that the report's script wrote, after checking the window was 1280 wide."""
     import re
 
-    body = re.search(r"<body[^>]*>", res.stdout).group(0)
+    window = re.search(r'data-window-width="(\d+)"', body)
+    assert window and int(window.group(1)) == WINDOW[0], body
+    return int(re.search(r'data-scroll-width="(\d+)"', body).group(1))
+
+
+def check_html_in_chromium(path):
+    import re
+
+    body = chromium_body(path)
     ok = re.search(r'data-images-ok="(\d+)/(\d+)"', body)
     assert ok, body
     loaded, total = map(int, ok.groups())
     assert total > 0 and loaded == total, body
     assert 'data-errors=""' in body, body
+    assert page_width(body) <= WINDOW[0], body  # no horizontal scrolling in a 1280-pixel window
 
 
 def run_eval(args, cwd):
@@ -253,3 +277,64 @@ def test_eval_progress_counts_denoising_steps(tmp_path, monkeypatch):
     (bar,) = RecordingBar.made
     # 2 variants (fp16, int8) × 2 batches × 2 steps, one tick per step; the warm-up run is not counted
     assert bar.total == 8 and bar.updates == [1] * 8 and bar.postfix == ["fp16", "int8"]
+
+
+LONG_NAMES = ["fp16", "int8", "int8_fp16v", "schedule:calibrated(rel_l1<=0.015)",
+              "schedule:calibrated(rel_l1<=0.015)+static-ranges"]
+
+
+def synthetic_report(tmp_path, size: int, device: str = "cpu", kernel: str = "emulation"):
+    """A report of four variants with long names over four ``size``-pixel images, written by report.py."""
+    from diffusion_int8.eval import report as R
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.rand(4, 3, size, size, generator=g)
+    images = {n: (ref + 0.02 * i * torch.randn(ref.shape, generator=g)).clamp(0, 1) for i, n in enumerate(LONG_NAMES)}
+    speed = lambda ms: {"denoiser_ms_per_step": ms, "denoiser_calls": 3, "seconds_per_image": 0.5,  # noqa: E731
+                        "peak_memory_mib": 812.0 if device == "cuda" else None, "int8_calls": 6, "gated_calls": 0}
+    report = {"created": "2026-11-25T00:00:00+00:00", "model": "embedded", "device": "NVIDIA H100" if device == "cuda" else "cpu",
+              "kernel": kernel, "timing": R.timing(device, kernel), "steps": 3, "seed": 0, "num_images": 4,
+              "items": ["yellow square with a long label"] * 4, "baseline": {"name": "fp16", "speed": speed(10.0)},
+              "variants": {n: {"speed": speed(ms), "quality": Scorer().score(images[n], ref)}
+                           for n, ms in zip(LONG_NAMES[1:], (8.0, 12.5, 10.0, 20.0))},
+              "metrics_available": {}, "image_dirs": {n: f"images/{n}" for n in LONG_NAMES}}
+    out = tmp_path / f"{device}-{size}"
+    out.mkdir()
+    R.write_markdown(report, out)
+    R.write_html(report, images, report["items"], out)
+    return out
+
+
+@pytest.mark.parametrize("size, tables", [(32, 2), (96, 1), (512, 4)])  # 32 px are shown at 128, 512 at 256
+def test_report_fits_a_1280px_window(tmp_path, size, tables):
+    """Four variants with long names (the calibrated schedule with static ranges among them): the grid splits
+    into tables, names wrap, and the page never scrolls sideways; a page wider than the window does."""
+    out = synthetic_report(tmp_path, size)
+    page = (out / "report.html").read_text()
+    check_html_in_chromium(out / "report.html")
+    assert page.count('<table class="grid">') == tables and ("Variants 1–" in page) == (tables > 1)
+    assert "schedule:calibrated(rel_l1&lt;=0.015)+static-ranges" in page  # every variant is still shown
+    wide = tmp_path / "wide.html"  # the measurement itself: a page that does not fit reads wider than 1280
+    wide.write_text(page.replace("<h1>", '<div style="width:2000px">x</div><h1>', 1))
+    assert page_width(chromium_body(wide)) > WINDOW[0]
+
+
+def test_cpu_timings_are_not_called_speed_and_gpu_ratios_have_one_wording(tmp_path):
+    from diffusion_int8.eval import report as R
+
+    assert R.vs_stock(10.0, 8.0) == "1.25× faster than stock" and R.vs_stock(10.0, 12.5) == "1.25× slower than stock"
+    assert R.vs_stock(None, 8.0) is None
+    cpu = synthetic_report(tmp_path, 32)
+    for name in ("report.md", "report.html"):
+        text = (cpu / name).read_text()
+        assert "not a speed measurement (CPU run)" in text and "emulation" in text, name
+        assert "faster than stock" not in text and "slower than stock" not in text and "speed-up</th>" not in text
+        assert "vs stock" not in text and "n/a (CPU run)" in text  # peak memory says why it is missing
+    gpu = synthetic_report(tmp_path, 32, device="cuda", kernel="triton")
+    md = (gpu / "report.md").read_text()
+    assert "not a speed measurement" not in md and "| vs stock |" in md
+    assert "| int8 |" in md and "1.25× faster than stock" in md and "1.25× slower than stock" in md and "2.00× slower" in md
+    assert "| 812 |" in md
+    assert "1.25× faster than stock" in (gpu / "report.html").read_text()
+    # a GPU run that forces the emulation is no speed measurement either
+    assert R.timing("cuda", "emulation")["speed"] is False and R.timing("cuda", "triton")["speed"] is True

@@ -225,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
     if args.generate_only:
         out = shown_out(args)
         print(f"wrote {len(images)} image sets under {out / 'images'} and {out / 'report.json'} (timings only)")
+        if report["timing"]["note"]:
+            print(f"  {report['timing']['note']}")
     else:
         _print_summary(report, shown_out(args))
     shards.barrier()
@@ -261,9 +263,10 @@ def _calibrated_errors(calibration: Calibration | None, steps: int) -> dict | No
 
 
 def _report_head(args, items, device) -> dict:
+    kernel = kernel_info(device, Mode.INT8)["backend"]
     return {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": pipelines.model_id(args.model),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "kernel": kernel_info(device, Mode.INT8)["backend"], "steps": args.steps, "seed": args.seed,
+            "kernel": kernel, "timing": R.timing(device.type, kernel), "steps": args.steps, "seed": args.seed,
             "num_images": len(items.values), "items": items.values}
 
 
@@ -275,12 +278,16 @@ def _write_reports(report: dict, images: dict, labels: list, dest: Path) -> None
 
 def _print_summary(report: dict, out: Path) -> None:
     print("wrote " + ", ".join(str(out / f) for f in R.REPORT_FILES))
+    timing = R._timing(report)
+    if timing["note"]:
+        print(f"  {timing['note']}")
     for name, v in report["variants"].items():
         agg = v["quality"]["aggregate"]
         ms, base = v["speed"].get("denoiser_ms_per_step"), report["baseline"]["speed"].get("denoiser_ms_per_step")
+        ratio = R.vs_stock(base, ms) if timing["speed"] else None
         excluded = agg["psnr"].get("excluded", 0)
         print(f"  {name:28s} PSNR {R._fmt(agg['psnr']['mean'], 2)} dB (min {R._fmt(agg['psnr']['min'], 2)}), "
-              f"SSIM {R._fmt(agg['ssim']['mean'], 4)}" + (f", {base / ms:.2f}× stock step time" if ms and base else "")
+              f"SSIM {R._fmt(agg['ssim']['mean'], 4)}" + (f", denoiser step {ms:.2f} ms: {ratio}" if ratio else "")
               + (f"; {excluded} non-finite image(s) left out" if excluded else ""))
     for k, v in report["metrics_available"].items():
         if not v["available"]:
@@ -300,7 +307,7 @@ def score_folders(args) -> int:
     scorer = Scorer(args.lpips_weights, args.fid_weights, device)
     images = {ref_dir.name or str(ref_dir): ref}
     report = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": f"folders ({ref_dir})",
-              "device": str(device), "kernel": "n/a (scoring only)", "steps": "?", "seed": "?", "num_images": len(names),
+              "device": str(device), "kernel": "n/a (scoring only)", "timing": R.NO_TIMINGS, "steps": "?", "seed": "?", "num_images": len(names),
               "items": names, "baseline": {"name": ref_dir.name, "speed": {}}, "variants": {},
               "metrics_available": scorer.availability(), "image_dirs": {ref_dir.name: str(ref_dir)}}
     for c, cnames, imgs in folders:

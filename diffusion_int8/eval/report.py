@@ -5,6 +5,12 @@ plot), so it can be mailed or archived as one file. A few lines of script record
 of ``<body>``, how many images decoded and any script error, which the tests read in headless Chromium.
 Images with NaN/Inf values (``non_finite_images`` of each variant) are listed in all three reports and
 marked in the HTML grid; the quality metrics leave them out.
+
+Times are a speed measurement only on a GPU that runs the kernel (``timing``): elsewhere the INT8 modes
+run the kernel's PyTorch emulation, and the reports say so and show no ratio to stock. Where they are, the
+ratio reads "N× faster than stock" or "N× slower than stock" (``vs_stock``) in every report and on the
+terminal. The HTML fits a 1280-pixel-wide window: the image grid is split into tables of as many variants
+as fit (``GRID_WIDTH``), and long variant names wrap.
 """
 
 from __future__ import annotations
@@ -85,16 +91,58 @@ def _quality_cells(q: dict) -> list[str]:
     return cells
 
 
+def timing(device_type: str, kernel: str) -> dict:
+    """Whether an eval's times measure speed (``speed``), and if not, why (``note``): only a GPU running the
+    kernel gives speed; on a CPU, or with the emulation forced, the INT8 modes run a PyTorch emulation."""
+    if device_type == "cuda" and kernel != "emulation":
+        return {"speed": True, "note": None}
+    where = "CPU run" if device_type != "cuda" else "GPU run with the emulation forced (DIFFUSION_INT8_BACKEND)"
+    return {"speed": False, "note": f"Timings are not a speed measurement ({where}): the INT8 modes run the kernel's "
+                                    f"PyTorch emulation, so no speed-up is shown; time INT8 on a GPU."}
+
+
+NO_TIMINGS = {"speed": False, "note": "Scored only: the images were made elsewhere, so there are no timings."}
+
+
+def _timing(report: dict) -> dict:
+    if "timing" in report:
+        return report["timing"]
+    # reports written before the field: a GPU's name, or "cpu"
+    return timing("cpu" if report.get("device") in ("cpu", None) else "cuda", report.get("kernel", ""))
+
+
+def vs_stock(stock_ms: float | None, ms: float | None) -> str | None:
+    """The one wording of a step time against stock's: "1.64× faster than stock" or "1.22× slower than stock"."""
+    if not stock_ms or not ms:
+        return None
+    ratio = stock_ms / ms
+    return f"{ratio:.2f}× faster than stock" if ratio >= 1 else f"{1 / ratio:.2f}× slower than stock"
+
+
+def header(report: dict) -> list[str]:
+    cols = ["variant", "PSNR dB (min)", "SSIM (min)", "LPIPS (max)", "FID", "KID", "denoiser ms/step"]
+    return cols + (["vs stock"] if _timing(report)["speed"] else []) + ["s/image", "peak MiB", "INT8 / gated calls"]
+
+
+def _peak(report: dict, speed: dict) -> str:
+    if speed.get("peak_memory_mib") is not None:
+        return _fmt(speed["peak_memory_mib"], 0)
+    if speed and report.get("device") == "cpu":
+        return "n/a (CPU run)"  # GPU memory is all it measures
+    return "–"
+
+
 def _rows(report: dict) -> list[list[str]]:
     base = report["baseline"]["speed"]
+    show_ratio = _timing(report)["speed"]
     rows = []
     for name, v in [(report["baseline"]["name"], report["baseline"]), *report["variants"].items()]:
         sp = v.get("speed", {})
         ms = sp.get("denoiser_ms_per_step")
-        speedup = base.get("denoiser_ms_per_step", 0) / ms if ms else None
+        ratio = ["stock" if v is report["baseline"] else (vs_stock(base.get("denoiser_ms_per_step"), ms) or "–")]
         rows.append([name, *(_quality_cells(v["quality"]) if "quality" in v else ["reference"] + ["–"] * 4),
-                     _fmt(ms, 2), _fmt(speedup, 2) + ("×" if speedup else ""), _fmt(sp.get("seconds_per_image"), 3),
-                     _fmt(sp.get("peak_memory_mib"), 0), _calls(sp)])
+                     _fmt(ms, 2), *(ratio if show_ratio else []), _fmt(sp.get("seconds_per_image"), 3),
+                     _peak(report, sp), _calls(sp)])
     return rows
 
 
@@ -124,10 +172,6 @@ def _non_finite_note(report: dict) -> tuple[str, list[str]] | None:
             f"the saved PNGs show NaN as black.", lines)
 
 
-HEADER = ["variant", "PSNR dB (min)", "SSIM (min)", "LPIPS (max)", "FID", "KID", "denoiser ms/step",
-          "speed-up", "s/image", "peak MiB", "INT8 / gated calls"]
-
-
 def write_json(report: dict, out: Path) -> Path:
     path = out / "report.json"
     path.write_text(json.dumps(_clean(report), indent=1) + "\n")
@@ -137,8 +181,11 @@ def write_json(report: dict, out: Path) -> Path:
 def write_markdown(report: dict, out: Path) -> Path:
     lines = [f"# INT8 attention evaluation: {report['model']}", "",
              f"{report['num_images']} images, {report['steps']} steps, seeds {report['seed']}+i, on {report['device']} "
-             f"(INT8 kernel: {report['kernel']}).", "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+             f"(INT8 kernel: {report['kernel']}).", ""]
+    note = _timing(report)["note"]
+    lines += [f"**{note}**", ""] if note else []
+    cols = header(report)
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(r) + " |" for r in _rows(report)]
     na = {k: v["reason"] for k, v in report["metrics_available"].items() if not v["available"]}
     if na:
@@ -187,27 +234,65 @@ def schedule_plot(report: dict) -> str | None:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+GRID_WIDTH = 1180  # pixels the image grid may take: a 1280-pixel window less the page's margins and a scrollbar
+LABEL_WIDTH = 96  # the label column; longer labels wrap
+MAX_IMAGE_WIDTH = 256  # larger images are shown at this width (the PNG keeps every pixel)
+
+
+def grid_pages(names: list[str], shown: int) -> list[list[str]]:
+    """The variants (not the reference, ``names[0]``) split into tables that fit ``GRID_WIDTH``: each table
+    shows the label, the reference and, per variant, its image and its heat map, ``shown`` pixels each."""
+    cell = shown + 8  # padding and borders
+    per_table = max(1, (GRID_WIDTH - LABEL_WIDTH - cell) // (2 * cell))
+    variants = names[1:]
+    return [variants[i:i + per_table] for i in range(0, len(variants), per_table)] or [[]]
+
+
 def write_html(report: dict, images: dict[str, torch.Tensor], labels: list[str], out: Path, max_rows: int = 32) -> Path:
     """``images``: {variant: (N, 3, H, W)} with the baseline first."""
     e = html.escape
     names = list(images)
     ref = images[names[0]]
     scale = max(1, 128 // ref.shape[-1])
+    shown = min(ref.shape[-1] * scale, MAX_IMAGE_WIDTH)
     diffs = {n: (images[n] - ref).abs().mean(1) for n in names[1:]}
     vmax = 0.1  # a tenth of the range at white: small differences stay visible, larger ones saturate
     bad = {n: set(idx) for n, idx in non_finite(report).items()}
-    head = "".join(f"<th>{e(n)}</th>" + (f"<th>|{e(n)} − {e(names[0])}|</th>" if n in diffs else "") for n in names)
-    body = []
-    for i in range(min(len(ref), max_rows)):
-        cells = [f"<td class=label>{e(str(labels[i]))}</td>"]
-        for n in names:
-            flag = i in bad.get(n, ())
-            cells.append(f"<td{' class=nonfinite' if flag else ''}><img src='{_png_uri(_to_uint8(images[n][i]), scale)}' "
-                         f"alt='{e(n)} {i}'>{'<div>NaN/Inf</div>' if flag else ''}</td>")
-            if n in diffs:
-                cells.append(f"<td><img src='{_png_uri(heatmap(diffs[n][i], vmax), scale)}' alt='diff {e(n)} {i}'></td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    table = "".join(f"<th>{e(h)}</th>" for h in HEADER)
+    uri = {}  # each picture encoded once, whichever tables repeat it
+
+    def img(key, make, alt):
+        if key not in uri:
+            uri[key] = make()
+        return f"<img src='{uri[key]}' width={shown} alt='{e(alt)}'>"
+
+    def cell(n, i):
+        flag = i in bad.get(n, ())
+        out = [f"<td{' class=nonfinite' if flag else ''}>"
+               + img(("img", n, i), lambda: _png_uri(_to_uint8(images[n][i]), scale), f"{n} {i}")
+               + ("<div>NaN/Inf</div>" if flag else "") + "</td>"]
+        if n in diffs:
+            out.append("<td>" + img(("diff", n, i), lambda: _png_uri(heatmap(diffs[n][i], vmax), scale), f"diff {n} {i}")
+                       + "</td>")
+        return out
+
+    pages = grid_pages(names, shown)
+    tables = []
+    for k, page_names in enumerate(pages):
+        shown_names = [names[0], *page_names]
+        head = "".join(f"<th>{e(n)}</th>" + (f"<th>|{e(n)} − {e(names[0])}|</th>" if n in diffs else "")
+                       for n in shown_names)
+        body = []
+        for i in range(min(len(ref), max_rows)):
+            cells = [f"<td class=label>{e(str(labels[i]))}</td>"] + [c for n in shown_names for c in cell(n, i)]
+            body.append("<tr>" + "".join(cells) + "</tr>")
+        first = 1 + sum(len(p) for p in pages[:k])
+        caption = (f"<h3>Variants {first}–{first + len(page_names) - 1} of {len(names) - 1}</h3>" if len(pages) > 1 else "")
+        tables.append(f'{caption}<table class="grid"><tr><th></th>{head}</tr>{"".join(body)}</table>')
+    timing_note = _timing(report)["note"]
+    speed_note = (f"Speed: denoiser time per step (median over steps after a warm-up run), and how much faster or "
+                  f"slower than stock ({e(names[0])}) it is." if _timing(report)["speed"] else
+                  "Times: denoiser time per step (median over steps after a warm-up run) and seconds per image.")
+    table = "".join(f"<th>{e(h)}</th>" for h in header(report))
     rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in _rows(report))
     na = [f"<li><b>{e(k)}</b>: {e(v['reason'])}</li>" for k, v in report["metrics_available"].items() if not v["available"]]
     plot = schedule_plot(report)
@@ -219,30 +304,35 @@ def write_html(report: dict, images: dict[str, torch.Tensor], labels: list[str],
 <style>
 body{{font-family:system-ui,sans-serif;margin:24px;color:#222}} table{{border-collapse:collapse}}
 .metrics td,.metrics th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} .metrics td:first-child{{text-align:left}}
-.grid td{{padding:2px;text-align:center}} .grid img{{image-rendering:pixelated;display:block}} .label{{font-size:12px;text-align:right}}
+.grid td{{padding:2px;text-align:center}} .grid img{{image-rendering:pixelated;display:block}}
+.grid th{{font-size:12px;font-weight:600;max-width:{shown}px;overflow-wrap:anywhere;vertical-align:bottom}}
+.label{{font-size:12px;text-align:right;max-width:{LABEL_WIDTH}px;overflow-wrap:anywhere}}
 .note{{color:#555;font-size:13px}} .warn{{color:#a00;font-weight:600}}
 .nonfinite{{outline:2px solid #d00}} .nonfinite div{{color:#d00;font-size:11px}}
 </style></head>
-<body data-images-ok="pending" data-errors="">
+<body data-images-ok="pending" data-errors="" data-scroll-width="" data-window-width="">
 <h1>INT8 attention evaluation</h1>
 <p>Model <code>{e(report['model'])}</code> · {report['num_images']} images · {report['steps']} steps · seeds {report['seed']}+i ·
 device {e(report['device'])} · INT8 kernel: {e(report['kernel'])} · {e(report['created'])}</p>
 <h2>Metrics against {e(names[0])}</h2>
+{f'<p class="warn">{e(timing_note)}</p>' if timing_note else ''}
 <table class="metrics"><tr>{table}</tr>{rows}</table>
 <p class="note">Mean ± std over images; PSNR and SSIM show the worst image in brackets, LPIPS the worst (largest).
-Speed: denoiser time per step (median over steps after a warm-up run) and its ratio to {e(names[0])}.</p>
+{speed_note}</p>
 {'<ul class="note">' + ''.join(na) + '</ul>' if na else ''}
 {note_html}
-{f'<h2>Schedule</h2><img src="{plot}" alt="schedule">' if plot else ''}
+{f'<h2>Schedule</h2><img src="{plot}" alt="schedule" style="max-width:100%">' if plot else ''}
 <h2>Images</h2>
 <p class="note">Heat maps: mean absolute difference over channels, black = 0, white ≥ {vmax} (of the [0, 1] range).</p>
-<table class="grid"><tr><th></th>{head}</tr>{''.join(body)}</table>
+{''.join(tables)}
 <script>
 window.addEventListener("error", ev => {{ document.body.dataset.errors += ev.message + ";"; }});
 window.addEventListener("load", () => {{
   const imgs = [...document.images];
   const ok = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
   document.body.dataset.imagesOk = ok + "/" + imgs.length;
+  document.body.dataset.scrollWidth = document.documentElement.scrollWidth;
+  document.body.dataset.windowWidth = window.innerWidth;
 }});
 </script>
 </body></html>
