@@ -475,3 +475,36 @@ def test_calibrate_progress_counts_denoising_steps(tmp_path, monkeypatch):
                  "--batch-size", "2", "--out", str(tmp_path / "cal")]) == 0
     (bar,) = RecordingBar.made
     assert bar.total == 2 * 3 and bar.updates == [1] * 6  # 2 batches × 3 steps, one tick per step
+
+
+def test_plots_run_the_noise_the_same_way_and_name_the_layers(tmp_path, monkeypatch):
+    """ranges.png and errors.png both put the highest noise on the left (denoising runs left to right), and
+    ranges.png has a legend naming layers; with more than 8 layers, 8 of them, the first and the last included."""
+    pytest.importorskip("matplotlib")
+    from pathlib import Path
+
+    from matplotlib.figure import Figure
+
+    from diffusion_int8.calibration import summary
+
+    _, cal = make_calibration()
+    saved, real = {}, Figure.savefig
+
+    def savefig(self, path, *a, **kw):
+        saved[Path(path).name] = self
+        return real(self, path, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    for many in (False, True):
+        if many:  # the same layers under 12 names
+            cal.layers = {f"{name}.copy{i}": st for i in range(6) for name, st in list(cal.layers.items())[:2]}
+        summary.plot(cal, tmp_path, budget=0.02)
+        ranges, errors = saved["ranges.png"], saved["errors.png"]
+        (err_ax,) = errors.axes
+        assert err_ax.xaxis_inverted() and all(ax.xaxis_inverted() for ax in ranges.axes)
+        (legend,) = ranges.legends
+        labels = [t.get_text() for t in legend.get_texts()]
+        names = list(cal.layers)
+        assert labels[0] == names[0] and labels[-1] == names[-1]
+        assert labels == names if len(names) <= 8 else (len(labels) == 8 and set(labels) <= set(names))
+        assert (tmp_path / "ranges.png").stat().st_size > 0
