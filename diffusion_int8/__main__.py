@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from .usage import UsageError
@@ -21,6 +22,10 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def format_help(self) -> str:
+        # the descriptions are the modules' docstrings: show their ``literals`` as plain text
+        return re.sub(r"``(.+?)``", r"\1", super().format_help(), flags=re.S)
 
 
 def build_parser() -> argparse.ArgumentParser:

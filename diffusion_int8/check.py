@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     B, H, S, D = args.shape
     q, k, v = _realistic(B, H, S, D, device, torch.float16)
     ref = attention_ref(q, k, v, layout="BSHD")
-    print(f"attention (B={B}, S={S}, H={H}, D={D}) fp16 on {device}"
+    print(f"attention (B={B}, H={H}, S={S}, D={D}) fp16 on {device}"
           + ("" if device.type == "cuda" else " — no GPU: INT8 modes run the PyTorch emulation of the kernel"))
     rows = []
     for mode in Mode:
@@ -58,8 +58,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("check", help="run every attention mode on an example and report accuracy (and speed on a GPU)")
-    p.add_argument("--shape", type=positive_int, nargs=4, default=[1, 4, 1024, 64], metavar=("B", "H", "S", "D"))
+    p = sub.add_parser("check", help="run every attention mode on an example and report accuracy (and speed on a GPU)",
+                       description="Run every attention mode (int8, int8_fp16v, fp16) on one set of Q, K, V shaped like "
+                                   "a diffusion model's (a K channel bias, a few outlier channels) and print, per mode, "
+                                   "which implementation ran, its cosine similarity and relative L1 error against "
+                                   "float64 attention and, on a GPU, its time per call. Without a GPU the INT8 modes "
+                                   "run the kernel's PyTorch emulation and no time is shown.")
+    p.add_argument("--shape", type=positive_int, nargs=4, default=[1, 4, 1024, 64], metavar=("B", "H", "S", "D"),
+                   help="batch, heads, sequence length, head dim (default: 1 4 1024 64)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=run)

@@ -4,6 +4,7 @@ checks before any work, and output sets that are written whole or not at all."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -320,3 +321,34 @@ def test_interrupted_eval_keeps_the_previous_outputs(tmp_path, monkeypatch):
     got = snapshot(out)
     assert sorted(got["files"]) == ["images/fp16/00000.png", "images/int8/00000.png", "report.json"]
     assert got["beside"] == ["rep"]
+
+
+# ------------------------------------------------------------------------------------------ help
+@pytest.mark.parametrize("command", [None, "demo", "calibrate", "eval", "check", "tune"])
+def test_help_is_plain_text_with_a_description_and_defaults(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # one help line per option, for the checks below
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"] if command else ["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out, out  # the docstrings' reST literals are shown as plain text
+    description = out.split("\n\n")[1]
+    assert len(description) > 60 and not description.lstrip().startswith(("-h", "options")), out
+    # each option's text: its line and the indented lines under it, whitespace collapsed
+    lines = {m.group(1): " ".join(m.group(0).split())
+             for m in re.finditer(r"^  (--[\w-]+)[^\n]*(?:\n {6,}\S[^\n]*)*", out, re.M)}
+    if command in ("demo", "calibrate", "eval"):
+        for option, default in (("--steps", 20), ("--seed", 0), ("--batch-size", 16 if command == "demo" else 8)):
+            assert f"(default: {default})" in lines[option], lines[option]
+    if command == "check":
+        assert "(default: 1 4 1024 64)" in lines["--shape"]
+    if command == "demo":
+        assert "(default: 0.015)" in lines["--budget"] and "calibrate's default 0.02" in lines["--budget"]
+    if command == "calibrate":
+        assert "(default: 0.02)" in lines["--budget"]
+
+
+def test_check_prints_the_shape_in_the_order_shape_takes(capsys):
+    assert main(["check", "--shape", "1", "2", "48", "16", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("attention (B=1, H=2, S=48, D=16) fp16 on cpu"), out

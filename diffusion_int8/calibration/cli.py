@@ -25,6 +25,7 @@ from .collect import Collector, merge
 from .file import FILE_NAME, Calibration
 from .summary import write_all
 
+DEFAULT_BUDGET = 0.02
 OUTPUTS = (FILE_NAME, "schedule.json", "summary.md", "summary.json", "ranges.png", "errors.png")
 
 
@@ -35,9 +36,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", type=Path, help="text file, one prompt per line")
     src.add_argument("--class-labels", nargs="+", help="class names or ids, for class-conditional pipelines")
-    p.add_argument("--steps", type=positive_int, default=20, help="denoising steps")
-    p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="image i is seeded with seed + i")
+    p.add_argument("--steps", type=positive_int, default=20, help="denoising steps (default: %(default)s)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="images per pipeline call (default: %(default)s)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="image i is seeded with seed + i (default: %(default)s)")
     p.add_argument("--guidance-scale", type=nonnegative_float, default=None, help="default: the pipeline's")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: the process's GPU, else cpu)")
     p.add_argument("--out", type=Path, required=True, help="output directory")
@@ -132,9 +133,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="record per-layer ranges and per-precision errors over the schedule",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--percentile", type=percentile, default=99.0, help="percentile of |Q| and |K| to record (their maxima are recorded too; static ranges use the maxima unless Calibration.ranges(clip=\"p99\"))")
-    p.add_argument("--budget", type=positive_float, default=0.02,
-                   help="largest relative L1 attention error the derived schedule accepts (default 0.02)")
+    p.add_argument("--percentile", type=percentile, default=99.0, help="percentile of |Q| and |K| to record (default: %(default)s; their maxima are recorded too, and "
+                        "static ranges use the maxima unless Calibration.ranges(clip=\"p99\"))")
+    p.add_argument("--budget", type=positive_float, default=DEFAULT_BUDGET,
+                   help="largest relative L1 attention error the derived schedule accepts (default: %(default)s)")
     p.add_argument("--per-layer", action="store_true", help="derive the schedule per layer as well as per step")
     p.set_defaults(func=run)
 
