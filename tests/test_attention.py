@@ -15,7 +15,7 @@ from diffusion_int8.kernels import reference as R
 from diffusion_int8.kernels.config import PV, interpreting
 from inputs import realistic_qkv
 
-# Accuracy required against float64 attention (issue #2): (min cosine, max relative L1).
+# Accuracy required against float64 attention: (min cosine, max relative L1).
 BOUNDS = {PV.FP16: (0.9995, 0.02), PV.FP8: (0.999, 0.04), PV.INT8: (0.999, 0.04)}
 
 
@@ -226,8 +226,8 @@ def test_worst_case_accuracy_over_seeds(D, pv):
 
 def test_k_groups_lift_the_short_sequence_tail():
     # With one K scale per 64-key tile, 1 draw in ~300 at ~100 keys fell below int8_fp16v's bound (a sink
-    # key inflates its tile's range; NOTES v17). Four interleaved groups per tile, free in the kernel,
-    # must keep every draw above it and cut the worst error.
+    # key inflates its tile's range; docs/DESIGN.md, "Quantization scheme"). Four interleaved groups per
+    # tile, free in the kernel, must keep every draw above it and cut the worst error.
     worst = {1: 1.0, 4: 1.0}
     for seed in range(120):
         q, k, v = realistic_qkv(2, 6, 100, 100, 64, H_kv=1, seed=seed)

@@ -259,7 +259,7 @@ class Calibration:
         return torch.stack([st[f"err.{mode}.{metric}"].mean(0) for st in self.layers.values()])
 
     def fit_report(self) -> dict:
-        """How well ranges follow sigma: median R² over (layer, head) of the seeds' proportional model
+        """How well ranges follow sigma: median R² over (layer, head) of the proportional model
         ``s = c·σ`` and of the stored quadratic, and the median ratio of the largest to smallest range."""
         report = {}
         n = self.noise.double()

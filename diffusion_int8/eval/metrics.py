@@ -1,7 +1,8 @@
 """Image quality metrics: PSNR, SSIM, LPIPS, FID and KID, against a reference set with the same seeds.
 
-PSNR and SSIM are computed here. LPIPS uses the ``lpips`` package and FID/KID use torch-fidelity's
-Inception (both need torchvision, and weights that these machines cannot download): each is
+PSNR, SSIM, FID and KID are torchmetrics' implementations; LPIPS is the ``lpips`` package. FID/KID run
+torchmetrics' metrics on torch-fidelity's Inception loaded from a local weights file, given to them as their
+feature network (LPIPS and Inception need torchvision, and weights that these machines cannot download): each is
 ``Unavailable`` with the reason and the fix when its network or weights are missing — never a guess.
 FID/KID take any feature network, so they are tested with a local random one.
 """
@@ -9,11 +10,11 @@ FID/KID take any feature network, so they are tested with a local random one.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ALEXNET_FILE = "alexnet-owt-7be5be79.pth"  # torchvision's AlexNet, which LPIPS(net="alex") builds on
 INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"  # torch-fidelity's FID Inception
@@ -30,63 +31,68 @@ class Unavailable:
 
 
 def psnr(x: torch.Tensor, ref: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
-    """Per-image PSNR in dB of (B, C, H, W) images in [0, data_range]; inf where identical."""
-    mse = ((x.double() - ref.double()) ** 2).flatten(1).mean(1)
-    return 10 * torch.log10(data_range**2 / mse)
+    """Per-image PSNR in dB of (B, C, H, W) images in [0, data_range], in float64; inf where identical.
+    torchmetrics' ``peak_signal_noise_ratio`` over each image's pixels."""
+    from torchmetrics.functional.image import peak_signal_noise_ratio
+
+    return peak_signal_noise_ratio(x.double(), ref.double(), data_range=data_range, reduction="none",
+                                   dim=tuple(range(1, x.dim())))
 
 
-def _gaussian_window(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
-    g = torch.exp(-((torch.arange(size, dtype=torch.float64) - (size - 1) / 2) ** 2) / (2 * sigma**2))
-    g = g / g.sum()
-    return g[:, None] * g[None, :]
+def ssim(x: torch.Tensor, ref: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
+    """Per-image SSIM in float64 (Wang et al. 2004: 11×11 Gaussian window, σ 1.5, K1 0.01, K2 0.03, the map's
+    valid region averaged over pixels and channels), from torchmetrics' ``structural_similarity_index_measure``. Images smaller than 11 pixels on a side use the largest odd window
+    that fits, with σ scaled to it; images under 3 pixels on a side get NaN."""
+    from torchmetrics.functional.image import structural_similarity_index_measure
+
+    win = min(11, x.shape[-1], x.shape[-2])
+    win -= 1 - win % 2  # odd
+    if win < 3:
+        return torch.full((x.shape[0],), float("nan"), dtype=torch.float64)
+    # torchmetrics derives the window from σ: 2·int(3.5σ + 0.5) + 1, which is `win` for σ = 1.5·win/11. Its
+    # score averages the map over the whole image, borders reflect-padded; the map's valid region (windows
+    # inside the image) is the definition above, and what this package has always reported.
+    _, full = structural_similarity_index_measure(x.double(), ref.double(), sigma=1.5 * win / 11, kernel_size=win,
+                                                  data_range=data_range, reduction="none", return_full_image=True)
+    pad = (win - 1) // 2
+    return full[..., pad:full.shape[-2] - pad, pad:full.shape[-1] - pad].flatten(1).mean(1)
 
 
-def ssim(x: torch.Tensor, ref: torch.Tensor, data_range: float = 1.0, window: int = 11) -> torch.Tensor:
-    """Per-image SSIM (Wang et al. 2004: 11×11 Gaussian window, σ 1.5, K1 0.01, K2 0.03, valid region),
-    averaged over channels. Images smaller than the window use a window of their size."""
-    x, ref = x.double(), ref.double()
-    C = x.shape[1]
-    win = min(window, x.shape[-1], x.shape[-2])
-    w = _gaussian_window(win, 1.5 * win / 11).to(x.device)[None, None].expand(C, 1, win, win)
-    conv = lambda t: F.conv2d(t, w, groups=C)  # noqa: E731
-    mu_x, mu_y = conv(x), conv(ref)
-    sxx = conv(x * x) - mu_x**2
-    syy = conv(ref * ref) - mu_y**2
-    sxy = conv(x * ref) - mu_x * mu_y
-    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
-    s = ((2 * mu_x * mu_y + c1) * (2 * sxy + c2)) / ((mu_x**2 + mu_y**2 + c1) * (sxx + syy + c2))
-    return s.flatten(1).mean(1)
+def fid_kid(net: torch.nn.Module, images: torch.Tensor, ref: torch.Tensor, kid_subset_size: int = 100,
+            kid_subsets: int = 50, seed: int = 0, batch: int = 64) -> tuple[dict, dict]:
+    """FID and KID of ``images`` against ``ref`` with torchmetrics' ``FrechetInceptionDistance`` and
+    ``KernelInceptionDistance`` (polynomial kernel (x·y / F + 1)³), both given ``net`` as their feature network:
+    (N, 3, H, W) [0, 1] floats in, (N, F) features out. KID's subsets are drawn with ``seed`` (the global RNG is
+    left as it was) and hold min(``kid_subset_size``, N) images; its std is over the subsets. Each result is a
+    dict for the report, ``{"available": False, "reason": ...}`` where the sets are too small (fewer than 2)."""
+    from torchmetrics.image.fid import FrechetInceptionDistance
+    from torchmetrics.image.kid import KernelInceptionDistance
 
-
-def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """FID formula on (N, F) feature sets: |μa − μb|² + Tr(Σa + Σb − 2 (Σa Σb)^½), in float64."""
-    a, b = a.double(), b.double()
-    mu_a, mu_b = a.mean(0), b.mean(0)
-    cov_a, cov_b = torch.cov(a.T), torch.cov(b.T)
-    # Tr((Σa Σb)^½) = Σ sqrt(eigenvalues of Σa Σb), which are real and >= 0 up to rounding
-    eig = torch.linalg.eigvals(cov_a @ cov_b)
-    tr_sqrt = eig.sqrt().real.sum()
-    return float(((mu_a - mu_b) ** 2).sum() + cov_a.trace() + cov_b.trace() - 2 * tr_sqrt)
-
-
-def kernel_inception_distance(a: torch.Tensor, b: torch.Tensor, subsets: int = 50, subset_size: int = 100,
-                              seed: int = 0) -> tuple[float, float]:
-    """KID: unbiased MMD² with the kernel (x·y / F + 1)³, mean and std over random subsets."""
-    a, b = a.double(), b.double()
-    n = min(subset_size, len(a), len(b))
+    n = min(len(images), len(ref))
     if n < 2:
-        raise ValueError("KID needs at least 2 images per set")
-    g = torch.Generator().manual_seed(seed)
-    d = a.shape[1]
-    vals = []
-    for _ in range(subsets):
-        x = a[torch.randperm(len(a), generator=g)[:n]]
-        y = b[torch.randperm(len(b), generator=g)[:n]]
-        kxx, kyy, kxy = ((x @ x.T) / d + 1) ** 3, ((y @ y.T) / d + 1) ** 3, ((x @ y.T) / d + 1) ** 3
-        off = 1 - torch.eye(n, dtype=torch.float64)
-        vals.append(float((kxx * off).sum() / (n * (n - 1)) + (kyy * off).sum() / (n * (n - 1)) - 2 * kxy.mean()))
-    t = torch.tensor(vals, dtype=torch.float64)
-    return float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0
+        small = Unavailable(f"FID and KID need at least 2 images per set, got {n}").to_dict()
+        return small, small
+    dev = next(net.parameters()).device
+    if not hasattr(net, "num_features"):  # else torchmetrics infers it from a dummy 299×299 image
+        with torch.no_grad():
+            net.num_features = int(net(images[:1].to(dev)).flatten(1).shape[1])
+    fid = FrechetInceptionDistance(feature=net, reset_real_features=True)
+    with warnings.catch_warnings():  # that it keeps every feature: N × 2048 floats per set, as intended here
+        warnings.filterwarnings("ignore", message=".*will save all extracted features")
+        kid = KernelInceptionDistance(feature=net, subsets=kid_subsets, subset_size=min(kid_subset_size, n),
+                                      reset_real_features=True)
+    with torch.no_grad():
+        for metric in (fid, kid):
+            for i in range(0, len(ref), batch):
+                metric.update(ref[i:i + batch].to(dev), real=True)
+            for i in range(0, len(images), batch):
+                metric.update(images[i:i + batch].to(dev), real=False)
+    fid_value = float(fid.compute())
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)  # KID draws its subsets with torch.randperm on the CPU
+        kid_mean, kid_std = kid.compute()
+    return ({"value": fid_value, "n": len(images)},
+            {"mean": float(kid_mean), "std": float(kid_std), "n": len(images)})
 
 
 def _cache_dir() -> Path:
@@ -149,18 +155,14 @@ def inception_model(weights: str | Path | None = None, device: torch.device | st
 class _InceptionFeatures(torch.nn.Module):
     """[0, 1] float images -> (N, 2048) features (torch-fidelity takes uint8 and resizes to 299 itself)."""
 
+    num_features = 2048  # read by torchmetrics' FID/KID
+
     def __init__(self, net):
         super().__init__()
         self.net = net
 
     def forward(self, x):
         return self.net((x.clamp(0, 1) * 255).round().to(torch.uint8))[0]
-
-
-@torch.no_grad()
-def features(net: torch.nn.Module, images: torch.Tensor, batch: int = 64) -> torch.Tensor:
-    dev = next(net.parameters()).device
-    return torch.cat([net(images[i:i + batch].to(dev)).flatten(1).double().cpu() for i in range(0, len(images), batch)])
 
 
 def aggregate(values: torch.Tensor) -> dict:

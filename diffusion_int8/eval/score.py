@@ -38,7 +38,6 @@ class Scorer:
         self.lpips = M.lpips_model(lpips_weights, device)
         self.inception = M.inception_model(fid_weights, device)
         self.kid_subset_size = kid_subset_size
-        self._ref_feats = None
 
     def availability(self) -> dict:
         out = {"psnr": {"available": True}, "ssim": {"available": True}}
@@ -69,11 +68,8 @@ class Scorer:
         if isinstance(self.inception, M.Unavailable):
             out["aggregate"]["fid"] = out["aggregate"]["kid"] = self.inception.to_dict()
         elif kept:
-            fa, fr = M.features(self.inception, images), M.features(self.inception, ref)
-            out["aggregate"]["fid"] = {"value": M.frechet_distance(fa, fr), "n": len(fa)}
-            if len(fa) >= 2:
-                mean, std = M.kernel_inception_distance(fa, fr, subset_size=self.kid_subset_size)
-                out["aggregate"]["kid"] = {"mean": mean, "std": std, "n": len(fa)}
+            out["aggregate"]["fid"], out["aggregate"]["kid"] = M.fid_kid(self.inception, images, ref,
+                                                                          kid_subset_size=self.kid_subset_size)
         return out
 
 
