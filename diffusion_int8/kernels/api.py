@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
-from .config import MAX_HEAD_DIM, Backend, Mode, padded_head_dim, pv_for_mode, select_backend
+from .config import (ENV_BACKEND, ENV_PV8, MAX_HEAD_DIM, PV, Backend, Mode, padded_head_dim, pv_for_mode,
+                     select_backend)
+from .launch import signature
 from .ops import dispatch
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -62,45 +68,68 @@ def int8_attention(
     Returns:
         Attention output shaped like ``q`` (contiguous in ``layout``), in ``q``'s dtype.
     """
-    try:  # what the checks below depend on; a signature seen before skips them (the hot path)
-        sig = (mode, layout, scale, smooth_k, _shape_sig(q), _shape_sig(k), _shape_sig(v), _shape_sig(attn_mask),
-               _shape_sig(q_amax), _shape_sig(k_amax), _shape_sig(v_amax), _shape_sig(k_mean))
-        checked = _CHECKED.get(sig)
-    except (AttributeError, TypeError):  # not tensors, unhashable options: the checks say what is wrong
-        sig, checked = None, None
-    if checked is None:
-        checked = _check_call(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean)
-        if sig is not None and not torch.compiler.is_compiling():  # a traced store would fail dynamo's guard
-            if len(_CHECKED) >= 4096:
-                _CHECKED.clear()
-            _CHECKED[sig] = checked
-    mode, scale, gqa, empty = checked
+    try:  # the call's signature; one seen before skips every check and selection below (the hot path)
+        key = None if torch.compiler.is_compiling() or type(q) is not torch.Tensor else (  # no data_ptr() to trace
+            mode, layout, scale, smooth_k, os.environ.get(ENV_BACKEND), os.environ.get(ENV_PV8),
+            signature(q), signature(k), signature(v), signature(attn_mask),
+            signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean))
+        call = _CALLS.get(key)
+    except (AttributeError, TypeError, RuntimeError):  # not tensors, tensors without storage, unhashable options
+        key, call = None, None
+    if call is None:
+        call = _prepare(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean)
+        if key is not None:
+            if len(_CALLS) >= 4096:
+                _CALLS.clear()
+            _CALLS[key] = call
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} contains NaN or Inf")
     if check_finite or q.device.type == "cpu":  # reading the values synchronizes with a GPU
         _check_range_values(q_amax, k_amax, v_amax, k_mean)
-    if mode is Mode.FP16:
+    if call.mode is Mode.FP16:
         qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=call.scale, enable_gqa=call.gqa)
         return out if layout == "BHSD" else out.transpose(1, 2)
-    if empty:  # no batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)
+    if call.empty:  # no batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    backend = select_backend(q.device)
-    pv = pv_for_mode(mode, q.device)
+    if key is not None and call.backend is Backend.TRITON and type(q) is torch.Tensor and not _dispatch_mode():
+        # plain eager tensors: straight to the launch plan of this signature (the custom op's dispatch layers do
+        # nothing here but cost host time)
+        from .attention import triton_attention
+
+        return triton_attention(q, k, v, layout=layout, pv=call.pv, sm_scale=call.scale, smooth_k=smooth_k,
+                                attn_mask=attn_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
+                                key=key)
     return dispatch(
-        q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, layout, pv.value, scale, smooth_k, backend.value
+        q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, layout, call.pv.value, call.scale, smooth_k,
+        call.backend.value,
     )
 
 
-# Call signatures that passed the checks, with what they give: (mode, scale, whether heads are grouped, whether
-# the call has no work)
-_CHECKED: dict[tuple, tuple] = {}
+class _Call(NamedTuple):
+    """What the checks of one call signature decided."""
+
+    mode: Mode
+    scale: float
+    gqa: bool  # query heads grouped over fewer key/value heads
+    empty: bool  # no batch, queries or keys
+    backend: Backend | None  # None for fp16
+    pv: PV | None
 
 
-def _shape_sig(t: torch.Tensor | None):
-    return None if t is None else (t.shape, t.dtype, t.device, t.is_floating_point())
+# Call signatures that passed the checks, with what was decided for them
+_CALLS: dict[tuple, _Call] = {}
+
+
+def _prepare(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean) -> _Call:
+    """Check a call and choose its backend and P·V format (raises on bad arguments)."""
+    mode, scale, gqa, empty = _check_call(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax,
+                                          k_mean)
+    if mode is Mode.FP16:
+        return _Call(mode, scale, gqa, empty, None, None)
+    return _Call(mode, scale, gqa, empty, select_backend(q.device), pv_for_mode(mode, q.device))
 
 
 def _check_call(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean):

@@ -17,7 +17,7 @@ import triton.language as tl
 from . import quantize as tq
 from .quantize import _rdiv, _round_to_int8
 from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, PV, TESTED_TRITON, tile_config
-from .launch import EAGER, Runner, plan_or_run
+from .launch import EAGER, Runner, plan_or_run, signature
 from .reference import P_FLOOR, padded_len, rows_16b_aligned, to_bhsd
 
 try:  # the sm_90 Gluon kernels; a Triton whose Gluon API they do not cover runs the portable kernel
@@ -203,6 +203,7 @@ def triton_attention(
     k_mean: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     sm90: bool = True,
+    key: tuple | None = None,
 ) -> torch.Tensor:
     """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
 
@@ -210,12 +211,16 @@ def triton_attention(
     (K/V statistics, Q/K/V quantization, attention; two when K's mean and V's range are static or not
     needed) and no host synchronization. On sm_90 the attention launch is the Gluon kernel of ``hopper`` where
     it applies (``sm90=False`` forces the portable Triton kernel, for comparisons). The first call of each
-    signature is recorded and later ones replay it (``launch.Plan``).
+    signature is recorded and later ones replay it (``launch.Plan``). ``key``: the signature of this call's
+    arguments as ``int8_attention`` computed it (``out`` must then be None), so none is computed here.
     """
+    if key is not None and out is None:
+        key = (*key, sm90)  # out is allocated below, so its signature follows from q's
+    else:
+        key = (layout, pv, sm_scale, smooth_k, sm90, *map(signature, (q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, out)))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     inputs = [q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, out]
-    key = (layout, pv, sm_scale, smooth_k, sm90, *map(_signature, inputs))
 
     def record(runner):
         qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
@@ -231,13 +236,6 @@ def triton_attention(
 
 # Launch plans by call signature (launch.Plan): compiled kernels and argument templates, no tensors
 _PLANS: dict[tuple, object] = {}
-
-
-def _signature(t: torch.Tensor | None):
-    """What a launch was specialized on, of one input: shape, strides, dtype, device, 16-byte alignment."""
-    if t is None:
-        return None
-    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
 
 
 def attend(
