@@ -2,10 +2,9 @@
 
 A crossover table holds, per INT8 mode, head dim and 16-bit dtype, the speed of the whole INT8 call (its
 quantization included) relative to ``F.scaled_dot_product_attention`` on a grid of key lengths and query
-rows (batch × heads × queries), measured on one GPU from CUDA-graph replays. A call runs INT8 when the grid
-cell at or below its shape (the nearest smaller key length and row count, so a shape between cells is
-judged by the smaller, less favourable one) shows a speed-up of at least ``margin``; elsewhere it runs SDPA,
-which is exact. Tables ship for sm_90 (``tables/``); ``diffusion-int8 tune`` measures one for any other GPU
+rows (batch × heads × queries), measured on one GPU from CUDA-graph replays. A call runs INT8 when a
+least-squares surface through the grid (``Grid``: it smooths the cells' few percent of scatter) gives its shape a
+speed-up of at least ``margin``; elsewhere, and below the grid, it runs SDPA, which is exact. Tables ship for sm_90 (``tables/``); ``diffusion-int8 tune`` measures one for any other GPU
 and caches it (``cache_path``). The gate never benchmarks inside a call.
 """
 
@@ -13,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import re
 import sys
@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .kernels.config import MAX_HEAD_DIM, Mode, padded_head_dim
@@ -34,7 +35,14 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 @dataclass(frozen=True)
 class Grid:
     """Speed-ups of one (mode, head dim, dtype): ``speedup[i][j]`` at ``keys[i]`` keys and ``rows[j]`` query rows
-    (SDPA's time over the INT8 call's; None where not measured)."""
+    (SDPA's time over the INT8 call's; None where not measured).
+
+    Decisions read a least-squares surface through the measured cells, not the cells themselves: each cell is one
+    median with a few percent of scatter, and a surface in (log2 keys, log2 rows), quadratic in keys, linear in
+    rows, with their product, follows the trend (longer sequences amortize the quantization) without
+    flipping on one noisy cell. Smaller grids get fewer terms: a 2 × 2 grid is interpolated bilinearly, one cell
+    is a constant.
+    """
 
     mode: str
     head_dim: int
@@ -43,19 +51,52 @@ class Grid:
     rows: tuple[int, ...]
     speedup: tuple[tuple[float | None, ...], ...]
 
+    def __post_init__(self):
+        object.__setattr__(self, "_surface", _fit_surface(self))
+
     def at(self, sk: int, rows: int) -> float | None:
-        """The speed-up of the cell at or below (``sk``, ``rows``), or of the nearest measured cell below it in
-        both axes when that one was too large to measure; None below the grid. (Plain loops, which
-        torch.compile traces.)"""
-        i = sum(1 for x in self.keys if x <= sk) - 1
-        j = sum(1 for x in self.rows if x <= rows) - 1
-        best = None
-        for a in range(i + 1):
-            for b in range(j + 1):
-                # nearest by steps, then by keys (which move the speed-up most)
-                if self.speedup[a][b] is not None and (best is None or (a + b, a) > (best[0] + best[1], best[0])):
-                    best = (a, b)
-        return None if best is None else self.speedup[best[0]][best[1]]
+        """The fitted speed-up at ``sk`` keys and ``rows`` query rows; past the grid, that of its edge; None below
+        it (fewer keys or rows than its first). (Plain arithmetic, which torch.compile traces.)"""
+        if sk < self.keys[0] or rows < self.rows[0]:
+            return None
+        terms, coef = self._surface
+        x, y = _unit(min(int(sk), self.keys[-1]), self.keys), _unit(min(int(rows), self.rows[-1]), self.rows)
+        return sum(c * t for c, t in zip(coef, _terms(terms, x, y)))
+
+
+def _unit(n: int, axis: tuple[int, ...]) -> float:
+    """log2(n) mapped to [0, 1] over the axis (0 for a one-point axis), which keeps the fit well conditioned."""
+    lo, hi = math.log2(axis[0]), math.log2(axis[-1])
+    return 0.0 if hi == lo else (math.log2(n) - lo) / (hi - lo)
+
+
+def _terms(names: tuple[str, ...], x: float, y: float) -> list[float]:
+    values = {"1": 1.0, "x": x, "xx": x * x, "y": y, "xy": x * y}
+    return [values[n] for n in names]
+
+
+def _fit_surface(g: Grid) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """Least-squares coefficients of the speed-up over (x, y), log2 keys and log2 rows mapped to [0, 1], for the
+    measured cells of ``g``, with the terms its size supports (at most as many as measured cells)."""
+    cells = [(_unit(n, g.keys), _unit(r, g.rows), s) for n, row in zip(g.keys, g.speedup) for r, s in zip(g.rows, row)
+             if s is not None]
+    names = ["1"]
+    if len(g.keys) >= 2:
+        names.append("x")
+    if len(g.keys) >= 3:
+        names.append("xx")
+    if len(g.rows) >= 2:
+        names.append("y")
+        if len(g.keys) >= 2:
+            names.append("xy")
+    for drop in ("xy", "xx", "y", "x"):  # too few measured cells for every term
+        if len(names) > len(cells) and drop in names:
+            names.remove(drop)
+    if not cells:
+        return ("1",), (0.0,)
+    a = np.array([_terms(names, x, y) for x, y, _ in cells])
+    coef = np.linalg.lstsq(a, np.array([s for _, _, s in cells]), rcond=None)[0]
+    return tuple(names), tuple(float(c) for c in coef)
 
 
 @dataclass(frozen=True)
@@ -256,7 +297,7 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
             modes=("int8", "int8_fp16v"), keys=KEYS, rows=ROWS, reps: int = 20, max_work: float = 2**41,
             progress=print) -> CrossoverTable:
     """Time SDPA and each INT8 mode on self-attention shapes (keys × rows grid; cells past ``max_work``
-    multiply-adds are left unmeasured and judged by the nearest measured cell below) and return the table. Inputs are
+    multiply-adds are left unmeasured; the fitted surface covers them) and return the table. Inputs are
     laid out as diffusers passes them: (B, S, H, D) memory seen as (B, H, S, D)."""
     import triton
     import torch.nn.functional as F
