@@ -12,10 +12,12 @@ the final synchronization. The processor's own cost is the module call with ``In
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import io
 import json
 import pstats
+import statistics
 import time
 
 import torch
@@ -23,16 +25,24 @@ import torch
 from diffusion_int8 import Int8DiffusionProcessor, int8_attention
 
 
-def host_us(fn, calls: int) -> tuple[float, float]:
-    for _ in range(20):
-        fn()
+def host_us(calls: dict, n: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """Per call, µs: the median over ``rounds`` of the host time of issuing ``n`` calls, and of that plus the final
+    synchronization. The calls take turns round by round, so a change in the host's speed during the run (the
+    device's CPU is shared) reaches every row alike instead of whichever ran then."""
+    for fn in calls.values():
+        for _ in range(20):
+            fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return host, (time.perf_counter() - t0) / calls * 1e6
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            host = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            samples[name].append((host / n * 1e6, (time.perf_counter() - t0) / n * 1e6))
+    return {name: (statistics.median(h for h, _ in s), statistics.median(w for _, w in s)) for name, s in samples.items()}
 
 
 def main() -> None:
@@ -41,31 +51,33 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--calls", type=int, default=200, help="calls per round")
+    ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     B, H, S, D = 2, 4, 256, 64
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
     attn = Attention(query_dim=H * D, heads=H, dim_head=D).cuda().half().eval()
     x = torch.randn(B, S, H * D, device="cuda", dtype=torch.float16)
 
-    def module(processor):
-        attn.set_processor(processor)
-        return lambda: attn(x)
+    def module(processor):  # a module object per processor, so the rows can take turns
+        m = copy.deepcopy(attn)
+        m.set_processor(processor)
+        return lambda: m(x)
 
     calls = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)}
     calls.update({f"int8_attention {m}": (lambda m=m: int8_attention(q, k, v, mode=m)) for m in ("fp16", "int8_fp16v", "int8")})
     calls["module, stock AttnProcessor2_0"] = module(AttnProcessor2_0())
     for m in ("int8_fp16v", "int8"):
         calls[f"module, Int8DiffusionProcessor {m}"] = module(Int8DiffusionProcessor(m, speed_gate=False))
-    results, lines = {}, [f"({B}, {H}, {S}, {D}) fp16, {args.calls} eager calls, {torch.cuda.get_device_name()}, "
-                          f"torch {torch.__version__}", "", "| call | host µs | host+GPU µs |", "|---|---|---|"]
+    calls["module, Int8DiffusionProcessor int8, speed gate on (SDPA here)"] = module(Int8DiffusionProcessor("int8"))
+    results, lines = {}, [f"({B}, {H}, {S}, {D}) fp16, median of {args.rounds} rounds of {args.calls} eager calls each, "
+                          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", "",
+                          "| call | host µs | host+GPU µs | host, × SDPA |", "|---|---|---|---|"]
     with torch.no_grad():
-        for name, fn in calls.items():
-            if name.startswith("module"):
-                fn()  # set the processor before timing
-            host, wall = host_us(fn, args.calls)
+        timed = host_us(calls, args.calls, args.rounds)
+        for name, (host, wall) in timed.items():
             results[name] = {"host_us": host, "wall_us": wall}
-            lines.append(f"| {name} | {host:.1f} | {wall:.1f} |")
+            lines.append(f"| {name} | {host:.1f} | {wall:.1f} | {host / timed['sdpa'][0]:.2f} |")
         for m in ("int8_fp16v", "int8"):
             own = (results[f"module, Int8DiffusionProcessor {m}"]["host_us"] - results["module, stock AttnProcessor2_0"]["host_us"]
                    - (results[f"int8_attention {m}"]["host_us"] - results["sdpa"]["host_us"]))

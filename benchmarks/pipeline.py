@@ -112,9 +112,13 @@ def _cast(x, dtype):
     return x
 
 
-def _time(model, x, n, graph=False):
-    """Median ms of ``n`` denoiser calls after warm-up; ``graph``: of replays of one captured call."""
+def _time(model, x, n, graph=False, compiled=False):
+    """Median ms of ``n`` denoiser calls after warm-up; ``graph``: of replays of one captured call; ``compiled``: of
+    ``torch.compile(model)`` (default mode) after it compiled."""
     times = []
+    if compiled:
+        torch._dynamo.reset()
+        model = torch.compile(model)
     with torch.no_grad():
         for _ in range(3):
             model(**x, return_dict=False)
@@ -238,13 +242,18 @@ def main():
                          "reduce-overhead mode would run it")
     ap.add_argument("--calibrated", action="store_true",
                     help="also int8 with static ranges and K means calibrated on the trajectory (no statistics pass)")
+    ap.add_argument("--compile", action="store_true",
+                    help="time torch.compile(model) (default mode) of each variant, enabled before compiling")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timing rounds; the variants take turns (reversed every other round) and each row is the "
+                         "median of its rounds' medians, so the host's drift reaches every variant alike")
     ap.add_argument("--variants", default="stock,int8_fp16v,int8,int8_fp16v forced,int8 forced",
                     help="comma-separated: stock, a mode (speed gate on, the default of enable), or '<mode> forced' "
                          "(speed_gate=False: INT8 for every call)")
     args = ap.parse_args()
     builders = _models()
     results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                        "date": time.strftime("%Y-%m-%d"), "cuda_graph": args.graph}}
+                        "date": time.strftime("%Y-%m-%d"), "cuda_graph": args.graph, "compiled": args.compile}}
     print(f"| model | config | mode | step ms | speedup | INT8 / gated calls | peak GiB | PSNR of one step vs stock (dB) | "
           f"PSNR of the final latents after {args.denoise_steps} steps (dB) |\n|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
@@ -263,7 +272,7 @@ def main():
             else:
                 handle = diffusion_int8.enable(model, mode.split()[0], speed_gate=not mode.endswith(" forced"))
             torch.cuda.reset_peak_memory_stats()
-            ms, out = _time(model, x, args.steps, args.graph)
+            ms, out = _time(model, x, args.steps, args.graph, args.compile)
             peak = torch.cuda.max_memory_allocated() / 2**30
             final = _denoise(model, x, args.denoise_steps) if args.denoise_steps else None
             if args.profile and handle is not None:
@@ -284,10 +293,28 @@ def main():
                           "psnr_final": None if stock or final is None else psnr(final, ref_final),
                           "int8_calls": None if stock else handle.state.int8_calls,
                           "gated_calls": None if stock else handle.state.gated_calls}
-            rows[mode]["speedup"] = rows["stock"]["ms"] / ms
-            p, pf = ("—", "—") if stock else (f"{rows[mode]['psnr']:.1f}", "—" if final is None else f"{rows[mode]['psnr_final']:.1f}")
-            print(f"| {name} | {note} | {mode} | {ms:.1f} | {rows[mode]['speedup']:.2f}x | {calls} | {peak:.1f} | {p} | {pf} |",
-                  flush=True)
+            rows[mode]["calls"] = calls
+        # more timing rounds, the variants taking turns (reversed every other round): each row is the median of its
+        # rounds, so the host's drift (eager steps on the shared machine move by tens of percent) reaches all alike
+        for r in range(1, args.rounds):
+            for mode in (variants[::-1] if r % 2 else variants):
+                handle = None
+                if mode == "int8+calibration":
+                    handle = diffusion_int8.enable(model, "int8", calibration=cal)
+                elif mode != "stock":
+                    handle = diffusion_int8.enable(model, mode.split()[0], speed_gate=not mode.endswith(" forced"))
+                rows[mode].setdefault("ms_rounds", [rows[mode]["ms"]]).append(
+                    _time(model, x, args.steps, args.graph, args.compile)[0])
+                if handle is not None:
+                    handle.disable()
+        for mode in variants:
+            row = rows[mode]
+            row["ms"] = statistics.median(row.get("ms_rounds", [row["ms"]]))
+            row["speedup"] = rows["stock"]["ms"] / row["ms"]
+            p, pf = ("—", "—") if mode == "stock" else (
+                f"{row['psnr']:.1f}", "—" if row["psnr_final"] is None else f"{row['psnr_final']:.1f}")
+            print(f"| {name} | {note} | {mode} | {row['ms']:.1f} | {row['speedup']:.2f}x | {row.pop('calls')} | "
+                  f"{row['peak_gib']:.1f} | {p} | {pf} |", flush=True)
         results[name] = {"config": note, "dtype": str(dtype), "rows": rows}
         del model, x, ref, out, ref_final, final
         torch.cuda.empty_cache()
