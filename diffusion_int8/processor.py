@@ -76,15 +76,27 @@ def _routed(fn: Callable, sdpa: Callable, dispatch: Callable) -> Callable | None
     return copy
 
 
+_DISPATCH_MODULE = None  # diffusers.models.attention_dispatch once a processor exists
+
+
+def _attention_dispatch():
+    """diffusers' attention dispatcher module, imported when the first processor is made: an import inside code
+    torch.compile traces is a graph break (``diffusers.models`` is a lazy module)."""
+    global _DISPATCH_MODULE
+    if _DISPATCH_MODULE is None:
+        from diffusers.models import attention_dispatch
+
+        _DISPATCH_MODULE = attention_dispatch
+    return _DISPATCH_MODULE
+
+
 def _keeps_stock(backend, parallel_config) -> bool:
     """Whether a ``dispatch_attention_fn`` call goes to another attention backend than diffusers' native one
     (``backend`` None: the active one), or is split across devices (context parallelism): such calls stay stock."""
     if parallel_config is not None:
         return True
     if backend is None:
-        from diffusers.models import attention_dispatch as ad
-
-        backend = ad._AttentionBackendRegistry.get_active_backend()[0]
+        backend = _attention_dispatch()._AttentionBackendRegistry.get_active_backend()[0]
     return backend != "native"
 
 
@@ -247,6 +259,7 @@ class Int8DiffusionProcessor:
     ):
         self.mode = Mode.parse(mode)
         self.gate = _as_gate(speed_gate)
+        _attention_dispatch()  # imported now, not while torch.compile traces a call
         if isinstance(schedule, str):
             schedule = PrecisionSchedule.load(schedule)
         if schedule is not None and not callable(schedule):
@@ -362,9 +375,7 @@ class Int8DiffusionProcessor:
         """What the stock processor's ``dispatch_attention_fn`` call runs: (B, S, H, D) in and out, as the
         dispatcher's. Calls for another backend than the native one, or split across devices, go to it."""
         if attention_kwargs or _keeps_stock(backend, parallel_config):
-            from diffusers.models import attention_dispatch as ad
-
-            return ad.dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            return _attention_dispatch().dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             attention_kwargs, backend=backend, parallel_config=parallel_config)
         out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
                               dropout_p, is_causal, scale, enable_gqa)
