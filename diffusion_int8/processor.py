@@ -40,7 +40,8 @@ class Int8State:
     ``timestep`` is the value the denoiser was last called with (first element for CFG batches),
     ``step`` counts denoiser calls since ``reset()``; ``trace``, when a list, records
     ``(step, timestep, layer, mode)`` for every attention call (the mode the schedule chose, before the speed
-    gate); ``int8_calls`` and ``gated_calls`` count the calls that ran INT8 and those the gate sent to SDPA.
+    gate); ``int8_calls`` and ``gated_calls`` count the calls that ran INT8 and those the gate sent to SDPA (in eager
+    mode: under ``torch.compile`` the counts stay as they are).
     """
 
     timestep: float | None = None
@@ -363,11 +364,16 @@ class Int8DiffusionProcessor:
             return exact if exact is not None else F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)
+        # the counts are kept in eager mode only: torch.compile guards on an int it reads, so counting inside a
+        # compiled graph would recompile it at every call
+        counting = not torch.compiler.is_compiling()
         if self.gate is not None and not self.gate.pays(mode, query, key):
-            self.state.gated_calls += 1
+            if counting:
+                self.state.gated_calls += 1
             return exact if exact is not None else F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
-        self.state.int8_calls += 1
+        if counting:
+            self.state.int8_calls += 1
         return _int8_core(mode, query, key, value, attn_mask, scale, self._static_ranges(query.device))
 
     def _dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
