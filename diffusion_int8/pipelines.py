@@ -18,6 +18,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .models import denoiser
+
 EMBEDDED = "embedded"
 
 
@@ -174,12 +176,6 @@ def _step_progress(pipe, kwargs: dict, steps: int, on_step: Callable[[int], obje
             hook.remove()
     if done < steps:
         on_step(steps - done)
-
-
-def denoiser(pipe) -> torch.nn.Module:
-    from .processor import _denoiser
-
-    return _denoiser(pipe)
 
 
 class Shards:

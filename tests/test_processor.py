@@ -9,7 +9,7 @@ import torch
 
 import diffusion_int8
 from diffusion_int8 import Int8DiffusionProcessor, enable
-from diffusion_int8.processor import attention_modules
+from diffusion_int8.models import attention_modules
 from tiny_models import FAMILIES, build
 
 # Relative L2 error of the denoiser output against stock, measured on these tiny models

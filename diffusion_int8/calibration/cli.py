@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from .. import pipelines
 from ..outputs import check_out, output_set, shown_out
-from ..processor import enable
+from ..install import enable
 from ..schedule import PrecisionSchedule
 from ..usage import UsageError, nonnegative_float, nonnegative_int, percentile, positive_float, positive_int, user_errors
 from .collect import Collector, merge

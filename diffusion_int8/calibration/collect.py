@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import Mode
+from ..routing import int8_sdpa
 from .stats import QUANTIZED_MODES, input_stats, output_errors
 
 MEAN_STATS = ("q_p99", "k_p99", "q_max", "k_max", "k_mean")  # averaged over images
@@ -40,8 +41,6 @@ class Collector:
 
     @torch.no_grad()
     def __call__(self, proc, q, k, v, attn_mask, scale, exact) -> None:
-        from ..processor import int8_sdpa
-
         step, layer = proc.state.step, proc.name
         self.timesteps[step] = proc.state.timestep
         found = input_stats(q, k, v, self.percentile)

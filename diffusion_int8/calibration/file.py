@@ -29,6 +29,7 @@ import torch
 
 from ..kernels import Mode
 from ..kernels.config import MAX_HEAD_DIM
+from ..models import attention_modules, head_dim_of
 from ..schedule import noise_level
 
 SCHEMA_VERSION = 2
@@ -197,8 +198,6 @@ class Calibration:
     # ----------------------------------------------------------------------------------- applying
     def validate(self, model: torch.nn.Module) -> None:
         """Raise ``ValueError`` unless ``model`` has exactly the calibrated attention layers, heads and head dims."""
-        from ..processor import attention_modules, head_dim_of
-
         problems = []
         cls_name = type(model).__name__
         if self.meta.get("model_class") not in (None, cls_name):

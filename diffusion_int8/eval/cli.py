@@ -29,7 +29,7 @@ from ..calibration import Calibration
 from ..calibration.cli import add_model_args, items_for, load_pipeline, read_items
 from ..kernels import Mode, kernel_info
 from ..outputs import check_out, output_set, shown_out
-from ..processor import enable
+from ..install import enable
 from ..schedule import PrecisionSchedule
 from ..usage import UsageError, user_errors
 from . import report as R

@@ -1,0 +1,136 @@
+"""Routing a stock diffusers processor's attention call to the INT8 op.
+
+Every stock diffusers processor ends in ``torch.nn.functional.scaled_dot_product_attention``, called through
+its module's ``F`` (``AttnProcessor2_0``, ``JointAttnProcessor2_0``, ``CogVideoXAttnProcessor2_0`` …), or in
+the attention dispatcher's ``dispatch_attention_fn`` (``FluxAttnProcessor``, ``WanAttnProcessor`` …).
+``routed`` copies a stock processor's ``__call__`` with those two globals pointing elsewhere, so nothing is
+patched globally and nothing else in the processor pays for the routing (a ``TorchFunctionMode`` around the
+call intercepts every torch call in it: 0.3-0.5 ms of host time per attention module; ``RouteToInt8`` does that
+only where torch.compile traces it away). ``int8_sdpa`` is SDPA's signature on the INT8 op.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .kernels import Mode, int8_attention
+from .kernels.config import MAX_HEAD_DIM
+
+
+def routed(fn: Callable, sdpa: Callable, dispatch: Callable) -> Callable | None:
+    """A copy of the stock processor's ``__call__`` ``fn`` whose module-level ``F.scaled_dot_product_attention``
+    is ``sdpa`` and ``dispatch_attention_fn`` is ``dispatch``; None when ``fn`` reaches attention through neither."""
+    g = fn.__globals__
+    names = {}
+    if g.get("F") is F:
+        routed_f = types.ModuleType(F.__name__)
+        routed_f.__dict__.update(F.__dict__)
+        routed_f.scaled_dot_product_attention = sdpa
+        names["F"] = routed_f
+    if callable(g.get("dispatch_attention_fn")):
+        names["dispatch_attention_fn"] = dispatch
+    if not names:
+        return None
+    copy = types.FunctionType(fn.__code__, {**g, **names}, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+_DISPATCH_MODULE = None  # diffusers.models.attention_dispatch once a processor exists
+
+
+def attention_dispatch():
+    """diffusers' attention dispatcher module, imported when the first processor is made: an import inside code
+    torch.compile traces is a graph break (``diffusers.models`` is a lazy module)."""
+    global _DISPATCH_MODULE
+    if _DISPATCH_MODULE is None:
+        from diffusers.models import attention_dispatch
+
+        _DISPATCH_MODULE = attention_dispatch
+    return _DISPATCH_MODULE
+
+
+def keeps_stock(backend, parallel_config) -> bool:
+    """Whether a ``dispatch_attention_fn`` call goes to another attention backend than diffusers' native one
+    (``backend`` None: the active one), or is split across devices (context parallelism): such calls stay stock."""
+    if parallel_config is not None:
+        return True
+    if backend is None:
+        backend = attention_dispatch()._AttentionBackendRegistry.get_active_backend()[0]
+    return backend != "native"
+
+
+def other_backend(inner) -> bool:
+    """``keeps_stock`` for a stock processor's settings; processors without the dispatcher have none."""
+    if not hasattr(inner, "_attention_backend") and getattr(inner, "_parallel_config", None) is None:
+        return False
+    return keeps_stock(getattr(inner, "_attention_backend", None), getattr(inner, "_parallel_config", None))
+
+
+class RouteToInt8(TorchFunctionMode):
+    """Routes F.scaled_dot_product_attention to ``sdpa`` for the duration of one processor call (traced by
+    torch.compile); ``dispatch_attention_fn``'s native backend ends in that call."""
+
+    def __init__(self, sdpa: Callable):
+        super().__init__()
+        self.sdpa = sdpa
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.sdpa(*args, **kwargs)
+        if func is torch.Tensor.unflatten:
+            # Tensor.unflatten is Python calling super().unflatten, which dynamo cannot trace inside a
+            # torch-function mode (Flux and Wan processors use it); torch.unflatten is the same op.
+            return torch.unflatten(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+              *, ranges=None):
+    """``scaled_dot_product_attention``'s signature (BHSD), in ``mode``; cases the kernel does not cover go to SDPA.
+
+    ``ranges``: optional static ``(q_amax, k_amax, v_amax, k_mean)`` for ``int8_attention``, shaped (1, H),
+    (1, H), (1, H, D), (1, H, D) (``Calibration.ranges``; ``k_mean`` may be None).
+    """
+    mode = Mode.parse(mode)
+    if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal):
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    return int8_core(mode, query, key, value, attn_mask, scale, ranges)
+
+
+def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges):
+    """``int8_sdpa`` for a call ``kernel_takes`` (the processor has checked it already)."""
+    dtype = query.dtype
+    if dtype not in (torch.float16, torch.bfloat16):  # fp32 models: the kernel computes in fp16
+        query, key, value = (t.to(torch.float16) for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(torch.float32)
+    q_amax, k_amax, v_amax, k_mean = ranges if ranges is not None else (None, None, None, None)
+    out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,
+                         q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean)
+    return out.to(dtype)
+
+
+def kernel_takes(query, key, attn_mask=None, dropout_p=0.0, is_causal=False) -> bool:
+    """Whether an SDPA call (BHSD) is one the INT8 kernel covers: 4-D, no dropout, not causal, head dim
+    <= 256, a mask that broadcasts to (B, H, Sq, Sk). Other calls stay on SDPA."""
+    if is_causal or dropout_p > 0 or query.dim() != 4 or query.shape[-1] > MAX_HEAD_DIM:
+        return False
+    return attn_mask is None or (attn_mask.dim() <= 4 and _broadcasts(attn_mask, query, key))
+
+
+def _broadcasts(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        return torch.broadcast_shapes(mask.shape, full) == torch.Size(full)
+    except RuntimeError:
+        return False
