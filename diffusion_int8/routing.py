@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .kernels import Mode, int8_attention
+from .kernels import Mode, StaticRanges, int8_attention
 from .kernels.config import MAX_HEAD_DIM
 
 
@@ -95,8 +95,8 @@ def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
               *, ranges=None):
     """``scaled_dot_product_attention``'s signature (BHSD), in ``mode``; cases the kernel does not cover go to SDPA.
 
-    ``ranges``: optional static ``(q_amax, k_amax, v_amax, k_mean)`` for ``int8_attention``, shaped (1, H),
-    (1, H), (1, H, D), (1, H, D) (``Calibration.ranges``; ``k_mean`` may be None).
+    ``ranges``: optional ``StaticRanges`` for ``int8_attention``, shaped (1, H), (1, H), (1, H, D), (1, H, D)
+    (``Calibration.ranges``; ``k_mean`` may be None).
     """
     mode = Mode.parse(mode)
     if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal):
@@ -107,6 +107,9 @@ def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return int8_core(mode, query, key, value, attn_mask, scale, ranges)
 
 
+_NO_RANGES = StaticRanges()
+
+
 def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges):
     """``int8_sdpa`` for a call ``kernel_takes`` (the processor has checked it already)."""
     dtype = query.dtype
@@ -114,9 +117,9 @@ def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges):
         query, key, value = (t.to(torch.float16) for t in (query, key, value))
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(torch.float32)
-    q_amax, k_amax, v_amax, k_mean = ranges if ranges is not None else (None, None, None, None)
+    r = ranges if ranges is not None else _NO_RANGES
     out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,
-                         q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean)
+                         q_amax=r.q_amax, k_amax=r.k_amax, v_amax=r.v_amax, k_mean=r.k_mean)
     return out.to(dtype)
 
 

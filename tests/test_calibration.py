@@ -203,7 +203,7 @@ def test_fit_recovers_a_quadratic_and_ranges_follow_it():
 def test_static_ranges_reach_the_kernel(monkeypatch):
     model, cal = make_calibration()
     _, x = build("dit")
-    import diffusion_int8.processor as P
+    import diffusion_int8.routing as P
 
     seen = []
     real = P.int8_attention

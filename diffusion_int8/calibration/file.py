@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import Mode
+from ..kernels import Mode, StaticRanges
 from ..kernels.config import MAX_HEAD_DIM
 from ..models import attention_modules, head_dim_of
 from ..schedule import noise_level
@@ -218,8 +218,9 @@ class Calibration:
         if problems:
             raise ValueError(f"calibration of {self.meta.get('model', '?')} does not match this model: " + "; ".join(problems))
 
-    def ranges(self, layer: str, timestep: float, device: torch.device | str = "cpu", clip: str | None = None):
-        """Static ``(q_amax (1, H), k_amax (1, H), v_amax (1, H, D), k_mean (1, H, D))`` at ``timestep``,
+    def ranges(self, layer: str, timestep: float, device: torch.device | str = "cpu",
+               clip: str | None = None) -> StaticRanges:
+        """``StaticRanges(q_amax (1, H), k_amax (1, H), v_amax (1, H, D), k_mean (1, H, D))`` at ``timestep``,
         float32 on ``device``: ``int8_attention``'s static inputs.
 
         ``clip``: Q's and K's ranges from their maxima (``"max"``: nothing clipped on the calibration's
@@ -239,7 +240,7 @@ class Calibration:
         shorts = ("qmax", "kmax", "v") if clip != "p99" and has_max else ("q", "k", "v")
         out = [self._fitted(st, short, n)[..., 0] for short in shorts]
         out.append(evaluate_fit(st["fit.m"].double(), n)[..., 0] if "fit.m" in st else None)
-        return tuple(None if t is None else t.float()[None].to(device, non_blocking=True) for t in out)
+        return StaticRanges(*(None if t is None else t.float()[None].to(device, non_blocking=True) for t in out))
 
     @staticmethod
     def _fitted(st: dict[str, torch.Tensor], short: str, noise) -> torch.Tensor:

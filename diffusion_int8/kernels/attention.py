@@ -239,7 +239,7 @@ _PLANS: dict[tuple, object] = {}
 
 
 def attend(
-    quantized: tuple,
+    quantized: tq.Quantized,
     vb: torch.Tensor,
     ob: torch.Tensor,
     *,
@@ -252,7 +252,7 @@ def attend(
     ``k_tile`` for this head dim and ``pv``); ``triton_attention`` is the two in a row. Benchmarks time it
     to compare with kernels whose published speed excludes quantization.
 
-    quantized: (q8, qs, k8, ks, v8, vs) as ``quantize_qkv`` returns them; vb: the caller's V viewed
+    quantized: what ``quantize_qkv`` returns; vb: the caller's V viewed
     (B, H_kv, Sk, D), read in place for fp16 P·V; ob: the output viewed (B, H, Sq, D), written in place.
     """
     q8, qs, k8, ks, vk, vs = quantized

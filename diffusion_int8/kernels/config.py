@@ -11,6 +11,7 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -69,6 +70,17 @@ class PV(str, enum.Enum):
 
 
 _PV_CODES = {PV.FP16: 0, PV.FP8: 1, PV.INT8: 2}
+
+
+class StaticRanges(NamedTuple):
+    """Calibrated quantization inputs of one attention call (``Calibration.ranges`` gives them; float32 tensors
+    broadcastable as ``int8_attention`` documents): Q's and K's ranges per head, (B, Hq) and (B, Hkv); V's per
+    channel, (B, Hkv, D); K's smoothing vector, (B, Hkv, D). Any may be None (measured in the call)."""
+
+    q_amax: torch.Tensor | None = None
+    k_amax: torch.Tensor | None = None
+    v_amax: torch.Tensor | None = None
+    k_mean: torch.Tensor | None = None
 
 
 class Backend(str, enum.Enum):

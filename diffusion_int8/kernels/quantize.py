@@ -8,6 +8,8 @@ whole tiles without masks.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -286,6 +288,17 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
     return mean[..., :D], (None if v is None else v_channel_amax(v, vmax[..., :D], static=False))
 
 
+class Quantized(NamedTuple):
+    """``quantize_qkv``'s outputs, what the attention launch reads (shapes there)."""
+
+    q8: torch.Tensor
+    qs: torch.Tensor
+    k8: torch.Tensor
+    ks: torch.Tensor
+    v8: torch.Tensor | None
+    vs: torch.Tensor | None
+
+
 def quantize_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -310,7 +323,7 @@ def quantize_qkv(
     broadcastable to (B, H_kv, D); k_mean: static smoothing mean broadcastable to (B, H_kv, D). With
     ``k_mean`` and ``v_amax`` given (or no smoothing and fp16 P·V) there is no statistics pass. V is
     quantized only when ``pv`` is FP8 or INT8.
-    Returns q8 (B, H, Sq_pad, DP) int8, qs (B, H, Sq_pad) float32 (sm_scale·log2(e) folded in),
+    Returns ``Quantized``: q8 (B, H, Sq_pad, DP) int8, qs (B, H, Sq_pad) float32 (sm_scale·log2(e) folded in),
     k8 (B, H_kv, Sk_pad, DP) int8, ks (B, H_kv, Sk_pad) float32 (``k_groups`` scales per tile of
     ``block_n`` keys, stored per key), and v8 / vs as
     ``reference.quantize_v`` gives them (None, None for fp16 P·V). ``runner`` allocates and launches
@@ -355,7 +368,7 @@ def quantize_qkv(
         # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC
         _ROW_BLOCK, block_n, k_groups, dp, smooth_k, q_amax is not None, k_amax is not None, v_fmt, v_amax is not None,
     ), dict(enable_fp_fusion=FP_FUSION))
-    return q8, qs, k8, ks, v8, vs
+    return Quantized(q8, qs, k8, ks, v8, vs)
 
 
 def _static_amax(amax: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor):
