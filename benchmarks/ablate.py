@@ -14,17 +14,14 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 import tempfile
 
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from inputs import realistic_qkv  # noqa: E402
-
-import diffusion_int8.kernels.attention as kattn  # noqa: E402
-from diffusion_int8.kernels.config import PV  # noqa: E402
+import diffusion_int8.kernels.attention as kattn
+from diffusion_int8.kernels.config import PV
+from diffusion_int8.testing import realistic_qkv
 
 SHAPES = {"flux": (2, 24, 4608, 128), "long": (1, 16, 16384, 128), "cogvideox": (1, 24, 17550, 64), "sdxl": (2, 10, 4096, 64)}
 

@@ -13,16 +13,10 @@ import torch
 
 from diffusion_int8.kernels import reference as R
 from diffusion_int8.kernels.config import PV, interpreting
-from inputs import realistic_qkv
+from diffusion_int8.testing import cos_l1, realistic_qkv
 
 # Accuracy required against float64 attention: (min cosine, max relative L1).
 BOUNDS = {PV.FP16: (0.9995, 0.02), PV.FP8: (0.999, 0.04), PV.INT8: (0.999, 0.04)}
-
-
-def cos_l1(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    out, ref = out.double().flatten(), ref.double().flatten()
-    cos = torch.nn.functional.cosine_similarity(out, ref, 0).item()
-    return cos, ((out - ref).abs().sum() / ref.abs().sum()).item()
 
 
 def run_kernel(q, k, v, **kw):
