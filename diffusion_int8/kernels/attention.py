@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 
 from . import quantize as tq
-from .quantize import _rdiv, _round_to_int8
-from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, PV, TESTED_TRITON, tile_config
+from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, P_FLOOR, PV, TESTED_TRITON, tile_config
 from .launch import EAGER, Runner, plan_or_run, signature
-from .reference import P_FLOOR, padded_len, rows_16b_aligned, to_bhsd
+from .layout import padded_len, rows_16b_aligned, to_bhsd
+from .tl_helpers import rdiv, round_to_int8
 
 try:  # the sm_90 Gluon kernels; a Triton whose Gluon API they do not cover runs the portable kernel
     from . import hopper
@@ -97,8 +97,8 @@ def _attn_block(
     else:
         v = tl.load(v_ptrs)
         p_max = tl.maximum(tl.max(p, 1), _P_FLOOR)
-        y = tl.minimum(p * _rdiv(_INT8_MAX, p_max)[:, None], _INT8_MAX)
-        p8 = _round_to_int8(y)
+        y = tl.minimum(p * rdiv(_INT8_MAX, p_max)[:, None], _INT8_MAX)
+        p8 = round_to_int8(y)
         if DP > 128:
             # Triton 3.6 miscompiles this INT8 dot at N=256 on sm_90 (columns past 128 are wrong).
             # Small integers are exact in fp16 and every fp32 partial sum stays below 2^24, so the
@@ -179,7 +179,7 @@ def _attn_fwd_kernel(
 
     # -- normalize; rows with every key masked give 0 --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc * _rdiv(1.0, l_safe)[:, None]
+    out = acc * rdiv(1.0, l_safe)[:, None]
     if PV != 0:
         out = out * tl.load(VS + off_kv * DP + offs_d)[None, :]
     o_ptrs = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh

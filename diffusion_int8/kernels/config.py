@@ -27,6 +27,8 @@ AMAX_FLOOR = 1e-12
 # kernel loads whole tiles without masks.
 SEQ_PAD = 128
 MAX_HEAD_DIM = 256
+# Floor on a row's block maximum of P before INT8 P quantization (a fully masked block has max 0).
+P_FLOOR = 1e-30
 # Triton releases the kernels are tested with (pyproject.toml, README "Tests"); the sm_90 Gluon kernels
 # fall back to the portable kernel, with a warning, on any release whose Gluon API they cannot use
 TESTED_TRITON = "3.6.0 to 3.9.0"
