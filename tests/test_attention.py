@@ -259,6 +259,15 @@ def test_sm90_compile_failure_falls_back_once(monkeypatch):
         check(run_kernel(q, k, v, **kw), emu, ref, PV.FP16, q.dtype)
 
 
+def test_kernels_are_named_in_one_place():
+    # kernel_info and the dispatch name their kernel with config.Kernel; without a GPU the portable kernel is planned
+    from diffusion_int8.kernels import Kernel, attention, kernel_info
+
+    for mode in ("int8", "int8_fp16v", "fp16"):
+        assert kernel_info("cpu", mode)["kernel"] in set(Kernel)
+    assert attention.planned_kernel(torch.device("cpu"), PV.FP8, 128) == (Kernel.TRITON, None)
+
+
 def test_gluon_import_failure_falls_back():
     # A Triton without a Gluon name the kernels use (3.7 renamed the CTA barrier): the package imports, the portable kernel is chosen and
     # the reason is kept (a subprocess, since the import happens once)

@@ -1,7 +1,7 @@
 """Fused INT8 attention kernels (Triton), their PyTorch emulation and an upcast reference."""
 
 from .api import int8_attention, kernel_info
-from .config import PV, Backend, Mode, tile_config
+from .config import PV, Backend, Kernel, Mode, tile_config
 from .reference import attention_ref, emulate_attention
 
 __all__ = [
@@ -12,5 +12,6 @@ __all__ = [
     "Mode",
     "PV",
     "Backend",
+    "Kernel",
     "tile_config",
 ]

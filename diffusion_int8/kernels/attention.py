@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from . import quantize as tq
-from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, P_FLOOR, PV, TESTED_TRITON, tile_config
+from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, P_FLOOR, PV, TESTED_TRITON, Kernel, tile_config
 from .launch import EAGER, Runner, plan_or_run, signature
 from .layout import padded_len, rows_16b_aligned, to_bhsd
 from .tl_helpers import rdiv, round_to_int8
@@ -261,7 +261,7 @@ def attend(
     cfg = tile_config(D, pv)
     if pv is PV.FP16:
         vk, vs = vb, qs  # V read in place; vs unused
-    if sm90 and sm90_kernel_usable(ob.device) and hopper.supports(ob, vb, pv, q8.shape[-1], attn_mask is not None):
+    if sm90 and call_kernel(ob, vb, pv, q8.shape[-1], attn_mask is not None) is Kernel.SM90_GLUON:
         if hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D,
                          runner=runner):
             return
@@ -284,6 +284,24 @@ def attend(
         cfg.block_m, cfg.block_n, q8.shape[-1], pv.code, mask_kind,
         pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups,
     ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION))
+
+
+def call_kernel(ob: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, masked: bool) -> Kernel:
+    """The kernel that runs the attention of a call with output ``ob`` and V ``vb`` (both (B, H, S, D) views) at
+    padded head dim ``dp``: ``SM90_GLUON`` where the sm_90 kernels take it (should their compilation fail at
+    this first call, ``hopper.launch`` declines and the portable kernel runs), else ``TRITON``."""
+    if sm90_kernel_usable(ob.device) and hopper.supports(ob, vb, pv, dp, masked):
+        return Kernel.SM90_GLUON
+    return Kernel.TRITON
+
+
+def planned_kernel(device: torch.device, pv: PV, dp: int) -> tuple[Kernel, str | None]:
+    """The kernel an unmasked call at padded head dim ``dp`` on ``device`` runs, without running it, and why
+    the sm_90 Gluon kernel does not run where it would apply (None where it runs or does not apply)."""
+    if hopper_applies(device, pv, dp):
+        reason = sm90_unavailable()
+        return (Kernel.TRITON if reason else Kernel.SM90_GLUON), reason
+    return Kernel.TRITON, None
 
 
 def sm90_unavailable() -> str | None:
@@ -313,4 +331,4 @@ def sm90_kernel_usable(device: torch.device) -> bool:
 def _warn_sm90_import(device_index: int | None) -> None:
     if torch.cuda.get_device_capability(device_index) == (9, 0):
         warnings.warn(f"diffusion_int8: {sm90_unavailable()}; the portable Triton kernel runs instead (same "
-                      f"numerics, slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=7)
+                      f"numerics, slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=8)
