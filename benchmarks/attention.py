@@ -24,14 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from inputs import realistic_qkv  # noqa: E402
-
-from diffusion_int8 import int8_attention  # noqa: E402
-from diffusion_int8.kernels import attention as kattn  # noqa: E402
-from diffusion_int8.kernels import quantize as tq  # noqa: E402
-from diffusion_int8.kernels.config import PV, TileConfig, padded_head_dim  # noqa: E402
-from diffusion_int8.kernels.reference import attention_ref, token_mean  # noqa: E402
+from diffusion_int8 import int8_attention
+from diffusion_int8.kernels import attention as kattn
+from diffusion_int8.kernels import quantize as tq
+from diffusion_int8.kernels.config import PV, TileConfig, padded_head_dim
+from diffusion_int8.kernels.reference import attention_ref, token_mean
+from diffusion_int8.testing import cos_l1, graphed, realistic_qkv
 
 SHAPES = {  # name: (B, H, N, D), from ../shared/ANCHORS.md
     "flux": (2, 24, 4608, 128),
@@ -50,26 +48,6 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def graphed(fn):
-    """``fn`` captured in a CUDA graph: replays time the GPU work without Python and launch overhead."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        return out
-    return replay
-
-
-def accuracy(out, ref):
-    out, ref = out.double().flatten(), ref.double().flatten()
-    cos = F.cosine_similarity(out, ref, 0).item()
-    return cos, ((out - ref).abs().sum() / ref.abs().sum()).item()
-
-
 def run_shape(name, shape, dtype, sweep):
     B, H, N, D = shape
     q, k, v = realistic_qkv(B, H, N, N, D, dtype=dtype, device="cuda")
@@ -86,7 +64,7 @@ def run_shape(name, shape, dtype, sweep):
         row = {"ms": ms, "tflops": flops / ms / 1e9}
         if acc:
             out = fn()
-            row["cos"], row["rel_l1"] = accuracy(out[:, :2], ref)
+            row["cos"], row["rel_l1"] = cos_l1(out[:, :2], ref)
         rows[label] = row
         if label.startswith("[graph]"):
             graphs[label] = fn

@@ -21,14 +21,11 @@ import threading
 import time
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from inputs import realistic_qkv  # noqa: E402
-
-from diffusion_int8 import int8_attention  # noqa: E402
-from diffusion_int8.kernels import PV, attention_ref, emulate_attention  # noqa: E402
-from diffusion_int8.kernels.config import pv_for_mode, Mode  # noqa: E402
+from diffusion_int8 import int8_attention
+from diffusion_int8.kernels import PV, attention_ref, emulate_attention
+from diffusion_int8.kernels.config import pv_for_mode, Mode
+from diffusion_int8.testing import cosine, realistic_qkv
 
 SHAPES = [(1, 2, 70, 90, 64), (2, 4, 256, 256, 64), (1, 3, 130, 77, 128), (2, 2, 33, 150, 40), (1, 8, 1024, 1024, 128),
           (2, 5, 300, 300, 72), (1, 4, 2048, 226, 64)]
@@ -48,10 +45,6 @@ def make_case(shape, dtype, mask, layout, seed):
     elif mask == "float":
         m = torch.randn(B, 1, Sq, Sk, device="cuda", dtype=dtype).clamp(-2, 2)
     return q, k, v, m
-
-
-def cos(a, b):
-    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), 0).item()
 
 
 def main():
@@ -76,7 +69,7 @@ def main():
         if i % args.check_every == 0:
             emu = emulate_attention(q, k, v, layout=layout, pv=pv_for_mode(Mode(mode), q.device), attn_mask=m)
             ref = attention_ref(q, k, v, layout=layout, attn_mask=m)
-            c_emu, c_ref = cos(out, emu), cos(out, ref)
+            c_emu, c_ref = cosine(out, emu).item(), cosine(out, ref).item()
             worst["vs_emulation"] = min(worst["vs_emulation"], c_emu)
             worst["vs_float64"] = min(worst["vs_float64"], c_ref)
             if not torch.isfinite(out).all() or c_emu < 0.999:  # float64's cosine is the numerics' own (tests/)

@@ -10,23 +10,14 @@ import time
 import torch
 
 from .kernels import Mode, attention_ref, int8_attention, kernel_info
+from .testing import cos_l1, realistic_qkv
 from .usage import positive_int
-
-
-def _realistic(B, H, S, D, device, dtype, seed=0):
-    """Q/K/V with a K channel bias and a few outlier channels, as diffusion transformers show."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
-    k += 4 * torch.randn(1, 1, H, D, generator=g)
-    q[..., :2] *= 4
-    k[..., :2] *= 4
-    return [t.to(device=device, dtype=dtype) for t in (q, k, v)]
 
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     B, H, S, D = args.shape
-    q, k, v = _realistic(B, H, S, D, device, torch.float16)
+    q, k, v = realistic_qkv(B, H, S, S, D, dtype=torch.float16, layout="BSHD", device=device, seed=0)
     ref = attention_ref(q, k, v, layout="BSHD")
     print(f"attention (B={B}, H={H}, S={S}, D={D}) fp16 on {device}"
           + ("" if device.type == "cuda" else " — no GPU: INT8 modes run the PyTorch emulation of the kernel"))
@@ -34,9 +25,8 @@ def run(args: argparse.Namespace) -> int:
     for mode in Mode:
         info = kernel_info(device, mode)
         out = int8_attention(q, k, v, mode=mode, layout="BSHD")
-        o, r = out.double().flatten(), ref.flatten()
-        row = {**info, "cos": torch.nn.functional.cosine_similarity(o, r, 0).item(),
-               "rel_l1": ((o - r).abs().sum() / r.abs().sum()).item()}
+        row = dict(info)
+        row["cos"], row["rel_l1"] = cos_l1(out, ref)
         if device.type == "cuda":
             for _ in range(5):
                 int8_attention(q, k, v, mode=mode, layout="BSHD")

@@ -270,29 +270,6 @@ KEYS = (1024, 2048, 4096, 8192, 16384, 32768)
 ROWS = (1 << 15, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21)
 
 
-def _graph_ms(fn, reps: int) -> float:
-    """Median GPU time of ``fn`` replayed from a CUDA graph (launch overhead excluded, as in a warm pipeline)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-        if times[0] > 2.0 and len(times) >= 7:  # long calls vary little: fewer replays
-            break
-    del graph
-    torch.cuda.empty_cache()  # the graph's private memory pool, before the next cell allocates
-    return sorted(times)[len(times) // 2]
-
-
 def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloat16"),
             modes=("int8", "int8_fp16v"), keys=KEYS, rows=ROWS, reps: int = 20, max_work: float = 2**41,
             progress=print) -> CrossoverTable:
@@ -303,6 +280,7 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
     import torch.nn.functional as F
 
     from .kernels import int8_attention
+    from .testing import graph_ms
 
     grids = []
     cells = [(d, dt, n, r) for d in head_dims for dt in dtypes for n in keys for r in rows]
@@ -314,9 +292,9 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
         # (B, S, H, D) memory viewed (B, H, S, D), as diffusers' processors hand attention its inputs
         q, k, v = (torch.randn(1, n, bh, d, device=device, dtype=_DTYPES[dt]).transpose(1, 2) for _ in range(3))
         k += 3.0 * torch.randn(1, bh, 1, d, device=device, dtype=_DTYPES[dt])  # a K channel bias, as in real models
-        times = {"sdpa": _graph_ms(lambda: F.scaled_dot_product_attention(q, k, v), reps)}
+        times = {"sdpa": graph_ms(lambda: F.scaled_dot_product_attention(q, k, v), reps)}
         for m in modes:
-            times[m] = _graph_ms(lambda m=m: int8_attention(q, k, v, mode=m), reps)
+            times[m] = graph_ms(lambda m=m: int8_attention(q, k, v, mode=m), reps)
         results[(d, dt, n, r)] = times
         progress(f"[{i + 1}/{len(todo)}] head dim {d}, {dt}, {n} keys × {r} rows: sdpa {times['sdpa']:.3f} ms, "
                  + ", ".join(f"{m} {times['sdpa'] / times[m]:.2f}×" for m in modes)

@@ -58,7 +58,7 @@ def attention_variant(D, pv, mask, dt="fp16"):
     cfg = tile_config(D, pv)
     compile_kernel(A._attn_fwd_kernel, ptrs, set(), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=pv.code, MASK=mask,
-        V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups), divisible=("SQ_PAD", "SK_PAD", "N_FULL"))
+        V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups, ABLATE=0), divisible=("SQ_PAD", "SK_PAD", "N_FULL"))
 
 
 def hopper_variant(pv, dt="fp16"):

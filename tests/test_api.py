@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import diffusion_int8
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels import config, reference as R
-from inputs import realistic_qkv
+from diffusion_int8.testing import realistic_qkv
 from test_attention import check
 
 

@@ -13,16 +13,10 @@ import torch
 
 from diffusion_int8.kernels import reference as R
 from diffusion_int8.kernels.config import PV, interpreting
-from inputs import realistic_qkv
+from diffusion_int8.testing import cos_l1, realistic_qkv
 
 # Accuracy required against float64 attention: (min cosine, max relative L1).
 BOUNDS = {PV.FP16: (0.9995, 0.02), PV.FP8: (0.999, 0.04), PV.INT8: (0.999, 0.04)}
-
-
-def cos_l1(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    out, ref = out.double().flatten(), ref.double().flatten()
-    cos = torch.nn.functional.cosine_similarity(out, ref, 0).item()
-    return cos, ((out - ref).abs().sum() / ref.abs().sum()).item()
 
 
 def run_kernel(q, k, v, **kw):
@@ -263,6 +257,15 @@ def test_sm90_compile_failure_falls_back_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check(run_kernel(q, k, v, **kw), emu, ref, PV.FP16, q.dtype)
+
+
+def test_kernels_are_named_in_one_place():
+    # kernel_info and the dispatch name their kernel with config.Kernel; without a GPU the portable kernel is planned
+    from diffusion_int8.kernels import Kernel, attention, kernel_info
+
+    for mode in ("int8", "int8_fp16v", "fp16"):
+        assert kernel_info("cpu", mode)["kernel"] in set(Kernel)
+    assert attention.planned_kernel(torch.device("cpu"), PV.FP8, 128) == (Kernel.TRITON, None)
 
 
 def test_gluon_import_failure_falls_back():

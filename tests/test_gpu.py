@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from diffusion_int8 import int8_attention
-from diffusion_int8.kernels.reference import padded_len
-from inputs import realistic_qkv
+from diffusion_int8.kernels.layout import padded_len
+from diffusion_int8.testing import realistic_qkv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

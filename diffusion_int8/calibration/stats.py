@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import Mode
+from ..testing import cosine, rel_l1
 
 
 def quantile_lastdim(x: torch.Tensor, q: float) -> torch.Tensor:
@@ -47,10 +48,7 @@ def input_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, percentile: f
 
 def output_errors(out: torch.Tensor, exact: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per (batch, head) relative L1 (sum |out - exact| / sum |exact|) and cosine similarity, BHSD inputs."""
-    o, e = out.double().flatten(2), exact.double().flatten(2)
-    rel_l1 = (o - e).abs().sum(-1) / e.abs().sum(-1).clamp_min(1e-30)
-    cos = torch.nn.functional.cosine_similarity(o, e, dim=-1, eps=1e-30)
-    return {"rel_l1": rel_l1.float(), "cos": cos.float()}
+    return {"rel_l1": rel_l1(out, exact, start_dim=2).float(), "cos": cosine(out, exact, start_dim=2).float()}
 
 
 QUANTIZED_MODES = (Mode.INT8, Mode.INT8_FP16V)

@@ -1,7 +1,7 @@
 """Fused INT8 attention kernels (Triton), their PyTorch emulation and an upcast reference."""
 
 from .api import int8_attention, kernel_info
-from .config import PV, Backend, Mode, StaticRanges, tile_config
+from .config import PV, Backend, Kernel, Mode, StaticRanges, tile_config
 from .reference import attention_ref, emulate_attention
 
 __all__ = [
@@ -13,5 +13,6 @@ __all__ = [
     "PV",
     "Backend",
     "StaticRanges",
+    "Kernel",
     "tile_config",
 ]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
-from .config import (ENV_BACKEND, ENV_PV8, MAX_HEAD_DIM, PV, Backend, Mode, padded_head_dim, pv_for_mode,
+from .config import (ENV_BACKEND, ENV_PV8, MAX_HEAD_DIM, PV, Backend, Kernel, Mode, padded_head_dim, pv_for_mode,
                      select_backend)
 from .launch import signature
 from .ops import dispatch
@@ -171,15 +171,15 @@ def kernel_info(device: torch.device | str, mode: str | Mode = "int8", head_dim:
     device = torch.device(device)
     mode = Mode.parse(mode)
     if mode is Mode.FP16:
-        return {"mode": mode.value, "backend": "sdpa", "pv": None, "kernel": "sdpa", "reason": None}
+        return {"mode": mode.value, "backend": "sdpa", "pv": None, "kernel": Kernel.SDPA.value, "reason": None}
     backend, pv = select_backend(device), pv_for_mode(mode, device)
-    info = {"mode": mode.value, "backend": backend.value, "pv": pv.value, "kernel": backend.value, "reason": None}
+    info = {"mode": mode.value, "backend": backend.value, "pv": pv.value, "kernel": Kernel(backend.value).value,
+            "reason": None}
     if backend is Backend.TRITON and device.type == "cuda":
         from . import attention  # imports triton: only where the Triton backend runs
 
-        if attention.hopper_applies(device, pv, padded_head_dim(head_dim)):
-            info["reason"] = attention.sm90_unavailable()
-            info["kernel"] = "triton" if info["reason"] else "sm90_gluon"
+        kernel, info["reason"] = attention.planned_kernel(device, pv, padded_head_dim(head_dim))
+        info["kernel"] = kernel.value
     return info
 
 

@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 
 from . import quantize as tq
-from .quantize import _rdiv, _round_to_int8
-from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, PV, TESTED_TRITON, tile_config
+from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, P_FLOOR, PV, TESTED_TRITON, Kernel, tile_config
 from .launch import EAGER, Runner, plan_or_run, signature
-from .reference import P_FLOOR, padded_len, rows_16b_aligned, to_bhsd
+from .layout import padded_len, rows_16b_aligned, to_bhsd
+from .tl_helpers import rdiv, round_to_int8
 
 try:  # the sm_90 Gluon kernels; a Triton whose Gluon API they do not cover runs the portable kernel
     from . import hopper
@@ -35,6 +35,19 @@ _P_FLOOR = tl.constexpr(P_FLOOR)
 _FP8_P_SHIFT = tl.constexpr(FP8_P_SHIFT)
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
 
+# Ablation switches of the portable kernel, for ``benchmarks/ablate.py`` (bits of its ``ABLATE`` constexpr, given
+# through ``triton_attention``'s private ``_ablate``): each removes one piece of the work, so the results are
+# wrong by design. 0, the default, compiles the kernel as shipped: the switches are constexpr, resolved at compile
+# time, so none of them leaves code behind.
+ABLATE_EXP2 = 1  # unmasked full tiles: p = the exponent's argument, no exp2 (MUFU)
+ABLATE_ROWMAX = 2  # unmasked full tiles: the running max stays 0 (no reduction, no alpha rescale)
+ABLATE_PV_MMA = 4  # FP8 P·V: no V loads and no P·V MMA; P's row sums go into acc instead
+ABLATE_FP8_CAST = 8  # FP8 P·V: P's e4m3 conversion replaced by a bitcast of its exponent bits
+_ABLATE_EXP2 = tl.constexpr(ABLATE_EXP2)
+_ABLATE_ROWMAX = tl.constexpr(ABLATE_ROWMAX)
+_ABLATE_PV_MMA = tl.constexpr(ABLATE_PV_MMA)
+_ABLATE_FP8_CAST = tl.constexpr(ABLATE_FP8_CAST)
+
 
 @triton.jit
 def _attn_block(
@@ -42,7 +55,7 @@ def _attn_block(
     SQ, SK, D,
     stride_vs, stride_mn,
     BLOCK_N: tl.constexpr, DP: tl.constexpr, PV: tl.constexpr, MASK: tl.constexpr, TAIL: tl.constexpr,
-    P_SHIFT: tl.constexpr, K_GROUPS: tl.constexpr,
+    P_SHIFT: tl.constexpr, K_GROUPS: tl.constexpr, ABLATE: tl.constexpr,
 ):
     # -- S = Q·Kᵀ on INT8 tensor cores; logits in base 2 are qk · (q scale · k scale) --
     k = tl.load(k_ptrs)
@@ -75,9 +88,15 @@ def _attn_block(
         # the scales are positive, so each group's max is taken on the INT32 scores (first over the
         # thread's own columns) and the exponent's argument is a single FMA per score
         gmax = tl.max(tl.max(qk4, 1), 2).to(tl.float32) * qsk
-        m_new = tl.maximum(m_i, tl.max(gmax, 1))
+        if (_ABLATE_ROWMAX & ABLATE) != 0:
+            m_new = m_i * 0.0
+        else:
+            m_new = tl.maximum(m_i, tl.max(gmax, 1))
         m_safe = m_new
-        p4 = tl.math.exp2(qk4.to(tl.float32) * qsk[:, None, :, None] - (m_safe - P_SHIFT)[:, None, None, None])
+        if (_ABLATE_EXP2 & ABLATE) != 0:
+            p4 = qk4.to(tl.float32) * qsk[:, None, :, None] - (m_safe - P_SHIFT)[:, None, None, None]
+        else:
+            p4 = tl.math.exp2(qk4.to(tl.float32) * qsk[:, None, :, None] - (m_safe - P_SHIFT)[:, None, None, None])
         p = tl.reshape(p4, [qk.shape[0], BLOCK_N])
     # -- update running max and sum --
     alpha = tl.math.exp2(m_i - m_safe)
@@ -91,14 +110,21 @@ def _attn_block(
             v = tl.load(v_ptrs, mask=offs_d[None, :] < D, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     elif PV == 1:
-        v = tl.load(v_ptrs)
-        p8 = p.to(tl.float8e4nv)  # already scaled by 2^P_SHIFT through the exponent
-        acc = acc * alpha[:, None] + tl.dot(p8, v)
+        if (_ABLATE_PV_MMA & ABLATE) == 0:
+            v = tl.load(v_ptrs)
+        if (_ABLATE_FP8_CAST & ABLATE) != 0:
+            p8 = (p.to(tl.int32, bitcast=True) >> 23).to(tl.int8).to(tl.float8e4nv, bitcast=True)
+        else:
+            p8 = p.to(tl.float8e4nv)  # already scaled by 2^P_SHIFT through the exponent
+        if (_ABLATE_PV_MMA & ABLATE) != 0:
+            acc = acc * alpha[:, None] + tl.sum(p8.to(tl.float32), 1)[:, None]
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p8, v)
     else:
         v = tl.load(v_ptrs)
         p_max = tl.maximum(tl.max(p, 1), _P_FLOOR)
-        y = tl.minimum(p * _rdiv(_INT8_MAX, p_max)[:, None], _INT8_MAX)
-        p8 = _round_to_int8(y)
+        y = tl.minimum(p * rdiv(_INT8_MAX, p_max)[:, None], _INT8_MAX)
+        p8 = round_to_int8(y)
         if DP > 128:
             # Triton 3.6 miscompiles this INT8 dot at N=256 on sm_90 (columns past 128 are wrong).
             # Small integers are exact in fp16 and every fp32 partial sum stays below 2^24, so the
@@ -118,7 +144,7 @@ def _attn_fwd_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_FULL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
-    PV: tl.constexpr, MASK: tl.constexpr, V_ALIGN8: tl.constexpr, K_GROUPS: tl.constexpr,
+    PV: tl.constexpr, MASK: tl.constexpr, V_ALIGN8: tl.constexpr, K_GROUPS: tl.constexpr, ABLATE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(DP >= 32)
@@ -165,7 +191,7 @@ def _attn_fwd_kernel(
     for start_n in range(0, N_FULL, BLOCK_N):
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, start_n, offs_m, offs_n, offs_d,
-            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS,
+            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
         )
         k_ptrs += BLOCK_N * DP
         v_ptrs += v_step
@@ -174,12 +200,12 @@ def _attn_fwd_kernel(
     if N_FULL < SK:
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, N_FULL, offs_m, offs_n, offs_d,
-            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS,
+            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
         )
 
     # -- normalize; rows with every key masked give 0 --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc * _rdiv(1.0, l_safe)[:, None]
+    out = acc * rdiv(1.0, l_safe)[:, None]
     if PV != 0:
         out = out * tl.load(VS + off_kv * DP + offs_d)[None, :]
     o_ptrs = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
@@ -204,6 +230,7 @@ def triton_attention(
     out: torch.Tensor | None = None,
     sm90: bool = True,
     key: tuple | None = None,
+    _ablate: int = 0,
 ) -> torch.Tensor:
     """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
 
@@ -213,11 +240,12 @@ def triton_attention(
     it applies (``sm90=False`` forces the portable Triton kernel, for comparisons). The first call of each
     signature is recorded and later ones replay it (``launch.Plan``). ``key``: the signature of this call's
     arguments as ``int8_attention`` computed it (``out`` must then be None), so none is computed here.
+    ``_ablate``: the portable kernel's ablation switches (``ABLATE_*``), for ``benchmarks/ablate.py`` only.
     """
     if key is not None and out is None:
-        key = (*key, sm90)  # out is allocated below, so its signature follows from q's
+        key = (*key, sm90, _ablate)  # out is allocated below, so its signature follows from q's
     else:
-        key = (layout, pv, sm_scale, smooth_k, sm90, *map(signature, (q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, out)))
+        key = (layout, pv, sm_scale, smooth_k, sm90, _ablate, *map(signature, (q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, out)))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     inputs = [q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, out]
@@ -228,7 +256,8 @@ def triton_attention(
             qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
             runner=runner,
         )
-        attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, sm90=sm90, runner=runner)
+        attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, sm90=sm90, runner=runner,
+               _ablate=_ablate)
 
     plan_or_run(_PLANS, key, inputs, record)
     return out
@@ -247,6 +276,7 @@ def attend(
     attn_mask: torch.Tensor | None = None,
     sm90: bool = True,
     runner: Runner = EAGER,
+    _ablate: int = 0,
 ) -> None:
     """The attention launch alone, on ``quantize.quantize_qkv``'s outputs (made with the tile table's
     ``k_tile`` for this head dim and ``pv``); ``triton_attention`` is the two in a row. Benchmarks time it
@@ -254,6 +284,7 @@ def attend(
 
     quantized: what ``quantize_qkv`` returns; vb: the caller's V viewed
     (B, H_kv, Sk, D), read in place for fp16 P·V; ob: the output viewed (B, H, Sq, D), written in place.
+    ``_ablate``: as ``triton_attention``'s; nonzero runs the portable kernel.
     """
     q8, qs, k8, ks, vk, vs = quantized
     B, H, Sq, D = ob.shape
@@ -261,7 +292,7 @@ def attend(
     cfg = tile_config(D, pv)
     if pv is PV.FP16:
         vk, vs = vb, qs  # V read in place; vs unused
-    if sm90 and sm90_kernel_usable(ob.device) and hopper.supports(ob, vb, pv, q8.shape[-1], attn_mask is not None):
+    if sm90 and not _ablate and call_kernel(ob, vb, pv, q8.shape[-1], attn_mask is not None) is Kernel.SM90_GLUON:
         if hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D,
                          runner=runner):
             return
@@ -280,10 +311,28 @@ def attend(
         q8, qs, k8, ks, vk, vs, mask, ob,
         *vb.stride(), *mstride, *ob.stride(),
         H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
-        # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS
+        # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS, ABLATE
         cfg.block_m, cfg.block_n, q8.shape[-1], pv.code, mask_kind,
-        pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups,
+        pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, _ablate,
     ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION))
+
+
+def call_kernel(ob: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, masked: bool) -> Kernel:
+    """The kernel that runs the attention of a call with output ``ob`` and V ``vb`` (both (B, H, S, D) views) at
+    padded head dim ``dp``: ``SM90_GLUON`` where the sm_90 kernels take it (should their compilation fail at
+    this first call, ``hopper.launch`` declines and the portable kernel runs), else ``TRITON``."""
+    if sm90_kernel_usable(ob.device) and hopper.supports(ob, vb, pv, dp, masked):
+        return Kernel.SM90_GLUON
+    return Kernel.TRITON
+
+
+def planned_kernel(device: torch.device, pv: PV, dp: int) -> tuple[Kernel, str | None]:
+    """The kernel an unmasked call at padded head dim ``dp`` on ``device`` runs, without running it, and why
+    the sm_90 Gluon kernel does not run where it would apply (None where it runs or does not apply)."""
+    if hopper_applies(device, pv, dp):
+        reason = sm90_unavailable()
+        return (Kernel.TRITON if reason else Kernel.SM90_GLUON), reason
+    return Kernel.TRITON, None
 
 
 def sm90_unavailable() -> str | None:
@@ -313,4 +362,4 @@ def sm90_kernel_usable(device: torch.device) -> bool:
 def _warn_sm90_import(device_index: int | None) -> None:
     if torch.cuda.get_device_capability(device_index) == (9, 0):
         warnings.warn(f"diffusion_int8: {sm90_unavailable()}; the portable Triton kernel runs instead (same "
-                      f"numerics, slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=7)
+                      f"numerics, slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=8)

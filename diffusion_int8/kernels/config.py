@@ -28,6 +28,8 @@ AMAX_FLOOR = 1e-12
 # kernel loads whole tiles without masks.
 SEQ_PAD = 128
 MAX_HEAD_DIM = 256
+# Floor on a row's block maximum of P before INT8 P quantization (a fully masked block has max 0).
+P_FLOOR = 1e-30
 # Triton releases the kernels are tested with (pyproject.toml, README "Tests"); the sm_90 Gluon kernels
 # fall back to the portable kernel, with a warning, on any release whose Gluon API they cannot use
 TESTED_TRITON = "3.6.0 to 3.9.0"
@@ -86,6 +88,16 @@ class StaticRanges(NamedTuple):
 class Backend(str, enum.Enum):
     TRITON = "triton"
     EMULATION = "emulation"
+
+
+class Kernel(str, enum.Enum):
+    """Every implementation an attention call can run (``kernel_info``'s ``kernel``). ``Backend.TRITON`` runs
+    ``SM90_GLUON`` where it applies and can run, else ``TRITON``; ``Backend.EMULATION`` runs ``EMULATION``."""
+
+    SM90_GLUON = "sm90_gluon"  # hopper.py: sm_90, no mask, padded head dim 128, FP8 or 16-bit P·V
+    TRITON = "triton"  # attention.py: the portable Triton kernel, every other call of the Triton backend
+    EMULATION = "emulation"  # reference.emulate_attention: the kernels' numerics in PyTorch
+    SDPA = "sdpa"  # mode fp16: torch's scaled_dot_product_attention
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .config import FP8_P_SHIFT, FP_FUSION, PV, TESTED_TRITON
 from .launch import EAGER, Runner
-from .reference import rows_16b_aligned
+from .layout import rows_16b_aligned
 
 # FP8 P·V: P is scaled by 2^P_SHIFT into e4m3's normal range through the exponent's offset
 _P_SHIFT = gl.constexpr(FP8_P_SHIFT)

@@ -16,28 +16,14 @@ import triton.language as tl
 
 from .config import AMAX_FLOOR, FP8_MAX, FP_FUSION, INT8_MAX, LOG2E, PV, padded_head_dim, tile_config
 from .launch import EAGER, Runner
-from .reference import padded_len, v_channel_amax
+from .layout import padded_len, v_channel_amax
+from .tl_helpers import rdiv, round_to_int8
 
 _ROW_BLOCK = 64  # tokens per program when the scale is per token
 # Compiled kernels may only read globals that are constexpr.
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _INT8_MAX = tl.constexpr(INT8_MAX)
 _FP8_MAX = tl.constexpr(FP8_MAX)
-
-
-@triton.jit
-def _rdiv(c, x):
-    """c / x with one IEEE rounding (tl.math.div_rn), for a constant c and a tensor or scalar x."""
-    return tl.math.div_rn(x * 0.0 + c, x)
-
-
-@triton.jit
-def _round_to_int8(y):
-    # y is clamped to |y| <= 127, so adding 1.5·2²³ leaves no fractional bits: the fp32 add rounds
-    # half to even, and the integer is read from the sum's low mantissa bits (no F2I conversion, which
-    # runs on the quarter-rate pipe exp2 needs). The clamp before it keeps the compiler from fusing the
-    # scale multiply into an FMA.
-    return ((y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000).to(tl.int8)
 
 
 @triton.jit
@@ -87,8 +73,8 @@ def _quant_int8(x, AMAX, GROUPS: tl.constexpr, STATIC: tl.constexpr):
         amax = _static_range(tl.load(AMAX)) + poison * 0.0
     # the GPU's max drops a NaN operand: adding amax·0 keeps a NaN (invalid static) range
     amax = tl.maximum(amax, _AMAX_FLOOR) + amax * 0.0 + poison
-    y = tl.minimum(tl.maximum(x * _rdiv(_INT8_MAX, amax)[:, None], -_INT8_MAX), _INT8_MAX)
-    return _round_to_int8(y), tl.math.div_rn(amax, amax * 0.0 + _INT8_MAX)
+    y = tl.minimum(tl.maximum(x * rdiv(_INT8_MAX, amax)[:, None], -_INT8_MAX), _INT8_MAX)
+    return round_to_int8(y), tl.math.div_rn(amax, amax * 0.0 + _INT8_MAX)
 
 
 @triton.jit
@@ -167,15 +153,15 @@ def _quant_kv_block(
         amax = tl.where(offs_d < D, tl.maximum(amax, _AMAX_FLOOR) + amax * 0.0, 1.0)
         v, _, _, _ = _load_tile(V, stride_vb, stride_vh, stride_vs, stride_vd, pid_s, pid_bh, H, S, D, BLOCK, DP)
         if V_FMT == 1:
-            inv = _rdiv(_FP8_MAX, amax)
+            inv = rdiv(_FP8_MAX, amax)
             y = tl.minimum(tl.maximum(v * inv[None, :], -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
             # stored transposed, (DP, S_PAD): the FP8 MMA wants V K-major
             tl.store(V8 + base + offs_d[:, None] * S_PAD + offs_s[None, :], tl.trans(y))
             qmax = _FP8_MAX
         else:
-            inv = _rdiv(_INT8_MAX, amax)
+            inv = rdiv(_INT8_MAX, amax)
             y = tl.minimum(tl.maximum(v * inv[None, :], -_INT8_MAX), _INT8_MAX)
-            tl.store(V8 + base + offs_s[:, None] * DP + offs_d[None, :], _round_to_int8(y))
+            tl.store(V8 + base + offs_s[:, None] * DP + offs_d[None, :], round_to_int8(y))
             qmax = _INT8_MAX
         if pid_s == 0:
             tl.store(VS + pid_bh * DP + offs_d, tl.math.div_rn(amax, amax * 0.0 + qmax))

@@ -23,28 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import AMAX_FLOOR, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LOG2E, PV, SEQ_PAD, padded_head_dim
-
-# Floor on a row's block maximum of P before INT8 P quantization (a fully masked block has max 0).
-P_FLOOR = 1e-30
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def padded_len(n: int) -> int:
-    return cdiv(n, SEQ_PAD) * SEQ_PAD
-
-
-def to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """A (B, H, S, D) view of ``x`` given in ``layout`` (no copy)."""
-    return x if layout == "BHSD" else x.transpose(1, 2)
-
-
-def rows_16b_aligned(x: torch.Tensor) -> bool:
-    """Whether every stride but the last (which is 1) spans whole 16-byte units: vector loads and TMA."""
-    return x.stride(-1) == 1 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+from .config import AMAX_FLOOR, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LOG2E, P_FLOOR, PV, padded_head_dim
+from .layout import padded_len, static_range, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
 
 
 def _pad(x: torch.Tensor, s_pad: int, dp: int) -> torch.Tensor:
@@ -55,13 +35,6 @@ def _pad(x: torch.Tensor, s_pad: int, dp: int) -> torch.Tensor:
 def _guard(amax: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
     """Floor the range and turn it NaN where the block held a NaN/Inf (``nonfinite`` is 0 or NaN)."""
     return amax.clamp_min(AMAX_FLOOR) + nonfinite
-
-
-def static_range(amax: torch.Tensor) -> torch.Tensor:
-    """A given range as the kernels read it: itself where finite and positive, NaN elsewhere, so an invalid
-    range makes NaN of every output it reaches rather than finite, wrong values."""
-    amax = amax.float()
-    return torch.where((amax > 0) & torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
 
 
 def _div(a: float | torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
@@ -136,23 +109,6 @@ def quantize_k(
     k8 = k8.view(x.shape).permute(0, 1, 2, 4, 3, 5, 6).reshape(B, H, s_pad, dp)
     ks = ks.view(B, H, -1, 1, k_groups, 1).expand(-1, -1, -1, block_n // 8, -1, 8 // k_groups)
     return k8, ks.reshape(B, H, s_pad)
-
-
-def v_channel_amax(v: torch.Tensor, v_amax: torch.Tensor | None = None, static: bool = True) -> torch.Tensor:
-    """Per-channel range of V, floored, NaN where a channel holds a NaN/Inf, padded with 1.
-
-    v: (B, H, S, D). v_amax: a measured (e.g. ``kv_stats``) or static range broadcastable to
-    (B, H, D) (a static one, ``static=True``, is read through ``static_range``); measured here when None.
-    Returns (B, H, DP) float32.
-    """
-    B, H, S, D = v.shape
-    if v_amax is None:
-        lo, hi = torch.aminmax(v, dim=2)
-        amax = torch.maximum(-lo, hi).float()
-    else:
-        amax = (static_range(v_amax) if static else v_amax.float()).expand(B, H, D)
-    amax = amax.clamp_min(AMAX_FLOOR) + amax * 0.0  # inf * 0 = NaN
-    return F.pad(amax, (0, padded_head_dim(D) - D), value=1.0)
 
 
 def quantize_v(v: torch.Tensor, pv: PV, amax: torch.Tensor):

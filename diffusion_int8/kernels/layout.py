@@ -1,0 +1,56 @@
+"""Shapes, views and ranges shared by the kernels' launchers and their PyTorch emulation (``reference``).
+
+Nothing here computes attention: how a sequence is padded for the quantized buffers, how a layout is
+viewed as (B, H, S, D), whether a tensor's rows can be read in 16-byte units, and how a given or measured
+range is read (``static_range``, ``v_channel_amax``), which the Triton kernels and the emulation must agree on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import AMAX_FLOOR, SEQ_PAD, padded_head_dim
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded_len(n: int) -> int:
+    """Tokens of a quantized buffer holding ``n``: the next multiple of ``config.SEQ_PAD``."""
+    return cdiv(n, SEQ_PAD) * SEQ_PAD
+
+
+def to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """A (B, H, S, D) view of ``x`` given in ``layout`` (no copy)."""
+    return x if layout == "BHSD" else x.transpose(1, 2)
+
+
+def rows_16b_aligned(x: torch.Tensor) -> bool:
+    """Whether every stride but the last (which is 1) spans whole 16-byte units: vector loads and TMA."""
+    return x.stride(-1) == 1 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+
+
+def static_range(amax: torch.Tensor) -> torch.Tensor:
+    """A given range as the kernels read it: itself where finite and positive, NaN elsewhere, so an invalid
+    range makes NaN of every output it reaches rather than finite, wrong values."""
+    amax = amax.float()
+    return torch.where((amax > 0) & torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
+
+
+def v_channel_amax(v: torch.Tensor, v_amax: torch.Tensor | None = None, static: bool = True) -> torch.Tensor:
+    """Per-channel range of V, floored, NaN where a channel holds a NaN/Inf, padded with 1.
+
+    v: (B, H, S, D). v_amax: a measured (e.g. ``kv_stats``) or static range broadcastable to
+    (B, H, D) (a static one, ``static=True``, is read through ``static_range``); measured here when None.
+    Returns (B, H, DP) float32.
+    """
+    B, H, S, D = v.shape
+    if v_amax is None:
+        lo, hi = torch.aminmax(v, dim=2)
+        amax = torch.maximum(-lo, hi).float()
+    else:
+        amax = (static_range(v_amax) if static else v_amax.float()).expand(B, H, D)
+    amax = amax.clamp_min(AMAX_FLOOR) + amax * 0.0  # inf * 0 = NaN
+    return F.pad(amax, (0, padded_head_dim(D) - D), value=1.0)

@@ -1,0 +1,113 @@
+"""Helpers shared by the tests, the benchmarks and ``diffusion-int8 check``.
+
+* ``realistic_qkv``: attention inputs with the structure diffusion models show (a K channel bias, outlier
+  channels, an attention sink), never zeros or plain N(0, 1), which hide quantization errors.
+* ``cosine``, ``rel_l1``, ``cos_l1``: the accuracy of an output against a reference, in float64.
+* ``graphed``, ``graph_ms``: GPU time of a call replayed from a CUDA graph (no Python or launch overhead).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["realistic_qkv", "cosine", "rel_l1", "cos_l1", "graphed", "graph_ms"]
+
+
+def realistic_qkv(
+    B: int, H: int, Sq: int, Sk: int, D: int, *, H_kv: int | None = None,
+    dtype: torch.dtype = torch.float16, layout: str = "BHSD", device="cpu", seed: int | None = None,
+    k_bias: float = 4.0, outlier_gain: float = 20.0, n_outliers: int = 2, sink: bool = True,
+) -> list[torch.Tensor]:
+    """Fresh random q, k, v in ``layout`` (``"BHSD"`` or ``"BSHD"``), ``dtype``, on ``device``.
+
+    K carries a per-channel bias shared by all tokens (what smoothing removes) and ``n_outliers``
+    channels of both Q and K are scaled by ``outlier_gain`` / sqrt(gain) so their product stays
+    moderate; token 0 of K is a sink that every query attends to strongly; V has a channel bias.
+    The values are drawn on the CPU from a generator seeded with ``seed`` (drawn from torch's global
+    generator when None), so a seed gives the same inputs on every device.
+    """
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed if seed is not None else torch.randint(0, 2**31 - 1, ()).item())
+    H_kv = H_kv or H
+    q = torch.randn(B, H, Sq, D, generator=g)
+    k = torch.randn(B, H_kv, Sk, D, generator=g)
+    v = torch.randn(B, H_kv, Sk, D, generator=g) + 0.5 * torch.randn(B, H_kv, 1, D, generator=g)
+    k = k + k_bias * torch.randn(B, H_kv, 1, D, generator=g)
+    ch = torch.randperm(D, generator=g)[:n_outliers]
+    q[..., ch] *= outlier_gain**0.5
+    k[..., ch] *= outlier_gain**0.5
+    if sink and Sk > 1:
+        # token 0: aligned with the mean query direction, so it takes a large share of attention
+        qdir = q.mean(2, keepdim=True).view(B, H_kv, H // H_kv, 1, D).mean(2)  # per KV group
+        qdir = qdir / qdir.norm(dim=-1, keepdim=True) * D**0.5 * 1.5
+        k[:, :, :1] = qdir + k[:, :, :1] * 0.1
+    out = []
+    for t in (q, k, v):
+        t = t.to(dtype)
+        if layout == "BSHD":
+            t = t.transpose(1, 2).contiguous()
+        out.append(t.to(device))
+    return out
+
+
+def _flat(out: torch.Tensor, ref: torch.Tensor, start_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return out.double().flatten(start_dim), ref.double().flatten(start_dim)
+
+
+def cosine(out: torch.Tensor, ref: torch.Tensor, start_dim: int = 0) -> torch.Tensor:
+    """Cosine similarity of ``out`` and ``ref`` in float64, over the dims from ``start_dim`` on (all by
+    default: a 0-d tensor; ``start_dim=2`` on (B, H, S, D): one value per (batch, head))."""
+    o, r = _flat(out, ref, start_dim)
+    return F.cosine_similarity(o, r, dim=-1, eps=1e-30)
+
+
+def rel_l1(out: torch.Tensor, ref: torch.Tensor, start_dim: int = 0) -> torch.Tensor:
+    """Relative L1 error ``sum |out - ref| / sum |ref|`` in float64, over the dims from ``start_dim`` on
+    (as ``cosine``); the denominator is floored at 1e-30."""
+    o, r = _flat(out, ref, start_dim)
+    return (o - r).abs().sum(-1) / r.abs().sum(-1).clamp_min(1e-30)
+
+
+def cos_l1(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """``(cosine, rel_l1)`` of the whole tensors, as Python floats."""
+    return cosine(out, ref).item(), rel_l1(out, ref).item()
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph (after one eager call, which also compiles any kernel): the returned
+    callable replays it and returns what the captured call returned (its output buffers, rewritten by
+    each replay). Timing the replays times the GPU work without Python and launch overhead."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
+def graph_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median GPU time in ms of ``fn`` replayed from a CUDA graph (``graphed``), over ``reps`` replays, or
+    7 where the first takes over 2 ms (long calls vary little). The graph and its private memory pool
+    are released before returning."""
+    replay = graphed(fn)
+    replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        if times[0] > 2.0 and len(times) >= 7:  # long calls vary little: fewer replays
+            break
+    del replay
+    torch.cuda.empty_cache()  # the graph's private memory pool, before the next measurement allocates
+    return sorted(times)[len(times) // 2]
