@@ -467,10 +467,10 @@ class RecordingBar:
 def test_calibrate_progress_counts_denoising_steps(tmp_path, monkeypatch):
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
     from diffusion_int8.__main__ import main
-    from diffusion_int8.calibration import cli as calibrate_cli
+    from diffusion_int8.calibration import run as calibrate_run
 
     RecordingBar.made = []
-    monkeypatch.setattr(calibrate_cli, "tqdm", RecordingBar)
+    monkeypatch.setattr(calibrate_run, "tqdm", RecordingBar)
     assert main(["calibrate", "--class-labels", "red circle", "blue ring", "green triangle", "--steps", "3",
                  "--batch-size", "2", "--out", str(tmp_path / "cal")]) == 0
     (bar,) = RecordingBar.made

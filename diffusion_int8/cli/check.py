@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from .kernels import Mode, attention_ref, int8_attention, kernel_info
+from ..kernels import Mode, attention_ref, int8_attention, kernel_info
 from .usage import positive_int
 
 
