@@ -3,6 +3,13 @@
 ``evaluate`` (``run.py``) makes and scores the images and returns the report; ``write_report`` writes it.
 """
 
-from .run import evaluate, write_report
-
 __all__ = ["evaluate", "write_report"]
+
+
+def __getattr__(name: str):
+    # loaded on first use, so that importing a submodule (report, metrics) does not import run.py's dependencies
+    if name in __all__:
+        from . import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
