@@ -12,7 +12,7 @@ import os
 import re
 import sys
 
-from .usage import UsageError
+from .cli.usage import UsageError
 
 DEBUG_ENV = "DIFFUSION_INT8_DEBUG"
 
@@ -32,11 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="diffusion-int8", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help=f"show the traceback of user errors too (or set {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", required=True)  # subcommands' parsers are _Parsers too
-    from .calibration.cli import add_parser as add_calibrate
-    from .check import add_parser as add_check
-    from .demo import add_parser as add_demo
-    from .eval.cli import add_parser as add_eval
-    from .speed_gate import add_parser as add_tune
+    from .cli.calibrate import add_parser as add_calibrate
+    from .cli.check import add_parser as add_check
+    from .cli.demo import add_parser as add_demo
+    from .cli.eval import add_parser as add_eval
+    from .cli.tune import add_parser as add_tune
 
     add_demo(sub)
     add_calibrate(sub)

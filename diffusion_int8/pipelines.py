@@ -1,4 +1,5 @@
-"""What the CLIs share: loading a local pipeline, reading prompts, batching, seeding, and sharding.
+"""Running pipelines for calibration and evaluation: what to generate, batching, seeding and sharding, and
+loading a local pipeline for the command line.
 
 Under ``accelerate launch`` (or ``torchrun``) batches are dealt round-robin to the processes and the
 records gathered back; every image's seed is ``seed + its index``, so the images and statistics do
@@ -80,6 +81,27 @@ def check_labels(pipe, items: Items) -> None:
         pipe.get_label_ids(items.values)  # as generate() calls it
 
 
+def resolve_items(pipe, prompts=None, class_labels=None) -> Items:
+    """``Items`` of ``prompts`` or ``class_labels`` (not both), checked against ``pipe``; neither: the pipeline's
+    default (one image of each of its ``labels``). ``ValueError`` for labels ``pipe`` does not know."""
+    if prompts is not None and class_labels is not None:
+        raise ValueError("give prompts or class_labels, not both")
+    if isinstance(prompts, str) or isinstance(class_labels, str):
+        raise ValueError("prompts and class_labels are lists (one image each), not a single string")
+    if prompts is not None:
+        items = Items(list(prompts), "prompt")
+    elif class_labels is not None:
+        items = Items(list(class_labels), "class_labels")
+    elif hasattr(pipe, "labels") and isinstance(pipe.labels, (list, tuple)):
+        items = default_items(pipe)
+    else:
+        raise ValueError(f"{type(pipe).__name__} has no default labels: give prompts or class_labels")
+    if not items.values:
+        raise ValueError("no prompts or class labels to generate")
+    check_labels(pipe, items)
+    return items
+
+
 def default_items(pipe) -> Items:
     """For the embedded pipeline without prompts: one image of every class."""
     return Items(list(pipe.labels), "class_labels")
@@ -108,7 +130,19 @@ def load(model: str | Path, device: torch.device, dtype: torch.dtype | None = No
 
 
 def model_id(model: str | Path) -> str:
+    """``--model`` as calibration files and reports record it: ``embedded``, or the absolute path."""
     return EMBEDDED if str(model) == EMBEDDED else str(Path(model).resolve())
+
+
+def pipeline_id(pipe) -> str:
+    """A loaded pipeline's name for the records: ``embedded`` for the shipped one, else where it was loaded
+    from, else its class name."""
+    from .embedded import EMBEDDED_PATH
+
+    path = getattr(pipe, "name_or_path", None)
+    if path and Path(path).resolve() == Path(EMBEDDED_PATH).resolve():
+        return EMBEDDED
+    return str(path or type(pipe).__name__)
 
 
 def generate(pipe, items: Items, batch_items: list, indices: list[int], *, steps: int, seed: int,

@@ -468,10 +468,10 @@ class RecordingBar:
 def test_calibrate_progress_counts_denoising_steps(tmp_path, monkeypatch):
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
     from diffusion_int8.__main__ import main
-    from diffusion_int8.calibration import cli as calibrate_cli
+    from diffusion_int8.calibration import run as calibrate_run
 
     RecordingBar.made = []
-    monkeypatch.setattr(calibrate_cli, "tqdm", RecordingBar)
+    monkeypatch.setattr(calibrate_run, "tqdm", RecordingBar)
     assert main(["calibrate", "--class-labels", "red circle", "blue ring", "green triangle", "--steps", "3",
                  "--batch-size", "2", "--out", str(tmp_path / "cal")]) == 0
     (bar,) = RecordingBar.made
@@ -509,3 +509,29 @@ def test_plots_run_the_noise_the_same_way_and_name_the_layers(tmp_path, monkeypa
         assert labels[0] == names[0] and labels[-1] == names[-1]
         assert labels == names if len(names) <= 8 else (len(labels) == 8 and set(labels) <= set(names))
         assert (tmp_path / "ranges.png").stat().st_size > 0
+
+
+def test_library_calibrate_gives_the_cli_file(tmp_path, monkeypatch):
+    """``diffusion_int8.calibrate`` on a pipeline loaded in Python records what ``diffusion-int8 calibrate`` does,
+    and ``write_outputs`` writes the command's set of files."""
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+    from diffusion_int8 import calibrate
+    from diffusion_int8.__main__ import main
+    from diffusion_int8.calibration import write_outputs
+    from diffusion_int8.embedded import load_pipeline
+
+    args = ["--class-labels", "red circle", "--steps", "2", "--seed", "3"]
+    assert main(["calibrate", *args, "--out", str(tmp_path / "cli")]) == 0
+    cal = calibrate(load_pipeline(device="cpu"), class_labels=["red circle"], steps=2, seed=3, progress=False)
+    cli = Calibration.load(tmp_path / "cli")
+    assert cal.meta == cli.meta and cal.meta["model"] == "embedded"
+    assert torch.equal(cal.timesteps, cli.timesteps) and cal.layers.keys() == cli.layers.keys()
+    for name, stats in cli.layers.items():
+        for key, t in stats.items():
+            assert torch.equal(cal.layers[name][key], t), (name, key)
+    schedule = PrecisionSchedule.from_calibration(cal, 0.02)
+    write_outputs(cal, schedule, tmp_path / "lib", budget=0.02)
+    assert sorted(p.name for p in (tmp_path / "lib").iterdir()) == sorted(p.name for p in (tmp_path / "cli").iterdir())
+    assert (tmp_path / "lib" / "schedule.json").read_text() == (tmp_path / "cli" / "schedule.json").read_text()
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        write_outputs(cal, schedule, tmp_path / "lib")

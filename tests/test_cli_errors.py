@@ -11,10 +11,11 @@ import sys
 
 import pytest
 
-from diffusion_int8 import outputs, pipelines
+from diffusion_int8 import pipelines
 from diffusion_int8.__main__ import main
 from diffusion_int8.calibration import Calibration
-from diffusion_int8.usage import UsageError
+from diffusion_int8.cli import outputs
+from diffusion_int8.cli.usage import UsageError
 from test_calibration import cli_env
 
 CALIBRATE = ["calibrate", "--class-labels", "red circle", "--steps", "1", "--batch-size", "1"]
@@ -298,8 +299,8 @@ def test_interrupted_eval_keeps_the_previous_outputs(tmp_path, monkeypatch):
     out = tmp_path / "rep"
     assert main([*EVAL, "--class-labels", "red circle", "blue ring", "--out", str(out)]) == 0
     before = snapshot(out)
-    from diffusion_int8.eval import cli as eval_cli
     from diffusion_int8.eval import report
+    from diffusion_int8.eval import run as eval_run
 
     calls = []
 
@@ -309,8 +310,8 @@ def test_interrupted_eval_keeps_the_previous_outputs(tmp_path, monkeypatch):
             raise RuntimeError("interrupted")
         return real_save(*a, **kw)
 
-    real_save = eval_cli.save_images
-    for owner, name, fn in ((eval_cli, "save_images", second_image_set_fails), (report, "write_html", _raise)):
+    real_save = eval_run.save_images
+    for owner, name, fn in ((eval_run, "save_images", second_image_set_fails), (report, "write_html", _raise)):
         with monkeypatch.context() as mp:
             mp.setattr(owner, name, fn)
             with pytest.raises(RuntimeError, match="interrupted"):

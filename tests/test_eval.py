@@ -209,19 +209,19 @@ def test_non_finite_images_are_flagged_and_not_scored(tmp_path, monkeypatch, cap
     warning, and left out of the metrics (int8 scores 1 image of 3, int8_fp16v 2)."""
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
     from diffusion_int8.__main__ import main
-    from diffusion_int8.eval import cli as eval_cli
+    from diffusion_int8.eval import run as eval_run
 
-    real = eval_cli.run_variant
+    real = eval_run.run_variant
 
-    def run_variant(pipe, model, items, batches, args, device, kwargs, **kw):
-        images, speed, per_step = real(pipe, model, items, batches, args, device, kwargs, **kw)
+    def run_variant(pipe, model, items, batches, device, kwargs, **kw):
+        images, speed, per_step = real(pipe, model, items, batches, device, kwargs, **kw)
         if kwargs is None:
             images[2][0, 3, 4] = float("inf")
         elif kwargs.get("mode") == "int8":
             images[1][:, :5] = float("nan")
         return images, speed, per_step
 
-    monkeypatch.setattr(eval_cli, "run_variant", run_variant)
+    monkeypatch.setattr(eval_run, "run_variant", run_variant)
     labels = ["red circle", "yellow square", "blue ring"]
     assert main(["eval", "--class-labels", *labels, "--steps", "2", "--out", str(tmp_path / "rep")]) == 0
     err = capsys.readouterr().err
@@ -254,11 +254,11 @@ def test_non_finite_images_are_flagged_and_not_scored(tmp_path, monkeypatch, cap
 def test_eval_progress_counts_denoising_steps(tmp_path, monkeypatch):
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
     from diffusion_int8.__main__ import main
-    from diffusion_int8.eval import cli as eval_cli
+    from diffusion_int8.eval import run as eval_run
     from test_calibration import RecordingBar
 
     RecordingBar.made = []
-    monkeypatch.setattr(eval_cli, "tqdm", RecordingBar)
+    monkeypatch.setattr(eval_run, "tqdm", RecordingBar)
     assert main(["eval", "--class-labels", "red circle", "blue ring", "green triangle", "--steps", "2",
                  "--batch-size", "2", "--modes", "int8", "--generate-only", "--out", str(tmp_path / "gen")]) == 0
     (bar,) = RecordingBar.made

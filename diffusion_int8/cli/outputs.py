@@ -24,12 +24,6 @@ def _present(path: Path) -> bool:
     return path.exists() or path.is_symlink()
 
 
-def shown_out(args) -> Path:
-    """``--out`` for messages: the demo runs ``calibrate`` and ``eval`` into its own temporary directory and
-    passes the final path as ``args.shown_out``."""
-    return getattr(args, "shown_out", None) or args.out
-
-
 def check_out(out: Path, names: Sequence[str], overwrite: bool) -> None:
     """Raise ``UsageError`` unless ``out`` can receive the outputs ``names``: not a file, its parent (or the
     nearest existing ancestor) a writable directory, and none of ``names`` there unless ``overwrite``."""

@@ -13,15 +13,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .calibration import cli as calibrate_cli
-from .eval import cli as eval_cli
+from ..eval.run import OUTPUTS as EVAL_OUTPUTS
+from .calibrate import DEFAULT_BUDGET, calibrate_command
+from .eval import eval_command
 from .outputs import check_out, output_set
 from .usage import nonnegative_int, positive_float, positive_int
 
-OUTPUTS = ("calibration",) + eval_cli.OUTPUTS
+OUTPUTS = ("calibration",) + EVAL_OUTPUTS
 DEMO_BUDGET = 0.015
 # why the demo departs from calibrate's default budget; shown in --help and when the demo runs
-BUDGET_WHY = (f"Tighter than calibrate's default {calibrate_cli.DEFAULT_BUDGET} on purpose: on the shipped model int8's worst-layer error runs "
+BUDGET_WHY = (f"Tighter than calibrate's default {DEFAULT_BUDGET} on purpose: on the shipped model int8's worst-layer error runs "
               "from 0.023 at the noisiest step down to 0.010, so 0.015 keeps int8_fp16v on the 6 noisiest steps and "
               "step 18 (0.02: on the 4 noisiest only), and the demo results in the README and BENCHMARKS.md were "
               "measured with it.")
@@ -34,20 +35,19 @@ def run(args: argparse.Namespace) -> int:
         common = dict(model="embedded", prompts=None, class_labels=args.class_labels, steps=args.steps,
                       batch_size=args.batch_size, seed=args.seed, guidance_scale=None, device=args.device,
                       overwrite=False)
-        budget = f"budget {args.budget}" + (f" (calibrate's default is {calibrate_cli.DEFAULT_BUDGET}; see demo --help)"
+        budget = f"budget {args.budget}" + (f" (calibrate's default is {DEFAULT_BUDGET}; see demo --help)"
                                             if args.budget == DEMO_BUDGET else "")
         print(f"[1/2] calibrate → {args.out / 'calibration'}, {budget}")
         calib = tmp / "calibration"
-        calibrate_cli.run(argparse.Namespace(**common, out=calib, shown_out=args.out / "calibration", percentile=99.0,
-                                             budget=args.budget, per_layer=False))
+        calibrate_command(calib, **common, shown_out=args.out / "calibration", percentile=99.0, budget=args.budget,
+                          per_layer=False)
         print(f"[2/2] eval → {args.out}")
-        eval_cli.run(argparse.Namespace(**common, out=tmp, shown_out=args.out, modes=["int8", "int8_fp16v"],
-                                        schedule=str(calib / "schedule.json"), calibration=str(calib),
-                                        generate_only=False, score=None, lpips_weights=args.lpips_weights,
-                                        fid_weights=args.fid_weights,
-                                        # the demo shows INT8's quality: at the shipped model's 256 tokens a GPU's
-                                        # speed gate would send every call to SDPA
-                                        no_speed_gate=True))
+        eval_command(tmp, **common, shown_out=args.out, modes=["int8", "int8_fp16v"],
+                     schedule=str(calib / "schedule.json"), calibration=str(calib), generate_only=False,
+                     lpips_weights=args.lpips_weights, fid_weights=args.fid_weights,
+                     # the demo shows INT8's quality: at the shipped model's 256 tokens a GPU's
+                     # speed gate would send every call to SDPA
+                     no_speed_gate=True)
     print(f"open {args.out / 'report.html'}")
     return 0
 

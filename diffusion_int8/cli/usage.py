@@ -1,7 +1,7 @@
 """User errors of the command line: ``UsageError``, the wrapper that marks them, and checked argument types.
 
 ``diffusion-int8 <command>`` prints a ``UsageError`` as one line, ``diffusion-int8 <command>: error: ...``,
-and exits with status 2 (``__main__.main``); any other exception is a bug and keeps its traceback. Code
+and exits with status 2 (``diffusion_int8.__main__.main``); any other exception is a bug and keeps its traceback. Code
 that reads what the user named (files, model directories, labels) runs inside ``user_errors()``, which
 turns the ``ValueError``/``OSError`` such reading raises into a ``UsageError`` with the same message.
 """

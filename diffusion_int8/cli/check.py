@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from .kernels import Mode, attention_ref, int8_attention, kernel_info
-from .testing import cos_l1, realistic_qkv
+from ..kernels import Mode, attention_ref, int8_attention, kernel_info
+from ..testing import cos_l1, realistic_qkv
 from .usage import positive_int
 
 

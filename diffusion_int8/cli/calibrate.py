@@ -1,0 +1,79 @@
+"""``diffusion-int8 calibrate``: run a pipeline in exact attention and record what INT8 would do to it.
+
+    diffusion-int8 calibrate --model PATH --prompts prompts.txt --steps 28 --out calib/
+    accelerate launch --multi_gpu --num_processes 8 -m diffusion_int8 calibrate ...   # prompts sharded
+
+Writes to ``--out``: ``calibration.safetensors``, ``schedule.json`` (the cheapest mode per step within
+``--budget``), ``summary.md``/``summary.json`` and the plots ``ranges.png``/``errors.png``, all at once
+(``outputs.output_set``): an interrupted run leaves the previous outputs or none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from .. import pipelines
+from ..calibration import FILE_NAME, calibrate, write_outputs
+from ..calibration.run import OUTPUTS
+from ..schedule import PrecisionSchedule
+from .common import add_model_args, item_kwargs, items_for, load_pipeline, read_items
+from .outputs import check_out, output_set
+from .usage import percentile as percentile_arg, positive_float
+
+DEFAULT_BUDGET = 0.02
+
+
+def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | None = None,
+                      class_labels: list[str] | None = None, steps: int = 20, batch_size: int = 8, seed: int = 0,
+                      guidance_scale: float | None = None, device: str | None = None, overwrite: bool = False,
+                      percentile: float = 99.0, budget: float = DEFAULT_BUDGET, per_layer: bool = False,
+                      shown_out: Path | None = None) -> int:
+    """The command with its arguments as keywords (``demo`` calls it); ``shown_out``: ``out`` as messages
+    name it (the demo writes into a temporary directory). Returns the exit status."""
+    check_out(out, OUTPUTS, overwrite)
+    items = read_items(prompts, class_labels)
+    shards = pipelines.Shards(device)
+    pipe = load_pipeline(model, shards.device)
+    items = items_for(model, pipe, items)
+    if shards.is_main:
+        print(f"calibrating {type(pipelines.denoiser(pipe)).__name__} from {model} on {shards.device}: {len(items.values)} "
+              f"{'prompts' if items.kind == 'prompt' else 'labels'}, {steps} steps, {shards.world} process(es)")
+    t0 = time.time()
+    cal = calibrate(pipe, **item_kwargs(items), steps=steps, batch_size=batch_size, seed=seed,
+                    guidance_scale=guidance_scale, percentile=percentile, model=pipelines.model_id(model), shards=shards)
+    if shards.is_main:
+        schedule = PrecisionSchedule.from_calibration(cal, budget, per_layer=per_layer)
+        with output_set(out, OUTPUTS, overwrite) as tmp:
+            summary = write_outputs(cal, schedule, tmp, budget)
+        shown = shown_out or out
+        print(f"wrote {shown / FILE_NAME}, {shown / 'schedule.json'} and {shown / 'summary.md'} in {time.time() - t0:.0f} s")
+        for m, e in summary["errors"].items():
+            print(f"  {m:11s} rel L1 mean {e['mean_rel_l1']:.4f}, worst {e['max_rel_l1']:.4f} "
+                  f"({e['most_sensitive'][0]['layer']} at step {e['most_sensitive'][0]['step']})")
+        fit = summary["ranges_vs_sigma"]
+        print("  ranges vs sigma, median R² proportional/quadratic: "
+              + ", ".join(f"{k} {v['r2_proportional']:.2f}/{v['r2_quadratic']:.2f}" for k, v in fit.items()))
+        print(f"  schedule {schedule.name}: {' '.join(summary['schedule']['per_step'])}")
+    shards.barrier()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return calibrate_command(args.out, model=args.model, prompts=args.prompts, class_labels=args.class_labels,
+                             steps=args.steps, batch_size=args.batch_size, seed=args.seed,
+                             guidance_scale=args.guidance_scale, device=args.device, overwrite=args.overwrite,
+                             percentile=args.percentile, budget=args.budget, per_layer=args.per_layer)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="record per-layer ranges and per-precision errors over the schedule",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--percentile", type=percentile_arg, default=99.0, help="percentile of |Q| and |K| to record (default: %(default)s; their maxima are recorded too, and "
+                        "static ranges use the maxima unless Calibration.ranges(clip=\"p99\"))")
+    p.add_argument("--budget", type=positive_float, default=DEFAULT_BUDGET,
+                   help="largest relative L1 attention error the derived schedule accepts (default: %(default)s)")
+    p.add_argument("--per-layer", action="store_true", help="derive the schedule per layer as well as per step")
+    p.set_defaults(func=run)

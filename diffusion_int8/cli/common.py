@@ -1,0 +1,55 @@
+"""What ``calibrate`` and ``eval`` share: the model and prompt arguments, read and checked as user errors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .. import pipelines
+from .usage import UsageError, nonnegative_float, nonnegative_int, positive_int, user_errors
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Arguments shared by ``calibrate`` and ``eval``."""
+    p.add_argument("--model", default=pipelines.EMBEDDED,
+                   help=f"local diffusers pipeline directory, or '{pipelines.EMBEDDED}' (the shipped shapes model; default)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompts", type=Path, help="text file, one prompt per line")
+    src.add_argument("--class-labels", nargs="+", help="class names or ids, for class-conditional pipelines")
+    p.add_argument("--steps", type=positive_int, default=20, help="denoising steps (default: %(default)s)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="images per pipeline call (default: %(default)s)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="image i is seeded with seed + i (default: %(default)s)")
+    p.add_argument("--guidance-scale", type=nonnegative_float, default=None, help="default: the pipeline's")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: the process's GPU, else cpu)")
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace existing outputs in --out")
+
+
+def read_items(prompts: Path | None, class_labels: list[str] | None) -> pipelines.Items | None:
+    """``--prompts`` or ``--class-labels``, read before the model loads (None: the pipeline's default)."""
+    if prompts is None and class_labels is None:
+        return None
+    with user_errors():
+        return pipelines.read_items(prompts, class_labels)
+
+
+def items_for(model: str, pipe, items: pipelines.Items | None) -> pipelines.Items:
+    """``items``, or the pipeline's default; class labels checked against the pipeline."""
+    if items is None:
+        if not (hasattr(pipe, "labels") and isinstance(pipe.labels, (list, tuple))):
+            raise UsageError(f"{model} has no default labels: give --prompts FILE or --class-labels ...")
+        items = pipelines.default_items(pipe)
+    with user_errors(ValueError):
+        pipelines.check_labels(pipe, items)
+    return items
+
+
+def item_kwargs(items: pipelines.Items) -> dict:
+    """``items`` as the library functions take them: ``prompts=`` or ``class_labels=``."""
+    return {"prompts" if items.kind == "prompt" else "class_labels": items.values}
+
+
+def load_pipeline(model: str, device):
+    """``--model`` on ``device``; a directory that is not a pipeline is the user's error."""
+    with user_errors(FileNotFoundError):
+        return pipelines.load(model, device)

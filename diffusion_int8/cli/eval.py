@@ -1,0 +1,157 @@
+"""``diffusion-int8 eval``: FP16 and INT8 images with the same seeds, scored and shown side by side.
+
+    diffusion-int8 eval --model PATH --prompts prompts.txt --out report/               # modes int8, int8_fp16v
+    diffusion-int8 eval --model PATH --prompts p.txt --schedule calib/schedule.json --calibration calib/ --out r/
+    diffusion-int8 eval --generate-only ... --out imgs/         # images and timings only
+    diffusion-int8 eval --score imgs/images/fp16 other/folder --out scores/              # score folders
+    accelerate launch --multi_gpu --num_processes 8 -m diffusion_int8 eval ...         # prompts sharded
+
+Writes ``report.json``, ``report.md``, ``report.html`` and ``images/<variant>/*.png`` to ``--out``, all at
+once (``outputs.output_set``); existing reports are kept unless ``--overwrite``. ``--schedule`` and
+``--calibration`` are loaded, and the calibration checked against the model, before any image is made.
+Images with NaN or Inf values are flagged in the reports and left out of the quality metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .. import pipelines
+from ..calibration import Calibration
+from ..eval import report as R
+from ..eval.run import DEFAULT_MODES, OUTPUTS, evaluate, write_report, write_report_files
+from ..eval.score import Scorer, load_folder
+from ..kernels import Mode, kernel_info
+from ..schedule import PrecisionSchedule
+from .common import add_model_args, item_kwargs, items_for, load_pipeline, read_items
+from .outputs import check_out, output_set
+from .usage import UsageError, user_errors
+
+
+def load_inputs(schedule: str | None, calibration: str | None) -> tuple[PrecisionSchedule | None, Calibration | None]:
+    """``--schedule`` and ``--calibration``, loaded (so checked) before the model loads or any image is made."""
+    with user_errors():
+        schedule = PrecisionSchedule.load(schedule) if schedule else None
+        calibration = Calibration.load(calibration) if calibration else None
+    return schedule, calibration
+
+
+def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | None = None,
+                 class_labels: list[str] | None = None, steps: int = 20, batch_size: int = 8, seed: int = 0,
+                 guidance_scale: float | None = None, device: str | None = None, overwrite: bool = False,
+                 modes: Sequence[str] = DEFAULT_MODES, schedule: str | None = None, calibration: str | None = None,
+                 generate_only: bool = False, no_speed_gate: bool = False, lpips_weights: str | None = None,
+                 fid_weights: str | None = None, shown_out: Path | None = None) -> int:
+    """The command (without ``--score``) with its arguments as keywords (``demo`` calls it); ``shown_out``:
+    ``out`` as messages name it (the demo writes into a temporary directory). Returns the exit status."""
+    check_out(out, OUTPUTS, overwrite)
+    items = read_items(prompts, class_labels)
+    schedule, calibration = load_inputs(schedule, calibration)
+    shards = pipelines.Shards(device)
+    if shards.is_main:
+        print(f"eval on {shards.device}: INT8 kernel {kernel_info(shards.device, 'int8')['backend']}"
+              + ("" if shards.device.type == "cuda" else " (no GPU: the INT8 modes run the kernel's PyTorch emulation)"))
+    pipe = load_pipeline(model, shards.device)
+    items = items_for(model, pipe, items)
+    if calibration is not None:
+        with user_errors(ValueError):
+            calibration.validate(pipelines.denoiser(pipe))
+    report = evaluate(pipe, **item_kwargs(items), modes=modes, schedule=schedule, calibration=calibration,
+                      steps=steps, batch_size=batch_size, seed=seed, guidance_scale=guidance_scale,
+                      speed_gate=not no_speed_gate, generate_only=generate_only, lpips_weights=lpips_weights,
+                      fid_weights=fid_weights, model=pipelines.model_id(model), shards=shards)
+    if report is None:  # another process of a launch: the main one writes
+        shards.barrier()
+        return 0
+    with output_set(out, OUTPUTS, overwrite) as tmp:
+        write_report(report, tmp)
+    shown = shown_out or out
+    if generate_only:
+        print(f"wrote {len(report['images'])} image sets under {shown / 'images'} and {shown / 'report.json'} (timings only)")
+        if report["timing"]["note"]:
+            print(f"  {report['timing']['note']}")
+    else:
+        _print_summary(report, shown)
+    shards.barrier()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.score:
+        return score_folders(args)
+    return eval_command(args.out, model=args.model, prompts=args.prompts, class_labels=args.class_labels,
+                        steps=args.steps, batch_size=args.batch_size, seed=args.seed,
+                        guidance_scale=args.guidance_scale, device=args.device, overwrite=args.overwrite,
+                        modes=args.modes, schedule=args.schedule, calibration=args.calibration,
+                        generate_only=args.generate_only, no_speed_gate=args.no_speed_gate,
+                        lpips_weights=args.lpips_weights, fid_weights=args.fid_weights)
+
+
+def _print_summary(report: dict, out: Path) -> None:
+    print("wrote " + ", ".join(str(out / f) for f in R.REPORT_FILES))
+    timing = R._timing(report)
+    if timing["note"]:
+        print(f"  {timing['note']}")
+    for name, v in report["variants"].items():
+        agg = v["quality"]["aggregate"]
+        ms, base = v["speed"].get("denoiser_ms_per_step"), report["baseline"]["speed"].get("denoiser_ms_per_step")
+        ratio = R.vs_stock(base, ms) if timing["speed"] else None
+        excluded = agg["psnr"].get("excluded", 0)
+        print(f"  {name:28s} PSNR {R._fmt(agg['psnr']['mean'], 2)} dB (min {R._fmt(agg['psnr']['min'], 2)}), "
+              f"SSIM {R._fmt(agg['ssim']['mean'], 4)}" + (f", denoiser step {ms:.2f} ms: {ratio}" if ratio else "")
+              + (f"; {excluded} non-finite image(s) left out" if excluded else ""))
+    for k, v in report["metrics_available"].items():
+        if not v["available"]:
+            print(f"  {k}: unavailable: {v['reason']}")
+
+
+def score_folders(args) -> int:
+    """``--score REF CAND...``: metrics of image folders made elsewhere, matched by file name."""
+    check_out(args.out, R.REPORT_FILES, args.overwrite)
+    ref_dir, *cands = [Path(p) for p in args.score]
+    if not cands:
+        raise UsageError("--score needs a reference folder and at least one folder to score")
+    with user_errors():
+        names, ref = load_folder(ref_dir)
+        folders = [(c, *load_folder(c)) for c in cands]
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    scorer = Scorer(args.lpips_weights, args.fid_weights, device)
+    images = {ref_dir.name or str(ref_dir): ref}
+    report = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": f"folders ({ref_dir})",
+              "device": str(device), "kernel": "n/a (scoring only)", "timing": R.NO_TIMINGS, "steps": "?", "seed": "?", "num_images": len(names),
+              "items": names, "baseline": {"name": ref_dir.name, "speed": {}}, "variants": {},
+              "metrics_available": scorer.availability(), "image_dirs": {ref_dir.name: str(ref_dir)}}
+    for c, cnames, imgs in folders:
+        if cnames != names:
+            raise UsageError(f"{c} and {ref_dir} hold different file names; they are matched by name")
+        key = c.name if c.name not in images else str(c)
+        images[key] = imgs
+        report["variants"][key] = {"speed": {}, "quality": scorer.score(imgs, ref)}
+        report["image_dirs"][key] = str(c)
+    with output_set(args.out, R.REPORT_FILES, args.overwrite) as tmp:
+        write_report_files(report, images, names, tmp)
+    _print_summary(report, args.out)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="generate FP16 and INT8 images with the same seeds; report quality and speed",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--modes", nargs="*", default=list(DEFAULT_MODES), choices=[m.value for m in Mode if m is not Mode.FP16],
+                   help="constant-precision variants to compare with fp16 (default: int8 int8_fp16v)")
+    p.add_argument("--schedule", help="also a scheduled variant: a preset (balanced, …) or a schedule.json")
+    p.add_argument("--calibration", help="also a variant with static ranges from this calibration (file or directory)")
+    p.add_argument("--generate-only", action="store_true", help="write images and timings, skip the metrics")
+    p.add_argument("--no-speed-gate", action="store_true",
+                   help="run INT8 for every attention call the variant's mode covers, also where the speed gate would "
+                        "send it to SDPA (on a GPU, by default INT8 runs only for shapes where it is faster)")
+    p.add_argument("--score", nargs="+", metavar="FOLDER", help="score image folders instead: REFERENCE then candidates")
+    p.add_argument("--lpips-weights", help="torchvision AlexNet weights (alexnet-owt-7be5be79.pth) for LPIPS")
+    p.add_argument("--fid-weights", help="torch-fidelity Inception weights (weights-inception-2015-12-05-6726825d.pth) for FID/KID")
+    p.set_defaults(func=run)

@@ -1,0 +1,307 @@
+"""``evaluate()``: FP16 and INT8 images from the same seeds, scored and timed, from Python.
+
+    from diffusion_int8 import evaluate, write_report
+    report = evaluate(pipe, class_labels=["red circle", "blue ring"], steps=20, schedule="balanced")
+    report["variants"]["int8"]["quality"]["aggregate"]["psnr"]["mean"]
+    write_report(report, "report/")             # report.json, report.md, report.html, images/<variant>/*.png
+
+``diffusion-int8 eval`` is this function, over a model loaded from ``--model``, followed by ``write_report``
+into ``--out`` as one set.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import pipelines
+from ..calibration import Calibration
+from ..kernels import Mode, kernel_info
+from ..schedule import PrecisionSchedule
+from . import report as R
+from .score import Scorer, save_images
+
+BASELINE = "fp16"
+DEFAULT_MODES = ("int8", "int8_fp16v")
+OUTPUTS = R.REPORT_FILES + ("images",)
+
+
+class StepTimer:
+    """Times every denoiser forward (CUDA events on GPUs, the host clock elsewhere)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending, self.ms = [], []
+        self._pre = model.register_forward_pre_hook(self._start)
+        self._post = model.register_forward_hook(self._stop)
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _start(self, *_):
+        self.pending.append([self._now(), None])
+
+    def _stop(self, *_):
+        self.pending[-1][1] = self._now()
+
+    def collect(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.ms += [a.elapsed_time(b) for a, b in self.pending]
+        else:
+            self.ms += [(b - a) * 1e3 for a, b in self.pending]
+        self.pending = []
+
+    def remove(self) -> None:
+        self._pre.remove()
+        self._post.remove()
+
+
+def variants(modes: Sequence[str] = DEFAULT_MODES, schedule: PrecisionSchedule | None = None,
+             calibration: Calibration | None = None) -> dict[str, dict]:
+    """``{name: enable() kwargs}`` in report order; the baseline (stock pipeline) is not listed."""
+    out = {m: {"mode": m} for m in modes}
+    if schedule is not None:
+        out[f"schedule:{schedule.name}"] = {"schedule": schedule}
+    if calibration is not None:
+        base_name, base = list(out.items())[-1] if out else ("int8", {"mode": "int8"})
+        out[f"{base_name}+static-ranges"] = {**base, "calibration": calibration}
+    return out
+
+
+def run_variant(pipe, model, items, batches, device, kwargs: dict | None, *, steps: int, seed: int,
+                guidance_scale: float | None = None, speed_gate: bool = True, on_step=None):
+    """Images (by index) and speed of one variant; ``kwargs`` None runs the stock pipeline.
+
+    ``on_step(n)`` hears of every timed denoising step (the warm-up run is not counted)."""
+    from .. import enable
+
+    handle = enable(pipe, record=True, speed_gate=speed_gate, **kwargs) if kwargs is not None else None
+    timer = StepTimer(model, device)
+    images, seconds, n_images, int8_calls, gated_calls = {}, 0.0, 0, 0, 0
+    try:
+        if batches:  # warm-up (Triton compilation, allocator), not timed
+            b, batch, idx = batches[0]
+            pipelines.generate(pipe, items, batch[:1], idx[:1], steps=2, seed=seed, guidance_scale=guidance_scale)
+            timer.pending = []
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+        per_step = []
+        for b, batch, idx in batches:
+            if handle is not None:
+                handle.state.reset()
+            t0 = time.perf_counter()
+            imgs = pipelines.generate(pipe, items, batch, idx, steps=steps, seed=seed,
+                                      guidance_scale=guidance_scale, on_step=on_step)
+            seconds += time.perf_counter() - t0
+            if handle is not None:
+                int8_calls, gated_calls = int8_calls + handle.state.int8_calls, gated_calls + handle.state.gated_calls
+            n_images += len(idx)
+            images.update(zip(idx, imgs))
+            if handle is not None and handle.state.trace and not per_step:
+                per_step = _modes_per_step(handle.state.trace)
+        timer.collect()
+    finally:
+        timer.remove()
+        if handle is not None:
+            handle.disable()
+    speed = {"denoiser_ms_per_step": statistics.median(timer.ms) if timer.ms else None,
+             "denoiser_calls": len(timer.ms), "seconds_per_image": seconds / max(n_images, 1),
+             "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+             "int8_calls": int8_calls if handle is not None else None,
+             "gated_calls": gated_calls if handle is not None else None}
+    return images, speed, per_step
+
+
+def _modes_per_step(trace) -> list[str]:
+    """The most common mode of each denoiser call in a processor trace."""
+    by_step: dict[int, list[str]] = {}
+    for step, _, _, mode in trace:
+        by_step.setdefault(step, []).append(mode)
+    return [max(set(m), key=m.count) for _, m in sorted(by_step.items())]
+
+
+def generate_all(pipe, items, plan: dict, shards, *, batch_size: int, steps: int, seed: int,
+                 guidance_scale: float | None = None, speed_gate: bool = True,
+                 progress: bool = True) -> tuple[dict, dict, dict, dict]:
+    """Every variant's images (uint8, by index), speed, modes per step and the indices of non-finite images."""
+    model = pipelines.denoiser(pipe)
+    batches = shards.mine(items.batches(batch_size))
+    results, speeds, per_step, nonfinite = {}, {}, {}, {}
+    todo = {BASELINE: None, **plan}
+    # one tick per denoising step of every batch of every variant
+    bar = tqdm(total=len(todo) * len(batches) * steps, desc="generate", unit="step",
+               disable=not progress or not shards.is_main)
+    try:
+        for name, kwargs in todo.items():
+            bar.set_postfix_str(name)
+            imgs, speeds[name], per_step[name] = run_variant(
+                pipe, model, items, batches, shards.device, kwargs, steps=steps, seed=seed,
+                guidance_scale=guidance_scale, speed_gate=speed_gate, on_step=bar.update)
+            # flagged before the uint8 conversion, which would turn NaN into an ordinary (black) pixel
+            nonfinite[name] = sorted(i for i, t in imgs.items() if not torch.isfinite(t).all())
+            results[name] = {i: _to_uint8(t) for i, t in imgs.items()}
+    finally:
+        bar.close()
+    return results, speeds, per_step, nonfinite
+
+
+def _to_uint8(img: torch.Tensor) -> torch.Tensor:
+    """[0, 1] floats as uint8; NaN as 0, ±Inf as the ends of the range (flagged separately)."""
+    return (torch.nan_to_num(img, nan=0.0, posinf=1.0, neginf=0.0).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequence[int | str] | None = None,
+             modes: Sequence[str] = DEFAULT_MODES, schedule: PrecisionSchedule | str | Path | None = None,
+             calibration: Calibration | str | Path | None = None, steps: int = 20, batch_size: int = 8,
+             seed: int = 0, guidance_scale: float | None = None, speed_gate: bool = True,
+             generate_only: bool = False, lpips_weights: str | None = None, fid_weights: str | None = None,
+             model: str | None = None, shards: pipelines.Shards | None = None, progress: bool = True) -> dict | None:
+    """Generate the stock pipeline's (FP16) images and each INT8 variant's from the same seeds, time the
+    denoiser, and score every variant's images against the stock ones.
+
+    Args:
+        pipe: a diffusers pipeline (or the shipped one), on its device; its processors are restored after
+            each variant.
+        prompts: text prompts, one image each; or ``class_labels`` (names or ids) for class-conditional
+            pipelines. Neither: one image of each of the pipeline's ``labels`` (the shipped pipeline).
+        modes: constant-precision variants (``int8``, ``int8_fp16v``, ``fp16``), in report order.
+        schedule: also a scheduled variant: a ``PrecisionSchedule``, a preset name or a schedule JSON file.
+        calibration: also a variant with static ranges (the last variant's settings plus this
+            calibration): a ``Calibration`` or its file or directory; checked against the model first.
+        steps, batch_size, seed, guidance_scale: as in ``calibrate``; image ``i`` is seeded with ``seed + i``
+            in every variant.
+        speed_gate: False runs INT8 for every call a variant's mode covers (``enable(speed_gate=False)``).
+        generate_only: images and timings only, no quality metrics.
+        lpips_weights, fid_weights: local weight files for LPIPS and FID/KID (else those metrics say they are
+            unavailable and why).
+        model: the model's name in the report (default: the pipeline's ``name_or_path``).
+        shards: the process's share of the batches under ``accelerate launch`` (``pipelines.Shards``); by
+            default one is made for the denoiser's device.
+        progress: show a progress bar, one tick per timed denoising step.
+
+    Returns:
+        On the main process, the report (what ``report.json`` holds, plus ``images``): ``baseline`` and
+        ``variants`` (per variant ``speed``: ``denoiser_ms_per_step`` (median), ``seconds_per_image``,
+        ``peak_memory_mib``, ``int8_calls``, ``gated_calls``; ``quality``: per-image and aggregate PSNR,
+        SSIM, LPIPS, FID, KID, unless ``generate_only``; ``non_finite_images``: indices of images with
+        NaN/Inf, left out of the scores), ``schedule`` (its mode per step), ``timing`` (whether the times
+        are a speed measurement), ``metrics_available``, and ``images``: ``{variant: (N, 3, H, W) float32
+        tensor in [0, 1]}`` on the CPU, the baseline ``fp16`` first. None on the other processes of a launch.
+
+    Raises:
+        ValueError: class labels the pipeline does not know, a calibration of another model, or an invalid
+            schedule or calibration file (``FileNotFoundError`` where it is missing).
+    """
+    items = pipelines.resolve_items(pipe, prompts, class_labels)
+    if schedule is not None and not isinstance(schedule, PrecisionSchedule):
+        schedule = PrecisionSchedule.load(schedule)
+    if calibration is not None and not isinstance(calibration, Calibration):
+        calibration = Calibration.load(calibration)
+    if calibration is not None:
+        calibration.validate(pipelines.denoiser(pipe))
+    shards = shards or pipelines.Shards(str(pipelines.denoiser(pipe).device))
+    results, speeds, per_step, nonfinite = generate_all(
+        pipe, items, variants(modes, schedule, calibration), shards, batch_size=batch_size, steps=steps, seed=seed,
+        guidance_scale=guidance_scale, speed_gate=speed_gate, progress=progress)
+    gathered = shards.gather([(results, speeds, nonfinite)])
+    if not shards.is_main:
+        return None
+    images: dict[str, torch.Tensor] = {}
+    for name in results:
+        merged = {}
+        for res, _, _ in gathered:
+            merged.update(res[name])
+        images[name] = torch.stack([merged[i] for i in sorted(merged)]).float() / 255
+    speed = {name: _merge_speed([s[name] for _, s, _ in gathered]) for name in results}
+    bad = {name: sorted({i for _, _, nf in gathered for i in nf[name]}) for name in results}
+    _warn_nonfinite(bad)
+    model = model if model is not None else pipelines.pipeline_id(pipe)
+    report = _report_head(model, items, shards.device, steps, seed)
+    report["baseline"] = {"name": BASELINE, "speed": speed[BASELINE], "non_finite_images": bad[BASELINE]}
+    report["variants"] = {n: {"speed": speed[n], "non_finite_images": bad[n]} for n in images if n != BASELINE}
+    report["image_dirs"] = {n: f"images/{_dirname(n)}" for n in images}
+    sched_name = next((n for n in images if n.startswith("schedule:")), None)
+    if sched_name:
+        report["schedule"] = {"name": sched_name.split(":", 1)[1], "per_step": per_step[sched_name],
+                              "errors": _calibrated_errors(calibration, len(per_step[sched_name]))}
+    if generate_only:
+        report["metrics_available"] = {}
+    else:
+        scorer = Scorer(lpips_weights, fid_weights, shards.device)
+        report["metrics_available"] = scorer.availability()
+        for name in report["variants"]:
+            # an image is compared only where both it and its reference are finite
+            exclude = sorted(set(bad[name]) | set(bad[BASELINE]))
+            report["variants"][name]["quality"] = scorer.score(images[name], images[BASELINE], exclude=exclude)
+    report["images"] = images
+    return report
+
+
+def write_report(report: dict, dest: str | Path) -> list[Path]:
+    """Write what ``evaluate`` returned into the directory ``dest`` (made if missing; files there replaced):
+    ``images/<variant>/00000.png``… and ``report.json``, plus ``report.md`` and ``report.html`` unless it was
+    made with ``generate_only`` (no quality metrics). Returns the report files written."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    images = report["images"]
+    head = {k: v for k, v in report.items() if k != "images"}
+    for name, imgs in images.items():
+        save_images(imgs, dest / "images" / _dirname(name), list(range(len(imgs))))
+    if not head["metrics_available"]:  # made with generate_only: timings, no scores
+        return [R.write_json(head, dest)]
+    return write_report_files(head, images, head["items"], dest)
+
+
+def write_report_files(report: dict, images: dict, labels: list, dest: Path) -> list[Path]:
+    """``report.json``, ``report.md`` and ``report.html`` (its image grids from ``images``) in ``dest``."""
+    return [R.write_json(report, dest), R.write_markdown(report, dest), R.write_html(report, images, labels, dest)]
+
+
+def _warn_nonfinite(bad: dict[str, list[int]]) -> None:
+    """One terminal warning for every image with NaN/Inf values, by variant."""
+    flagged = {n: idx for n, idx in bad.items() if idx}
+    if flagged:
+        print("warning: images with NaN/Inf values: " + "; ".join(f"{n} #{', #'.join(map(str, idx))}" for n, idx in flagged.items())
+              + ". They are flagged in the report and left out of the quality metrics.", file=sys.stderr)
+
+
+def _merge_speed(parts: list[dict]) -> dict:
+    ms = [p["denoiser_ms_per_step"] for p in parts if p["denoiser_ms_per_step"] is not None]
+    mem = [p["peak_memory_mib"] for p in parts if p["peak_memory_mib"] is not None]
+    return {"denoiser_ms_per_step": statistics.median(ms) if ms else None,
+            "denoiser_calls": sum(p["denoiser_calls"] for p in parts),
+            "seconds_per_image": statistics.mean(p["seconds_per_image"] for p in parts),
+            "peak_memory_mib": max(mem) if mem else None, "processes": len(parts),
+            "int8_calls": None if parts[0].get("int8_calls") is None else sum(p["int8_calls"] for p in parts),
+            "gated_calls": None if parts[0].get("gated_calls") is None else sum(p["gated_calls"] for p in parts)}
+
+
+def _dirname(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_+." else "_" for c in name)
+
+
+def _calibrated_errors(calibration: Calibration | None, steps: int) -> dict | None:
+    if calibration is None or len(calibration.noise) != steps:
+        return None  # none, or calibrated at another step count: the per-step errors do not line up
+    return {m: [float(x) for x in calibration.error(m).amax(0)] for m in calibration.modes()}
+
+
+def _report_head(model: str, items, device, steps: int, seed: int) -> dict:
+    kernel = kernel_info(device, Mode.INT8)["backend"]
+    return {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": model,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "kernel": kernel, "timing": R.timing(device.type, kernel), "steps": steps, "seed": seed,
+            "num_images": len(items.values), "items": items.values}
