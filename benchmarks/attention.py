@@ -181,6 +181,7 @@ def sweep_tiles(q, k, v, D, scale, block_ns):
             for (bm, warps), bn, stages in itertools.product(programs, block_ns, (2, 3)):
                 cfg = TileConfig(bm, bn, warps, stages, original(D, pv).k_groups)
                 kattn.tile_config = lambda *_ , cfg=cfg: cfg
+                kattn._PLANS.clear()  # a plan replays the tiles it was recorded with, which its key does not name
                 try:
                     ms = bench(lambda: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale))
                 except Exception as exc:
@@ -191,6 +192,7 @@ def sweep_tiles(q, k, v, D, scale, block_ns):
             found[pv.value] = ok[:5]
     finally:
         kattn.tile_config = original
+        kattn._PLANS.clear()
     return found
 
 

@@ -51,19 +51,31 @@ class Grid:
     speedup: tuple[tuple[float | None, ...], ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "_surface", _fit_surface(self))
+        terms, coef = _fit_surface(self)
+        # the surface on a lattice of eighth-octave steps over the grid, so a call is judged by comparisons alone:
+        # under torch.compile they guard on ranges of the shape, where arithmetic on it would fix each value
+        key_edges, row_edges = _edges(self.keys), _edges(self.rows)
+        values = tuple(tuple(sum(c * t for c, t in zip(coef, _terms(terms, _unit(n, self.keys), _unit(r, self.rows))))
+                             for r in row_edges) for n in key_edges)
+        object.__setattr__(self, "_lattice", (key_edges, row_edges, values))
 
     def at(self, sk: int, rows: int) -> float | None:
-        """The fitted speed-up at ``sk`` keys and ``rows`` query rows; past the grid, that of its edge; None below
-        it (fewer keys or rows than its first). (Plain arithmetic, which torch.compile traces.)"""
-        if sk < self.keys[0] or rows < self.rows[0]:
-            return None
-        terms, coef = self._surface
-        x, y = _unit(min(int(sk), self.keys[-1]), self.keys), _unit(min(int(rows), self.rows[-1]), self.rows)
-        return sum(c * t for c, t in zip(coef, _terms(terms, x, y)))
+        """The fitted speed-up at ``sk`` keys and ``rows`` query rows (at the lattice point at or below them, an
+        eighth of an octave apart); past the grid, that of its edge; None below it (fewer keys or rows than its
+        first). (Plain comparisons, which torch.compile traces into range guards.)"""
+        key_edges, row_edges, values = self._lattice
+        i = sum(1 for e in key_edges if e <= sk) - 1
+        j = sum(1 for e in row_edges if e <= rows) - 1
+        return None if i < 0 or j < 0 else values[i][j]
 
 
-def _unit(n: int, axis: tuple[int, ...]) -> float:
+def _edges(axis: tuple[int, ...], per_octave: int = 8) -> tuple[float, ...]:
+    """Eighth-octave points from the axis' first value to its last (inclusive)."""
+    steps = round(math.log2(axis[-1] / axis[0]) * per_octave)
+    return tuple(axis[0] * 2 ** (i / per_octave) for i in range(steps + 1))
+
+
+def _unit(n: float, axis: tuple[int, ...]) -> float:
     """log2(n) mapped to [0, 1] over the axis (0 for a one-point axis), which keeps the fit well conditioned."""
     lo, hi = math.log2(axis[0]), math.log2(axis[-1])
     return 0.0 if hi == lo else (math.log2(n) - lo) / (hi - lo)

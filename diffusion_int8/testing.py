@@ -79,7 +79,9 @@ def cos_l1(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` captured in a CUDA graph (after one eager call, which also compiles any kernel): the returned
     callable replays it and returns what the captured call returned (its output buffers, rewritten by
-    each replay). Timing the replays times the GPU work without Python and launch overhead."""
+    each replay). Timing the replays times the GPU work without Python and launch overhead. The callable keeps
+    ``fn`` alive, and with it whatever ``fn`` holds: the graph reads those buffers at every replay, and a buffer
+    freed after capture would be read from released memory (the next capture empties the allocator's cache)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -89,6 +91,7 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     def replay():
         graph.replay()
         return out
+    replay.fn = fn
     return replay
 
 

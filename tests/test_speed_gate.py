@@ -30,10 +30,12 @@ def test_decisions_interpolate_small_grids():
     for i, sk in enumerate((64, 4096)):
         for j, rows in enumerate((32, 1 << 16)):
             assert t.speedup("int8", 64, torch.float16, rows, sk) == pytest.approx(((0.5, 0.9), (0.8, 1.4))[i][j])
-    # between the cells: bilinear in the logs (512 keys is halfway from 64 to 4096; 1448 rows about halfway too)
-    fx, fy = 0.5, (math.log2(1448) - 5) / 11
+    # between the cells: bilinear in the logs (512 keys is halfway from 64 to 4096, 1024 rows 5/11 of the way)
+    fx, fy = 0.5, 5 / 11
     expected = (1 - fx) * ((1 - fy) * 0.5 + fy * 0.9) + fx * ((1 - fy) * 0.8 + fy * 1.4)
-    assert t.speedup("int8", 64, torch.float16, 1448, 512) == pytest.approx(expected)
+    assert t.speedup("int8", 64, torch.float16, 1024, 512) == pytest.approx(expected)
+    # a shape between lattice points is judged at the one below it, an eighth of an octave at most
+    assert t.speedup("int8", 64, torch.float16, 1024, 530) == pytest.approx(expected)
     assert t.pays("int8", 64, torch.float16, rows=1 << 16, sk=4096)
     assert t.pays("int8", 64, torch.bfloat16, rows=1 << 20, sk=50_000)  # past the grid: its edge
     assert not t.pays("int8", 64, torch.float16, rows=1 << 16, sk=128)  # 0.9 + (1.4 - 0.9) / 6 < 1.05

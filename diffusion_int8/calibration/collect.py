@@ -18,10 +18,6 @@ MEAN_STATS = ("q_p99", "k_p99", "q_max", "k_max", "k_mean")  # averaged over ima
 MAX_STATS = ("v_amax",)  # maximum over images
 
 
-def error_keys(modes=QUANTIZED_MODES) -> list[str]:
-    return [f"err.{Mode.parse(m).value}.{metric}" for m in modes for metric in ("rel_l1", "cos")]
-
-
 class Collector:
     """Observer that accumulates per (layer, step) sums of per-head statistics over a batch of images.
 

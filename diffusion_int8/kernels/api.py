@@ -69,7 +69,8 @@ def int8_attention(
         Attention output shaped like ``q`` (contiguous in ``layout``), in ``q``'s dtype.
     """
     try:  # the call's signature; one seen before skips every check and selection below (the hot path)
-        key = None if torch.compiler.is_compiling() or type(q) is not torch.Tensor else (  # no data_ptr() to trace
+        plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+        key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
             mode, layout, scale, smooth_k, os.environ.get(ENV_BACKEND), os.environ.get(ENV_PV8),
             signature(q), signature(k), signature(v), signature(attn_mask),
             signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean))
@@ -94,7 +95,7 @@ def int8_attention(
         return out if layout == "BHSD" else out.transpose(1, 2)
     if call.empty:  # no batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    if key is not None and call.backend is Backend.TRITON and type(q) is torch.Tensor and not _dispatch_mode():
+    if key is not None and call.backend is Backend.TRITON and not _dispatch_mode():
         # plain eager tensors: straight to the launch plan of this signature (the custom op's dispatch layers do
         # nothing here but cost host time)
         from .attention import triton_attention

@@ -158,6 +158,9 @@ class Plan:
             self._stream = driver.active.get_current_stream
 
     def __call__(self, inputs: list[torch.Tensor | None]) -> None:
+        if not self.interpret and torch.cuda.current_device() != self.device.index:
+            with torch.cuda.device(self.device):  # the recorded kernels are loaded in the inputs' device's context
+                return self(inputs)
         ws = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
         if self.interpret:
             if self.zero_bytes:
@@ -202,12 +205,10 @@ def _zero(ws: torch.Tensor, ptr: int, nbytes: int, stream: int) -> None:
     """Zero ``nbytes`` at device address ``ptr`` (inside ``ws``) on ``stream``: one driver memset, a few µs of host time
     less than ``Tensor.zero_``'s fill kernel; ``zero_`` where the CUDA driver library is not at hand (ROCm)."""
     memset = _driver_memset()
-    if memset is None:
+    if memset is None or memset(ptr, 0, nbytes, stream):
+        # no driver library, or it refused: e.g. no current context on a thread whose CUDA calls so far all hit
+        # the allocator's cache (zero_ makes it current; a real fault raises there)
         ws[:nbytes].zero_()
-        return
-    err = memset(ptr, 0, nbytes, stream)
-    if err:
-        raise RuntimeError(f"cuMemsetD8Async failed with CUresult {err}")
 
 
 @functools.lru_cache(maxsize=None)
