@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from diffusion_int8.testing import graphed
+
 
 def _models():
     import diffusers as d
@@ -124,14 +126,7 @@ def _time(model, x, n, graph=False, compiled=False):
             model(**x, return_dict=False)
         step = lambda: model(**x, return_dict=False)[0]  # noqa: E731
         if graph:
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                captured = step()
-
-            def step():
-                g.replay()
-                return captured
+            step = graphed(step)
         for _ in range(n):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
