@@ -30,7 +30,7 @@ def run_kernel(q, k, v, **kw):
     return out
 
 
-def check(out, emu, ref, pv, dtype):
+def check(out, emu, ref, pv, dtype, bounds=None):
     assert out.shape == emu.shape == ref.shape
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     # kernel == emulation up to rounding of the output dtype; with 8-bit P, the GPU's exp2 can flip
@@ -52,7 +52,7 @@ def check(out, emu, ref, pv, dtype):
         # (seen: 0.027 of the largest output, D=64, 8-bit P, H100)
         err = (out.float() - emu.float()).abs().max().item()
         assert err <= atol + ref.abs().max().item() / 8, f"largest difference {err:.4g}"
-    min_cos, max_l1 = BOUNDS[pv]
+    min_cos, max_l1 = bounds or BOUNDS[pv]
     for name, o in (("kernel", out), ("emulation", emu)):
         cos, l1 = cos_l1(o, ref)
         assert cos >= min_cos and l1 <= max_l1, f"{name} {pv}: cos {cos:.6f}, rel L1 {l1:.4f}"
@@ -184,7 +184,11 @@ def test_static_k_mean(kdev, pv):
     ref = R.attention_ref(q, k, v)
     for k_amax in ((k.float() - near[:, :, None]).abs().amax((2, 3)), None):
         kw = dict(layout="BHSD", pv=pv, k_mean=near, k_amax=k_amax)
-        check(run_kernel(q, k, v, **kw), R.emulate_attention(q, k, v, **kw), ref, pv, q.dtype)
+        # a static per-head K range quantizes every K block with the head's largest range (sink token, outlier
+        # channels), coarser than the per-block scales BOUNDS are set for: over 400 draws of these inputs the
+        # emulation's worst with fp16 P·V was cos 0.99943 / rel L1 0.0231 (2% of draws past BOUNDS)
+        static = (0.999, 0.03) if k_amax is not None and pv is PV.FP16 else None
+        check(run_kernel(q, k, v, **kw), R.emulate_attention(q, k, v, **kw), ref, pv, q.dtype, static)
 
 
 def test_nonfinite_inputs_propagate(kdev):
