@@ -241,13 +241,15 @@ class SpeedGate:
         if q.device.type != "cuda" and self._fixed is None:
             return True
         B, H, Sq, D = q.shape
+        if torch.compiler.is_compiling():  # traced once per graph; a dict keyed by the shape would fix its values
+            table = self.table_for(q.device)
+            return table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2])
         key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D)
         decision = self._decisions.get(key)
         if decision is None:
             table = self.table_for(q.device)
             decision = table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2])
-            if not torch.compiler.is_compiling():
-                self._decisions[key] = decision
+            self._decisions[key] = decision
         return decision
 
 

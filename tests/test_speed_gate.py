@@ -158,3 +158,26 @@ def test_gated_counts_skip_calls_the_kernel_does_not_take():
     q4 = torch.randn(1, 2, 8, 16)
     proc._attention(q4, q4, q4, is_causal=True)
     assert proc.state.int8_calls == proc.state.gated_calls == 0
+
+
+def test_gate_decisions_guard_on_ranges_under_torch_compile():
+    # torch.compile with dynamic shapes: the gate judges a call by comparisons with its lattice, so lengths within one
+    # lattice step share a compiled graph (arithmetic on the length would fix each value and recompile per length)
+    from torch._dynamo.testing import CompileCounter
+
+    t = table(keys=(1024, 32768), rows=(1, 1 << 20), speedup=((0.5, 0.6), (1.4, 1.5)), head_dim=16)
+    gate = SpeedGate(t)
+
+    def f(q, k):
+        return q * 2 if gate.pays(Mode.INT8, q, k) else q * 3
+
+    counter = CompileCounter()
+    compiled = torch.compile(f, backend=counter, dynamic=True)
+    q = torch.randn(1, 2, 64, 16, dtype=torch.float16)
+    torch._dynamo.reset()
+    for sk in (5000, 5100, 5200):  # one eighth-octave step: [4871, 5312)
+        k = torch.randn(1, 2, sk, 16, dtype=torch.float16)
+        assert torch.equal(compiled(q, k), f(q, k))
+    assert counter.frame_count == 1
+    k = torch.randn(1, 2, 30000, 16, dtype=torch.float16)  # another step, another decision
+    assert torch.equal(compiled(q, k), f(q, k)) and counter.frame_count == 2
