@@ -85,7 +85,7 @@ def run_shape(name, shape, dtype, sweep):
 
     def quant_only(pv=PV.FP8):
         return tq.quantize_qkv(q, k, v, scale, pv)
-    add("quantization only (K/V stats, then Q/K/V, fp8)", quant_only, acc=False)
+    add("quantization only (statistics, then Q/K/V, fp8)", quant_only, acc=False)
     add("[graph] quantization only", graphed(quant_only), acc=False)
     # the attention launch alone on inputs quantized beforehand, as published INT8 kernels are timed
     out = torch.empty_like(q)
@@ -111,6 +111,9 @@ def run_shape(name, shape, dtype, sweep):
         add(label, graphed(lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale)), acc=False)
         add(f"{label}, static ranges", graphed(
             lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale, **static)), acc=False)
+        add(f"{label}, no Q·Kᵀ balance", graphed(  # what the balance's read of Q in the statistics pass costs
+            lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale, qk_balance=False)),
+            acc=False)
 
     try:
         from sageattention import sageattn

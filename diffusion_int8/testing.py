@@ -19,13 +19,16 @@ __all__ = ["realistic_qkv", "cosine", "rel_l1", "cos_l1", "graphed", "graph_ms"]
 def realistic_qkv(
     B: int, H: int, Sq: int, Sk: int, D: int, *, H_kv: int | None = None,
     dtype: torch.dtype = torch.float16, layout: str = "BHSD", device="cpu", seed: int | None = None,
-    k_bias: float = 4.0, outlier_gain: float = 20.0, n_outliers: int = 2, sink: bool = True,
+    k_bias: float = 4.0, outlier_gain: float = 20.0, n_outliers: int = 2, outliers: str = "shared",
+    sink: bool = True,
 ) -> list[torch.Tensor]:
     """Fresh random q, k, v in ``layout`` (``"BHSD"`` or ``"BSHD"``), ``dtype``, on ``device``.
 
-    K carries a per-channel bias shared by all tokens (what smoothing removes) and ``n_outliers``
-    channels of both Q and K are scaled by ``outlier_gain`` / sqrt(gain) so their product stays
-    moderate; token 0 of K is a sink that every query attends to strongly; V has a channel bias.
+    K carries a per-channel bias shared by all tokens (what smoothing removes); ``n_outliers`` channels
+    are outliers: with ``outliers="shared"`` the same channels of Q and K, each scaled by sqrt(gain) so
+    their product is ``outlier_gain`` times larger; with ``"separate"``, Q's channels and K's are drawn
+    apart and each scaled by ``outlier_gain`` (as where Q's and K's norms learned different weights).
+    Token 0 of K is a sink that every query attends to strongly; V has a channel bias.
     The values are drawn on the CPU from a generator seeded with ``seed`` (drawn from torch's global
     generator when None), so a seed gives the same inputs on every device.
     """
@@ -36,9 +39,15 @@ def realistic_qkv(
     k = torch.randn(B, H_kv, Sk, D, generator=g)
     v = torch.randn(B, H_kv, Sk, D, generator=g) + 0.5 * torch.randn(B, H_kv, 1, D, generator=g)
     k = k + k_bias * torch.randn(B, H_kv, 1, D, generator=g)
-    ch = torch.randperm(D, generator=g)[:n_outliers]
-    q[..., ch] *= outlier_gain**0.5
-    k[..., ch] *= outlier_gain**0.5
+    ch = torch.randperm(D, generator=g)
+    if outliers == "shared":
+        q[..., ch[:n_outliers]] *= outlier_gain**0.5
+        k[..., ch[:n_outliers]] *= outlier_gain**0.5
+    elif outliers == "separate":
+        q[..., ch[:n_outliers]] *= outlier_gain
+        k[..., ch[n_outliers : 2 * n_outliers]] *= outlier_gain
+    else:
+        raise ValueError(f"outliers must be 'shared' or 'separate', got {outliers!r}")
     if sink and Sk > 1:
         # token 0: aligned with the mean query direction, so it takes a large share of attention
         qdir = q.mean(2, keepdim=True).view(B, H_kv, H // H_kv, 1, D).mean(2)  # per KV group

@@ -40,16 +40,30 @@ def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict, divisible=()):
 
 
 def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
-    ptrs = {n: "*fp32" for n in ("QAMAX", "QS", "KMEAN", "KAMAX", "KS", "VRANGE", "VAMAX", "VS")}
+    """The quantization kernel and the statistics pass, or (not ``static``) the one-launch kernel for short
+    sequences too; every one with and without the Q·Kᵀ balance where it applies."""
+    ptrs = {n: "*fp32" for n in ("QAMAX", "QS", "KMEAN", "KAMAX", "KS", "VRANGE", "VAMAX", "VS", "BAL")}
     ptrs.update(Q="*" + dt, K="*" + dt, V="*" + dt, Q8="*i8", K8="*i8", V8="*fp8e4nv" if v_fmt == 1 else "*i8")
     dp = padded_head_dim(D)
     cfg = tile_config(D, PV.FP8)
-    compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
-        Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=smooth, Q_STATIC=static,
-        K_STATIC=static, V_FMT=v_fmt, V_STATIC=static), divisible=("SQ_PAD", "SK_PAD"))
-    stats = dict(K="*" + dt, V="*" + dt, KSUM="*fp32", VMAX="*fp32", DONE="*i32", KMEAN="*fp32", VRANGE="*fp32")
-    compile_kernel(Qz._kv_stats_kernel, stats, set(),
-                   dict(BLOCK=64 if dp <= 128 else 32, DP=dp, HAS_K=smooth, HAS_V=v_fmt != 0))
+    block = Qz._stats_block(dp)
+    n = 0
+    for balance in (False,) if static else (False, True):
+        compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
+            Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=smooth, Q_STATIC=static,
+            K_STATIC=static, V_FMT=v_fmt, V_STATIC=static, BALANCE=balance), divisible=("SQ_PAD", "SK_PAD"))
+        stats = dict(Q="*" + dt, K="*" + dt, V="*" + dt, PART="*fp32", DONE="*i32", MOM="*fp32")
+        compile_kernel(Qz._stats_kernel, stats, set(), dict(BLOCK=block, DP=dp, HAS_K=smooth or balance,
+                                                            HAS_V=v_fmt != 0, SMOOTH=smooth, BALANCE=balance))
+        n += 2
+        if not static:
+            fused = dict(stats, Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V8=ptrs["V8"], VS="*fp32", DUMMY="*fp32")
+            fused.pop("DONE")
+            compile_kernel(Qz._quant_fused_kernel, fused, {"scale_mult"}, dict(
+                BLOCK=block, Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, HAS_K=smooth or balance,
+                SMOOTH=smooth, V_FMT=v_fmt, BALANCE=balance), divisible=("SQ_PAD", "SK_PAD"))
+            n += 1
+    return n
 
 
 def attention_variant(D, pv, mask, dt="fp16"):
@@ -95,14 +109,13 @@ def main(everything: bool) -> int:
     else:  # every branch at least once
         quant = [(40, 1, True, False), (72, 2, False, True, "bf16"), (128, 0, True, False), (256, 1, True, True)]
         attn = [(40, PV.FP16, 0), (36, PV.FP16, 1), (64, PV.FP8, 1, "bf16"), (72, PV.INT8, 2), (128, PV.FP8, 0), (256, PV.INT8, 0)]
-    for args in quant:
-        quantize_variant(*args)
+    n_quant = sum(quantize_variant(*args) for args in quant)
     for args in attn:
         attention_variant(*args)
     hopper = [(PV.FP8,), (PV.FP16,), (PV.FP16, "bf16")]
     for args in hopper:
         hopper_variant(*args)
-    print(f"compiled {len(quant) * 2 + len(attn) + len(hopper)} kernels for {TARGET} with Triton {triton.__version__}")
+    print(f"compiled {n_quant + len(attn) + len(hopper)} kernels for {TARGET} with Triton {triton.__version__}")
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import triton
@@ -24,17 +26,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_quantization_bit_exact(kdev, D, dtype, layout):
     from diffusion_int8.kernels import quantize as TQ
 
-    S = 300 if kdev == "cpu" else 4224
-    q, k, v = realistic_qkv(2, 3, S, S, D, dtype=dtype, layout=layout, device=kdev)
+    S = 300 if kdev == "cpu" else 4224  # on CPU both fit the one-launch path; test_two_paths_agree takes the other
+    q, k, v = realistic_qkv(2, 3, S, S, D, dtype=dtype, layout=layout, device=kdev, outliers="separate")
     q, k, v = (R.to_bhsd(t, layout) for t in (q, k, v))  # strided views, as the op passes them
     q_amax = torch.full((3,), 2.5, device=kdev)
     v_amax = torch.rand(v.shape[-1], device=kdev) + 0.5
-    # K tiles of 64 and 128 keys, with one scale or 4 groups
+    # K tiles of 64 and 128 keys, with one scale or 4 groups; Q·Kᵀ balanced where no static range is given
     cases = [(PV.FP16, True, None, None, 64, 4), (PV.FP8, False, q_amax, None, 128, 1), (PV.INT8, True, None, None, 64, 1),
-             (PV.FP8, True, None, v_amax, 128, 4)]
+             (PV.FP8, True, None, v_amax, 128, 4), (PV.FP8, False, None, None, 64, 4)]
     for pv, smooth, qa, va, bn, groups in cases:
         q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.125, pv, k_tile=(bn, groups), smooth_k=smooth, q_amax=qa, v_amax=va)
-        want_q, want_k = R.quantize_q(q, 0.125, qa), R.quantize_k(k, bn, groups, smooth)
+        bal = None if qa is not None else R.balance_scales(q, k, R.token_mean(k) if smooth else None)
+        assert bal is None or (bal != 1).any()  # the outlier channels were balanced
+        want_q, want_k = R.quantize_q(q, 0.125, qa, bal), R.quantize_k(k, bn, groups, smooth, balance=bal)
         assert torch.equal(q8, want_q[0]) and torch.equal(qs, want_q[1]), pv
         assert torch.equal(k8, want_k[0]) and torch.equal(ks, want_k[1]), pv
         if pv is PV.FP16:
@@ -69,7 +73,8 @@ def test_static_k_mean_bit_exact_and_skips_the_statistics_pass(kdev, pv, monkeyp
     v_amax = v.float().abs().amax((0, 2)) * 0.9  # (H_kv, D): V's top values get clipped
     real = TQ.kv_moments
     measured = []
-    monkeypatch.setattr(TQ, "kv_moments", lambda k_, v_, *a: measured.append((k_ is None, v_ is None)) or real(k_, v_, *a))
+    monkeypatch.setattr(TQ, "kv_moments",
+                        lambda k_, v_, *a, **kw: measured.append((k_ is None, v_ is None)) or real(k_, v_, *a, **kw))
     cfg = tile_config(72, pv)
     tiles = (cfg.block_n, cfg.k_groups)
     q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, pv, k_mean=mean, v_amax=v_amax)  # the table's tile
@@ -87,6 +92,50 @@ def test_static_k_mean_bit_exact_and_skips_the_statistics_pass(kdev, pv, monkeyp
         assert torch.equal(k8, want_k[0])
         want_v = R.quantize_v(v, pv, R.v_channel_amax(v))
         assert torch.equal(_bits(v8), _bits(want_v[0])) and torch.equal(vs, want_v[1])
+
+
+@pytest.mark.parametrize("smooth", [True, False])
+def test_two_paths_agree_bit_for_bit(kdev, smooth, monkeypatch):
+    # Short sequences take one launch (statistics and quantization in one program per K/V head), longer ones
+    # a statistics pass and then the quantization; both give the emulation's result bit for bit. GQA (4 query
+    # heads per K/V head) and odd lengths; forcing the threshold to 0 sends the same call down the other path.
+    from diffusion_int8.kernels import quantize as TQ
+
+    q, k, v = realistic_qkv(1, 4, 77, 203, 72, H_kv=1, device=kdev, outliers="separate", n_outliers=3)
+    results = []
+    for limit in (TQ._FUSED_MAX_TOKENS, 0):
+        monkeypatch.setattr(TQ, "_FUSED_MAX_TOKENS", limit)
+        results.append(TQ.quantize_qkv(q, k, v, 0.3, PV.INT8, k_tile=(64, 4), smooth_k=smooth))
+    for got, other in zip(*results):
+        assert torch.equal(got, other)
+    bal = R.balance_scales(q, k, R.token_mean(k) if smooth else None)
+    assert (bal[..., :72] != 1).sum() >= 4
+    want = (*R.quantize_q(q, 0.3, None, bal), *R.quantize_k(k, 64, 4, smooth, balance=bal),
+            *R.quantize_v(v, PV.INT8, R.v_channel_amax(v)))
+    for got, w in zip(results[0], want):
+        assert torch.equal(got, w)
+
+
+def test_balance_is_exact_and_lifts_outlier_accuracy():
+    # Q·Kᵀ of the balanced tensors equals Q·Kᵀ (powers of two: no rounding), and the INT8 scores on inputs with
+    # outlier channels of Q apart from K's come much closer to the exact scores.
+    q, k, _ = realistic_qkv(2, 4, 256, 256, 64, H_kv=2, outliers="separate", n_outliers=3)
+    bal = R.balance_scales(q, k, R.token_mean(k))
+    assert ((bal.log2() - bal.log2().round()) == 0).all() and (bal != 1).any()
+    per_q = bal.repeat_interleave(2, dim=1)[:, :, None, :64]
+    qk = q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2)
+    qk_bal = (q.double() / per_q) @ (k.double().repeat_interleave(2, dim=1) * per_q).transpose(-1, -2)
+    assert torch.equal(qk, qk_bal)
+    errs = {}
+    for name, b in (("plain", None), ("balanced", bal)):
+        q8, qs = R.quantize_q(q, 1.0, None, b)
+        k8, ks = R.quantize_k(k, 64, 4, True, balance=b)
+        k8, ks = k8.repeat_interleave(2, dim=1), ks.repeat_interleave(2, dim=1)
+        s = (q8.double() @ k8.double().transpose(-1, -2)) * qs[..., None] * ks[:, :, None, :]
+        kc = k.double() - R.token_mean(k).double()[:, :, None]
+        exact = q.double() @ kc.repeat_interleave(2, dim=1).transpose(-1, -2) * math.log2(math.e)
+        errs[name] = (s[:, :, :256, :256] - exact).abs().mean().item()
+    assert errs["balanced"] < 0.5 * errs["plain"], errs
 
 
 @triton.jit

@@ -28,6 +28,7 @@ def int8_attention(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
     smooth_k: bool = True,
+    qk_balance: bool = True,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
@@ -50,6 +51,11 @@ def int8_attention(
         scale: softmax scale; default ``D ** -0.5``.
         smooth_k: subtract K's token mean per (batch, head) before quantizing (softmax is invariant
             to it; it removes the channel bias that breaks naive INT8 K).
+        qk_balance: scale Q's channels down and K's up (or the reverse) by powers of two, per (batch, K/V head,
+            channel), from their measured ranges: Q·Kᵀ is unchanged exactly, and a channel large in Q or in K
+            alone (an outlier channel) no longer sets the range every other channel of its token is quantized
+            with. Applies where no static ``q_amax``, ``k_amax`` or ``k_mean`` is given; it adds a read of Q to
+            the statistics pass.
         q_amax, k_amax: static quantization ranges broadcastable to (B, Hq) / (B, Hkv), e.g. per-head
             calibrated ranges (``Calibration.ranges``; ``k_amax`` is of the smoothed K). Values beyond
             are clipped. Ranges must be finite and positive: on CPU tensors (and with ``check_finite``)
@@ -71,7 +77,7 @@ def int8_attention(
     try:  # the call's signature; one seen before skips every check and selection below (the hot path)
         plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
-            mode, layout, scale, smooth_k, os.environ.get(ENV_BACKEND), os.environ.get(ENV_PV8),
+            mode, layout, scale, smooth_k, qk_balance, os.environ.get(ENV_BACKEND), os.environ.get(ENV_PV8),
             signature(q), signature(k), signature(v), signature(attn_mask),
             signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean))
         call = _CALLS.get(key)
@@ -101,11 +107,12 @@ def int8_attention(
         from .attention import triton_attention
 
         return triton_attention(q, k, v, layout=layout, pv=call.pv, sm_scale=call.scale, smooth_k=smooth_k,
+                                qk_balance=qk_balance,
                                 attn_mask=attn_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
                                 key=key)
     return dispatch(
         q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, layout, call.pv.value, call.scale, smooth_k,
-        call.backend.value,
+        bool(qk_balance), call.backend.value,
     )
 
 

@@ -222,6 +222,7 @@ def triton_attention(
     pv: PV,
     sm_scale: float,
     smooth_k: bool = True,
+    qk_balance: bool = True,
     attn_mask: torch.Tensor | None = None,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
@@ -235,8 +236,8 @@ def triton_attention(
     """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
 
     Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype). Three launches
-    (K/V statistics, Q/K/V quantization, attention; two when K's mean and V's range are static or not
-    needed) and no host synchronization. On sm_90 the attention launch is the Gluon kernel of ``hopper`` where
+    (statistics, Q/K/V quantization, attention; two when nothing is measured, or when both sequences are
+    short and the statistics and the quantization run in one) and no host synchronization. On sm_90 the attention launch is the Gluon kernel of ``hopper`` where
     it applies (``sm90=False`` forces the portable Triton kernel, for comparisons). The first call of each
     signature is recorded and later ones replay it (``launch.Plan``). ``key``: the signature of this call's
     arguments as ``int8_attention`` computed it (``out`` must then be None), so none is computed here.
@@ -245,7 +246,7 @@ def triton_attention(
     if key is not None and out is None:
         key = (*key, sm90, _ablate)  # out is allocated below, so its signature follows from q's
     else:
-        key = (layout, pv, sm_scale, smooth_k, sm90, _ablate, *map(signature, (q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, out)))
+        key = (layout, pv, sm_scale, smooth_k, qk_balance, sm90, _ablate, *map(signature, (q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, out)))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     inputs = [q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, out]
@@ -253,7 +254,7 @@ def triton_attention(
     def record(runner):
         qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
         quantized = tq.quantize_qkv(  # K quantized in the tile table's K tiles, which attend() runs
-            qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
+            qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, qk_balance=qk_balance, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
             runner=runner,
         )
         attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, sm90=sm90, runner=runner,

@@ -24,6 +24,10 @@ FP8_P_SHIFT = 8.0
 FP8_MAX = 448.0
 # Lower bound on a quantization range, so an all-zero block gets a finite scale.
 AMAX_FLOOR = 1e-12
+# Q·Kᵀ channel balance (``reference.balance_scales``): powers of two from 2**-15 to 2**15
+BALANCE_MAX_LOG2 = 15
+# ... applied to a channel only where Q's and K's ranges differ by more than this many binary orders
+BALANCE_DEAD_BAND = 2
 # Quantized Q/K/V buffers are padded to a multiple of this many tokens, so the attention
 # kernel loads whole tiles without masks.
 SEQ_PAD = 128

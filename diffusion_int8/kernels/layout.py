@@ -54,3 +54,9 @@ def v_channel_amax(v: torch.Tensor, v_amax: torch.Tensor | None = None, static: 
         amax = (static_range(v_amax) if static else v_amax.float()).expand(B, H, D)
     amax = amax.clamp_min(AMAX_FLOOR) + amax * 0.0  # inf * 0 = NaN
     return F.pad(amax, (0, padded_head_dim(D) - D), value=1.0)
+
+
+def balance_applies(qk_balance: bool, q_amax, k_amax, k_mean) -> bool:
+    """Whether a call balances Q·Kᵀ's channels: asked for, and Q's and K's ranges and K's mean measured (static
+    ones were taken of the unbalanced tensors)."""
+    return qk_balance and q_amax is None and k_amax is None and k_mean is None

@@ -31,11 +31,12 @@ def _quantized_attention(
     pv: str,
     sm_scale: float,
     smooth_k: bool,
+    qk_balance: bool,
     backend: str,
 ) -> torch.Tensor:
     """INT8 Q·Kᵀ attention on validated inputs; ``backend`` is a ``Backend`` value, ``pv`` a ``PV`` value."""
     kwargs = dict(
-        layout=layout, pv=PV(pv), sm_scale=sm_scale, smooth_k=smooth_k,
+        layout=layout, pv=PV(pv), sm_scale=sm_scale, smooth_k=smooth_k, qk_balance=qk_balance,
         attn_mask=attn_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
     )
     if backend == Backend.TRITON.value:
@@ -49,7 +50,7 @@ quantized_attention = torch.library.custom_op("diffusion_int8::quantized_attenti
 
 
 @quantized_attention.register_fake
-def _(q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, layout, pv, sm_scale, smooth_k, backend):
+def _(q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, layout, pv, sm_scale, smooth_k, qk_balance, backend):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import AMAX_FLOOR, FP8_MAX, FP_FUSION, INT8_MAX, LOG2E, PV, padded_head_dim, tile_config
+from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP_FUSION, INT8_MAX, LOG2E, PV, padded_head_dim, tile_config
 from .launch import EAGER, Runner
-from .layout import padded_len, v_channel_amax
+from .layout import balance_applies, padded_len, v_channel_amax
 from .tl_helpers import rdiv, round_to_int8
 
 _ROW_BLOCK = 64  # tokens per program when the scale is per token
@@ -24,6 +24,11 @@ _ROW_BLOCK = 64  # tokens per program when the scale is per token
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _INT8_MAX = tl.constexpr(INT8_MAX)
 _FP8_MAX = tl.constexpr(FP8_MAX)
+_BALANCE_MAX_LOG2 = tl.constexpr(BALANCE_MAX_LOG2)
+_BALANCE_DEAD_BAND = tl.constexpr(BALANCE_DEAD_BAND)
+# Both sequences at most this long (queries counted over the query heads of a K/V head): one program per
+# K/V head measures and quantizes (``_quant_fused_kernel``), one launch instead of two
+_FUSED_MAX_TOKENS = 1024
 
 
 @triton.jit
@@ -79,7 +84,7 @@ def _quant_int8(x, AMAX, GROUPS: tl.constexpr, STATIC: tl.constexpr):
 
 @triton.jit
 def _quant_qkv_kernel(
-    Q, QAMAX, Q8, QS, K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS,
+    Q, QAMAX, Q8, QS, K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -88,7 +93,7 @@ def _quant_qkv_kernel(
     H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, scale_mult,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, K_GROUPS: tl.constexpr, DP: tl.constexpr,
     SMOOTH: tl.constexpr, Q_STATIC: tl.constexpr, K_STATIC: tl.constexpr, V_FMT: tl.constexpr,
-    V_STATIC: tl.constexpr,
+    V_STATIC: tl.constexpr, BALANCE: tl.constexpr,
 ):
     # One launch for Q, K and V: programs [0, NQ) take Q_BLOCK tokens of Q, the rest one K tile of
     # K_BLOCK tokens (K_GROUPS scales) and the same tokens of V.
@@ -96,27 +101,30 @@ def _quant_qkv_kernel(
     if pid < NQ:
         n_s = SQ_PAD // Q_BLOCK
         _quant_q_block(
-            Q, QAMAX, Q8, QS, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
-            pid % n_s, pid // n_s, H, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, Q_STATIC,
+            Q, QAMAX, Q8, QS, BAL, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
+            pid % n_s, pid // n_s, H, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, Q_STATIC, BALANCE,
         )
     else:
         n_s = SK_PAD // K_BLOCK
         _quant_kv_block(
-            K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS,
+            K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL,
             stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
             stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
             (pid - NQ) % n_s, (pid - NQ) // n_s, H_KV, SK, D, SK_PAD,
-            K_BLOCK, K_GROUPS, DP, SMOOTH, K_STATIC, V_FMT, V_STATIC,
+            K_BLOCK, K_GROUPS, DP, SMOOTH, K_STATIC, V_FMT, V_STATIC, BALANCE,
         )
 
 
 @triton.jit
 def _quant_q_block(
-    Q, QAMAX, Q8, QS, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
-    pid_s, pid_bh, H, SQ, D, SQ_PAD, scale_mult,
-    BLOCK: tl.constexpr, DP: tl.constexpr, STATIC: tl.constexpr,
+    Q, QAMAX, Q8, QS, BAL, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
+    pid_s, pid_bh, H, H_KV, SQ, D, SQ_PAD, scale_mult,
+    BLOCK: tl.constexpr, DP: tl.constexpr, STATIC: tl.constexpr, BALANCE: tl.constexpr,
 ):
     x, offs_s, offs_d, _ = _load_tile(Q, stride_qb, stride_qh, stride_qs, stride_qd, pid_s, pid_bh, H, SQ, D, BLOCK, DP)
+    if BALANCE:  # Q's channels divided by the (power-of-two) balance of their K/V head's channels: exact
+        kv = pid_bh // H * H_KV + pid_bh % H // (H // H_KV)
+        x = x * rdiv(1.0, tl.load(BAL + kv * DP + offs_d))[None, :]
     q8, qs = _quant_int8(x, QAMAX + (pid_bh // H) * stride_qab + (pid_bh % H) * stride_qah, 0, STATIC)
     tl.store(Q8 + pid_bh.to(tl.int64) * SQ_PAD * DP + offs_s[:, None] * DP + offs_d[None, :], q8)
     tl.store(QS + pid_bh * SQ_PAD + offs_s, qs * scale_mult)
@@ -124,21 +132,23 @@ def _quant_q_block(
 
 @triton.jit
 def _quant_kv_block(
-    K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS,
+    K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL,
     stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
     stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
     pid_s, pid_bh, H, S, D, S_PAD,
     BLOCK: tl.constexpr, GROUPS: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
-    V_FMT: tl.constexpr, V_STATIC: tl.constexpr,
+    V_FMT: tl.constexpr, V_STATIC: tl.constexpr, BALANCE: tl.constexpr,
 ):
     # One K tile and the same tokens of V (V_FMT: 0 none, 1 FP8, 2 INT8), with K's mean
-    # (measured by kv_moments or static, read through strides) and V's range from kv_moments (read from
-    # VAMAX instead if V_STATIC).
+    # (measured by the statistics pass or static, read through strides), K's channel balance (BALANCE) and
+    # V's range from the statistics pass (read from VAMAX instead if V_STATIC).
     b, h = pid_bh // H, pid_bh % H
     x, offs_s, offs_d, valid = _load_tile(K, stride_kb, stride_kh, stride_ks, stride_kd, pid_s, pid_bh, H, S, D, BLOCK, DP)
     if SMOOTH:
         mean = tl.load(KMEAN + b * stride_kmb + h * stride_kmh + offs_d * stride_kmd, mask=offs_d < D, other=0.0)
         x = tl.where(valid, x - mean[None, :], 0.0)
+    if BALANCE:
+        x = x * tl.load(BAL + pid_bh * DP + offs_d)[None, :]
     k8, ks = _quant_int8(x, KAMAX + b * stride_kab + h * stride_kah, GROUPS, STATIC)
     base = pid_bh.to(tl.int64) * S_PAD * DP
     tl.store(K8 + base + offs_s[:, None] * DP + offs_d[None, :], k8)
@@ -167,99 +177,232 @@ def _quant_kv_block(
             tl.store(VS + pid_bh * DP + offs_d, tl.math.div_rn(amax, amax * 0.0 + qmax))
 
 
+# The statistics pass. Per (batch, K/V head), in chunks of tokens: K's column sums (and, to balance Q·Kᵀ,
+# K's column max and min), V's column |max|, and Q's column |max| over the query heads sharing the K/V head.
+# Partials are kept per chunk and folded in chunk order by one finishing step (``_finish_stats``), so the
+# results do not depend on how many programs ran the chunks. Slots of the partials buffer:
+_KSUM, _KMAX, _KMIN, _VMAX, _QMAX = (tl.constexpr(i) for i in range(5))
+_N_SLOTS = 5
+
+
 @triton.jit
-def _kv_stats_kernel(
-    K, V, KSUM, VMAX, DONE, KMEAN, VRANGE,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    H, S, D, N_CHUNKS, chunk,
-    BLOCK: tl.constexpr, DP: tl.constexpr, HAS_K: tl.constexpr, HAS_V: tl.constexpr,
+def _stats_chunk(
+    Q, K, V, PART, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd, cls, pid_c, pid_bh, H_KV, G, SQ, SK, D, N_CHUNKS, chunk, chunk_q,
+    slot, BLOCK: tl.constexpr, DP: tl.constexpr, BALANCE: tl.constexpr,
 ):
-    # One (batch, head, chunk of tokens) of K (programs [0, N_CHUNKS) if HAS_K) or of V (the rest): K's
-    # column sums or V's column |max| over the chunk, in fp32, kept per element and reduced across rows
-    # once at the end rather than per tile; K and V in separate programs hold half the registers. The
-    # program that finishes its (batch, head) last folds every chunk's partials, in chunk order, into
-    # K's mean and V's range, so the quantization programs read two finished vectors instead of
-    # folding them each. V's range is NaN where a NaN/Inf was seen (the GPU's max drops NaN, so a sum
-    # of x·0 carries it).
-    pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_c = pid % N_CHUNKS
+    # Chunk pid_c of class cls (0: K, 1: V, 2: Q) of K/V head pid_bh, into PART[slot, pid_bh, pid_c]. fp32,
+    # kept per element and reduced across rows once at the end rather than per tile. V's |max| is NaN where
+    # a NaN/Inf was seen (the GPU's max drops NaN, so a sum of x·0 carries it); the max/min of K and Q drop
+    # NaNs explicitly (NaN rows come out NaN through the quantization scales anyway), so every backend agrees.
     offs_d = tl.arange(0, DP)
-    out = (pid_bh * N_CHUNKS + pid_c) * DP + offs_d
-    first = pid_c * (chunk // BLOCK)  # chunk is a multiple of BLOCK
-    if pid < N_CHUNKS * (1 if HAS_K else 0):
+    out = PART + (pid_bh * N_CHUNKS + pid_c) * DP + offs_d
+    if cls == 0:
+        first = pid_c * (chunk // BLOCK)
         ksum = tl.zeros([BLOCK, DP], tl.float32)
+        # max and min are exact in any order: reduced per tile, they hold (DP,) registers, not (BLOCK, DP)
+        kmax = tl.full([DP], float("-inf"), tl.float32)
+        kmin = tl.full([DP], float("inf"), tl.float32)
         for i in range(0, chunk // BLOCK):
-            k, _, _, _ = _load_tile(K, stride_kb, stride_kh, stride_ks, stride_kd, first + i, pid_bh, H, S, D, BLOCK, DP)
+            k, _, _, valid = _load_tile(K, stride_kb, stride_kh, stride_ks, stride_kd, first + i, pid_bh, H_KV, SK, D,
+                                        BLOCK, DP)
             ksum += k
-        tl.store(KSUM + out, tl.sum(ksum, axis=0))
-    else:
+            if BALANCE:
+                keep = valid & (k == k)
+                kmax = tl.maximum(kmax, tl.max(tl.where(keep, k, float("-inf")), axis=0))
+                kmin = tl.minimum(kmin, tl.min(tl.where(keep, k, float("inf")), axis=0))
+        tl.store(out + _KSUM * slot, tl.sum(ksum, axis=0))
+        if BALANCE:
+            tl.store(out + _KMAX * slot, kmax)
+            tl.store(out + _KMIN * slot, kmin)
+    elif cls == 1:
+        first = pid_c * (chunk // BLOCK)
         vmax = tl.zeros([BLOCK, DP], tl.float32)
         vpoison = tl.zeros([BLOCK, DP], tl.float32)
         for i in range(0, chunk // BLOCK):
-            v, _, _, _ = _load_tile(V, stride_vb, stride_vh, stride_vs, stride_vd, first + i, pid_bh, H, S, D, BLOCK, DP)
+            v, _, _, _ = _load_tile(V, stride_vb, stride_vh, stride_vs, stride_vd, first + i, pid_bh, H_KV, SK, D,
+                                    BLOCK, DP)
             vmax = tl.maximum(vmax, tl.abs(v))
             vpoison += v * 0.0
-        tl.store(VMAX + out, tl.max(vmax, axis=0) + tl.sum(vpoison, axis=0))
+        tl.store(out + _VMAX * slot, tl.max(vmax, axis=0) + tl.sum(vpoison, axis=0))
+    else:
+        first = pid_c * (chunk_q // BLOCK)
+        qmax = tl.zeros([BLOCK, DP], tl.float32)
+        b = pid_bh // H_KV
+        for g in range(0, G):
+            qh = b * H_KV * G + pid_bh % H_KV * G + g
+            for i in range(0, chunk_q // BLOCK):
+                x, _, _, _ = _load_tile(Q, stride_qb, stride_qh, stride_qs, stride_qd, first + i, qh, H_KV * G, SQ, D,
+                                        BLOCK, DP)
+                a = tl.abs(x)
+                qmax = tl.maximum(qmax, tl.where(a == a, a, 0.0))
+        tl.store(out + _QMAX * slot, tl.max(qmax, axis=0))
+
+
+@triton.jit
+def _fold(PART, pid_bh, N_CHUNKS, DP: tl.constexpr, how: tl.constexpr, init: tl.constexpr):
+    """The chunk partials of one (batch, head) folded in chunk order: their sum, max or min."""
+    offs_d = tl.arange(0, DP)
+    acc = tl.full([DP], init, tl.float32)
+    for c in range(N_CHUNKS):
+        part = tl.load(PART + (pid_bh * N_CHUNKS + c) * DP + offs_d, cache_modifier=".cg")
+        if how == "sum":
+            acc += part
+        elif how == "max":
+            acc = tl.maximum(acc, part)
+        else:
+            acc = tl.minimum(acc, part)
+    return acc
+
+
+@triton.jit
+def _exponent(x):
+    """The biased binary exponent of float32 ``x`` >= 0 (0 for zero and subnormals, 255 for Inf/NaN)."""
+    return (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
+
+
+@triton.jit
+def _finish_stats(PART, MOM, pid_bh, SK, N_CHUNKS, slot, mom_slot, DP: tl.constexpr, HAS_K: tl.constexpr,
+                  HAS_V: tl.constexpr, SMOOTH: tl.constexpr, BALANCE: tl.constexpr):
+    # From the partials of (batch, head) pid_bh: K's token mean (MOM[0]: summed in chunk order, one rounded
+    # division), V's per-channel |max| (MOM[1]: NaN where any chunk's is) and the Q·Kᵀ balance (MOM[2],
+    # ``reference.balance_scales``).
+    offs_d = tl.arange(0, DP)
+    out = MOM + pid_bh * DP + offs_d
+    if HAS_K:
+        ksum = _fold(PART + _KSUM * slot, pid_bh, N_CHUNKS, DP, "sum", 0.0)
+        mean = tl.math.div_rn(ksum, ksum * 0.0 + SK)
+        tl.store(out, mean)
+        if BALANCE:
+            kmax = _fold(PART + _KMAX * slot, pid_bh, N_CHUNKS, DP, "max", float("-inf"))
+            kmin = _fold(PART + _KMIN * slot, pid_bh, N_CHUNKS, DP, "min", float("inf"))
+            if not SMOOTH:
+                mean = tl.zeros([DP], tl.float32)
+            k_range = tl.maximum(kmax - mean, mean - kmin)
+            q_range = _fold(PART + _QMAX * slot, pid_bh, N_CHUNKS, DP, "max", 0.0)
+            e_q, e_k = _exponent(q_range), _exponent(k_range)
+            e = tl.minimum(tl.maximum((e_q - e_k) >> 1, -_BALANCE_MAX_LOG2), _BALANCE_MAX_LOG2)
+            e = tl.where((e_q == 0) | (e_k == 0) | (tl.abs(e_q - e_k) <= _BALANCE_DEAD_BAND), 0, e)
+            tl.store(out + 2 * mom_slot, ((127 + e) << 23).to(tl.float32, bitcast=True))
+    if HAS_V:
+        vmax = _fold(PART + _VMAX * slot, pid_bh, N_CHUNKS, DP, "max", 0.0)
+        poison = _fold(PART + _VMAX * slot, pid_bh, N_CHUNKS, DP, "sum", 0.0) * 0.0
+        tl.store(out + mom_slot, vmax + poison)
+
+
+@triton.jit
+def _stats_kernel(
+    Q, K, V, PART, DONE, MOM,
+    stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    H_KV, G, SQ, SK, D, N_CHUNKS, chunk, chunk_q, slot, mom_slot,
+    BLOCK: tl.constexpr, DP: tl.constexpr, HAS_K: tl.constexpr, HAS_V: tl.constexpr, SMOOTH: tl.constexpr,
+    BALANCE: tl.constexpr,
+):
+    # One (class, chunk) of K/V head program_id(1): classes K (if HAS_K), V (if HAS_V), Q (if BALANCE), in
+    # that order, N_CHUNKS programs each; K, V and Q in separate programs hold fewer registers. The program
+    # that finishes its head last folds every chunk's partials, so the quantization programs read finished
+    # vectors instead of folding them each.
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    n_k: tl.constexpr = 1 if HAS_K else 0
+    n_v: tl.constexpr = 1 if HAS_V else 0
+    n_q: tl.constexpr = 1 if BALANCE else 0
+    order = pid // N_CHUNKS  # position among the classes present
+    cls = tl.where(order < n_k, 0, tl.where(order < n_k + n_v, 1, 2))
+    _stats_chunk(Q, K, V, PART, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks,
+                 stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, cls, pid % N_CHUNKS, pid_bh, H_KV, G, SQ, SK, D,
+                 N_CHUNKS, chunk, chunk_q, slot, BLOCK, DP, BALANCE)
     # The barrier orders every thread's stores before the counter's acq_rel increment, whose acquire
     # side orders the finisher's loads after all the others' stores.
     tl.debug_barrier()
-    if tl.atomic_add(DONE + pid_bh, 1) == N_CHUNKS * ((1 if HAS_K else 0) + (1 if HAS_V else 0)) - 1:
+    if tl.atomic_add(DONE + pid_bh, 1) == N_CHUNKS * (n_k + n_v + n_q) - 1:
+        _finish_stats(PART, MOM, pid_bh, SK, N_CHUNKS, slot, mom_slot, DP, HAS_K, HAS_V, SMOOTH, BALANCE)
+
+
+@triton.jit
+def _quant_fused_kernel(
+    Q, Q8, QS, K, K8, KS, V, V8, VS, PART, MOM, DUMMY,
+    stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    H_KV, G, SQ, SK, D, SQ_PAD, SK_PAD, N_CHUNKS, chunk, chunk_q, slot, mom_slot, scale_mult,
+    BLOCK: tl.constexpr, Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, K_GROUPS: tl.constexpr, DP: tl.constexpr,
+    HAS_K: tl.constexpr, SMOOTH: tl.constexpr, V_FMT: tl.constexpr, BALANCE: tl.constexpr,
+):
+    # Short sequences: one program per K/V head measures the statistics (the statistics pass's chunks, one
+    # after another, and its finishing step: the same results bit for bit), then quantizes the head's K, V
+    # and query heads. One launch instead of two, and no counters to clear.
+    pid_bh = tl.program_id(0)
+    HAS_V: tl.constexpr = V_FMT != 0
+    for c in range(0, N_CHUNKS):
         if HAS_K:
-            tl.store(KMEAN + pid_bh * DP + offs_d, _finish_k_mean(KSUM, pid_bh, S, N_CHUNKS, DP))
+            _stats_chunk(Q, K, V, PART, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks,
+                         stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, 0, c, pid_bh, H_KV, G, SQ, SK, D,
+                         N_CHUNKS, chunk, chunk_q, slot, BLOCK, DP, BALANCE)
         if HAS_V:
-            tl.store(VRANGE + pid_bh * DP + offs_d, _finish_v_range(VMAX, pid_bh, N_CHUNKS, DP))
+            _stats_chunk(Q, K, V, PART, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks,
+                         stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, 1, c, pid_bh, H_KV, G, SQ, SK, D,
+                         N_CHUNKS, chunk, chunk_q, slot, BLOCK, DP, BALANCE)
+        if BALANCE:
+            _stats_chunk(Q, K, V, PART, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks,
+                         stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, 2, c, pid_bh, H_KV, G, SQ, SK, D,
+                         N_CHUNKS, chunk, chunk_q, slot, BLOCK, DP, BALANCE)
+    tl.debug_barrier()  # the partials, stored by every thread of the program, before the fold reads them
+    _finish_stats(PART, MOM, pid_bh, SK, N_CHUNKS, slot, mom_slot, DP, HAS_K, HAS_V, SMOOTH, BALANCE)
+    tl.debug_barrier()
+    for t in range(0, SK_PAD // K_BLOCK):
+        _quant_kv_block(
+            K, MOM, DUMMY, K8, KS, V, MOM + mom_slot, DUMMY, V8, VS, MOM + 2 * mom_slot,
+            stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
+            0, 0, 0, 0, 0, H_KV * DP, DP, 1,
+            t, pid_bh, H_KV, SK, D, SK_PAD, K_BLOCK, K_GROUPS, DP, SMOOTH, False, V_FMT, False, BALANCE,
+        )
+    for g in range(0, G):
+        qh = pid_bh // H_KV * H_KV * G + pid_bh % H_KV * G + g
+        for t in range(0, SQ_PAD // Q_BLOCK):
+            _quant_q_block(
+                Q, DUMMY, Q8, QS, MOM + 2 * mom_slot, stride_qb, stride_qh, stride_qs, stride_qd, 0, 0,
+                t, qh, H_KV * G, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, False, BALANCE,
+            )
 
 
-@triton.jit
-def _finish_k_mean(KSUM, pid_bh, S, N_CHUNKS, DP: tl.constexpr):
-    """K's token mean from the chunk sums: summed in chunk order, one rounded division."""
-    offs_d = tl.arange(0, DP)
-    ksum = tl.zeros([DP], tl.float32)
-    for c in range(N_CHUNKS):
-        ksum += tl.load(KSUM + (pid_bh * N_CHUNKS + c) * DP + offs_d, cache_modifier=".cg")
-    return tl.math.div_rn(ksum, ksum * 0.0 + S)
+def _chunking(Sq: int, Sk: int, block: int) -> tuple[int, int, int]:
+    """The statistics pass's chunks: (chunk of keys, chunk of queries, number of chunks). Enough chunks to fill
+    the GPU at a few (batch, head)s, few enough that folding the partials stays small."""
+    chunk = max(256, triton.cdiv(triton.cdiv(Sk, 32), 64) * 64)
+    n_chunks = triton.cdiv(Sk, chunk)
+    chunk_q = max(block, triton.cdiv(triton.cdiv(Sq, n_chunks), block) * block)
+    return chunk, chunk_q, n_chunks
 
 
-@triton.jit
-def _finish_v_range(VMAX, pid_bh, N_CHUNKS, DP: tl.constexpr):
-    """V's per-channel |max| from the chunk maxima, NaN where any chunk's is."""
-    offs_d = tl.arange(0, DP)
-    vmax = tl.zeros([DP], tl.float32)
-    poison = tl.zeros([DP], tl.float32)
-    for c in range(N_CHUNKS):
-        part = tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DP + offs_d, cache_modifier=".cg")
-        vmax = tl.maximum(vmax, part)
-        poison += part * 0.0
-    return vmax + poison
+def _stats_block(dp: int) -> int:
+    return 64 if dp <= 128 else 32
 
 
-def _stats_chunk(S: int) -> int:
-    # enough chunks to fill the GPU at a few (batch, head)s, few enough that the finishing chunk's
-    # fold of the partials stays small
-    return max(256, triton.cdiv(triton.cdiv(S, 32), 64) * 64)
-
-
-def kv_moments(k: torch.Tensor | None, v: torch.Tensor | None, runner: Runner = EAGER):
-    """One pass over K and/or V (either may be None, not both): K's token mean and V's per-channel
-    |max|, (B, H, DP) float32 each, padded channels 0 (None for an input not given; NaN in a channel
-    holding a NaN/Inf). ``quantize_qkv`` reads both; ``kv_stats`` gives them in the reference's form."""
+def kv_moments(k: torch.Tensor | None, v: torch.Tensor | None, runner: Runner = EAGER, *,
+               q: torch.Tensor | None = None, smooth_k: bool = True):
+    """One statistics pass over K and/or V (either may be None, not both): K's token mean and V's per-channel
+    |max|, (B, H, DP) float32 each, padded channels 0 (None for an input not given; NaN in a channel holding a
+    NaN/Inf); with ``q`` (B, H * G, Sq, D) also Q·Kᵀ's channel balance (``reference.balance_scales``, of K's
+    channels less their mean if ``smooth_k``; needs ``k``), else None. ``quantize_qkv`` reads all three;
+    ``kv_stats`` gives the first two in the reference's form."""
     x = k if k is not None else v
     B, H, S, D = x.shape
     dp = padded_head_dim(D)
-    chunk = _stats_chunk(S)
-    n_chunks = triton.cdiv(S, chunk)
-    n = (k is not None) + (v is not None)
-    partials = runner.empty((n, B, H, n_chunks, dp), torch.float32, x.device)
-    moments = runner.empty((n, B, H, dp), torch.float32, x.device)
-    done = runner.empty((B * H,), torch.int32, x.device, zero=True)  # K/V chunks finished per (batch, head)
-    kk, vv = (x if t is None else t for t in (k, v))
-    runner.launch(_kv_stats_kernel, (n_chunks * n, B * H), (
-        kk, vv, partials[0], partials[-1], done, moments[0], moments[-1], *kk.stride(), *vv.stride(),
-        H, S, D, n_chunks, chunk, 64 if dp <= 128 else 32, dp, k is not None, v is not None,
+    block = _stats_block(dp)
+    Sq, G = (q.shape[2], q.shape[1] // H) if q is not None else (0, 1)
+    chunk, chunk_q, n_chunks = _chunking(Sq, S, block)
+    n = (k is not None) + (v is not None) + (q is not None)
+    partials = runner.empty((_N_SLOTS, B, H, n_chunks, dp), torch.float32, x.device)
+    moments = runner.empty((3, B, H, dp), torch.float32, x.device)
+    done = runner.empty((B * H,), torch.int32, x.device, zero=True)  # chunks finished per (batch, head)
+    kk, vv, qq = (x if t is None else t for t in (k, v, q))
+    runner.launch(_stats_kernel, (n_chunks * n, B * H), (
+        qq, kk, vv, partials, done, moments, *qq.stride(), *kk.stride(), *vv.stride(),
+        H, G, Sq, S, D, n_chunks, chunk, chunk_q, partials[0].numel(), moments[0].numel(),
+        block, dp, k is not None, v is not None, smooth_k, q is not None,
     ), dict(enable_fp_fusion=FP_FUSION))
-    return (None if k is None else moments[0]), (None if v is None else moments[-1])
+    return tuple(None if t is None else m for t, m in ((k, moments[0]), (v, moments[1]), (q, moments[2])))
 
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
@@ -270,7 +413,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
     in chunk order, so the mean is deterministic but may differ from ``torch.mean`` in the last bit.
     """
     D = k.shape[3]
-    mean, vmax = kv_moments(k, v)
+    mean, vmax, _ = kv_moments(k, v)
     return mean[..., :D], (None if v is None else v_channel_amax(v, vmax[..., :D], static=False))
 
 
@@ -294,6 +437,7 @@ def quantize_qkv(
     *,
     k_tile: tuple[int, int] | None = None,
     smooth_k: bool = True,
+    qk_balance: bool = True,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
@@ -301,14 +445,16 @@ def quantize_qkv(
     runner: Runner = EAGER,
 ):
     """Triton twin of ``reference.quantize_q``, ``quantize_k`` and ``quantize_v``: Q, K and V in one
-    launch, after one ``kv_moments`` pass when K's mean or V's range is measured.
+    launch, after one statistics pass when K's mean, V's range or the Q·Kᵀ balance is measured; with
+    short sequences and nothing static, both in one launch.
 
     q: (B, H, Sq, D); k, v: (B, H_kv, Sk, D); any strides. k_tile: K's quantization, (block_n, k_groups)
-    (``config.TileConfig``), by default the tile table's for this head dim and ``pv``. q_amax / k_amax:
-    static ranges broadcastable to (B, H) / (B, H_kv) (``k_amax`` of the smoothed K); v_amax: static per-channel range
-    broadcastable to (B, H_kv, D); k_mean: static smoothing mean broadcastable to (B, H_kv, D). With
-    ``k_mean`` and ``v_amax`` given (or no smoothing and fp16 P·V) there is no statistics pass. V is
-    quantized only when ``pv`` is FP8 or INT8.
+    (``config.TileConfig``), by default the tile table's for this head dim and ``pv``. qk_balance: scale
+    Q's and K's channels by ``reference.balance_scales`` (measured; only where no static range or mean is given).
+    q_amax / k_amax: static ranges broadcastable to (B, H) / (B, H_kv) (``k_amax`` of the smoothed K); v_amax:
+    static per-channel range broadcastable to (B, H_kv, D); k_mean: static smoothing mean broadcastable to
+    (B, H_kv, D). With ``k_mean`` and ``v_amax`` given (or no smoothing and fp16 P·V) there is no statistics
+    pass. V is quantized only when ``pv`` is FP8 or INT8.
     Returns ``Quantized``: q8 (B, H, Sq_pad, DP) int8, qs (B, H, Sq_pad) float32 (sm_scale·log2(e) folded in),
     k8 (B, H_kv, Sk_pad, DP) int8, ks (B, H_kv, Sk_pad) float32 (``k_groups`` scales per tile of
     ``block_n`` keys, stored per key), and v8 / vs as
@@ -324,11 +470,10 @@ def quantize_qkv(
     sq_pad, sk_pad, dp = padded_len(Sq), padded_len(Sk), padded_head_dim(D)
     dev = q.device
     v_fmt = pv.code
+    static = any(t is not None for t in (q_amax, k_amax, v_amax, k_mean))
+    balance = balance_applies(qk_balance, q_amax, k_amax, k_mean)
     measure_k = smooth_k and k_mean is None
     measure_v = v_fmt != 0 and v_amax is None
-    kmean = vmax = None
-    if measure_k or measure_v:
-        kmean, vmax = kv_moments(k if measure_k else None, v if measure_v else None, runner)
     q8 = runner.empty((B, H, sq_pad, dp), torch.int8, dev)
     qs = runner.empty((B, H, sq_pad), torch.float32, dev)
     k8 = runner.empty((B, H_kv, sk_pad, dp), torch.int8, dev)
@@ -338,21 +483,41 @@ def quantize_qkv(
         shape = (B, H_kv, dp, sk_pad) if v_fmt == 1 else (B, H_kv, sk_pad, dp)
         v8 = runner.empty(shape, torch.float8_e4m3fn if v_fmt == 1 else torch.int8, dev)
         vs = runner.empty((B, H_kv, dp), torch.float32, dev)
+    if (measure_k or measure_v or balance) and not static and max(Sk, Sq * (H // H_kv)) <= _FUSED_MAX_TOKENS:
+        block = _stats_block(dp)
+        chunk, chunk_q, n_chunks = _chunking(Sq, Sk, block)
+        partials = runner.empty((_N_SLOTS, B, H_kv, n_chunks, dp), torch.float32, dev)
+        moments = runner.empty((3, B, H_kv, dp), torch.float32, dev)
+        runner.launch(_quant_fused_kernel, (B * H_kv,), (
+            q, q8, qs, k, k8, ks, v, k8 if v8 is None else v8, qs if vs is None else vs, partials, moments, qs,
+            *q.stride(), *k.stride(), *v.stride(),
+            H_kv, H // H_kv, Sq, Sk, D, sq_pad, sk_pad, n_chunks, chunk, chunk_q, partials[0].numel(),
+            moments[0].numel(), sm_scale * LOG2E,
+            # BLOCK, Q_BLOCK, K_BLOCK, K_GROUPS, DP, HAS_K, SMOOTH, V_FMT, BALANCE
+            block, _ROW_BLOCK, block_n, k_groups, dp, smooth_k or balance, smooth_k, v_fmt, balance,
+        ), dict(enable_fp_fusion=FP_FUSION))
+        return Quantized(q8, qs, k8, ks, v8, vs)
+
+    kmean = vmax = bal = None
+    if measure_k or measure_v or balance:
+        kmean, vmax, bal = kv_moments(k if measure_k or balance else None, v if measure_v else None, runner,
+                                      q=q if balance else None, smooth_k=smooth_k)
     qa, qa_strides = _static_amax(q_amax, (B, H), qs)
     ka, ka_strides = _static_amax(k_amax, (B, H_kv), qs)
     va, va_strides = _static_amax(v_amax, (B, H_kv, D), qs)
-    if kmean is None:
+    if kmean is None or k_mean is not None:
         kmean, km_strides = _static_amax(k_mean, (B, H_kv, D), qs)
     else:
         km_strides = kmean.stride()
     nq = sq_pad // _ROW_BLOCK * B * H
     runner.launch(_quant_qkv_kernel, (nq + sk_pad // block_n * B * H_kv,), (
         q, qa, q8, qs, k, kmean, ka, k8, ks,
-        v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs,
+        v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs, qs if bal is None else bal,
         *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides, *km_strides,
         H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq, sm_scale * LOG2E,
-        # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC
+        # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC, BALANCE
         _ROW_BLOCK, block_n, k_groups, dp, smooth_k, q_amax is not None, k_amax is not None, v_fmt, v_amax is not None,
+        balance,
     ), dict(enable_fp_fusion=FP_FUSION))
     return Quantized(q8, qs, k8, ks, v8, vs)
 

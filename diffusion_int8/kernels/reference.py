@@ -7,6 +7,9 @@ CPUs and on GPUs the kernel does not support. ``attention_ref`` is plain attenti
 
 Numerics shared by both backends (``q``, ``k``, ``v`` in (B, H, S, D), D padded to ``DP``):
 
+* Q·Kᵀ balance (``balance_scales``, where no static range or mean is given): Q's channel c divided by a power of
+  two s_c and K's multiplied by it, which leaves Q·Kᵀ unchanged exactly and evens out channels that are large
+  in one of the two (outlier channels), so one per-token or per-block range no longer follows them.
 * Q, per token: ``q8 = round(clamp(q · 127/amax, ±127))``, scale ``amax/127 · sm_scale · log2(e)``.
 * K, per tile of ``block_n`` keys or per 4 interleaved groups of a tile (``config.TileConfig``), after
   subtracting the per-(batch, head) token mean or a given static mean (smoothing: softmax is invariant
@@ -23,8 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import AMAX_FLOOR, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LOG2E, P_FLOOR, PV, padded_head_dim
-from .layout import padded_len, static_range, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
+from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LOG2E, P_FLOOR, PV, padded_head_dim
+from .layout import balance_applies, padded_len, static_range, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
 
 
 def _pad(x: torch.Tensor, s_pad: int, dp: int) -> torch.Tensor:
@@ -65,14 +68,55 @@ def _quantize_groups(x: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.
     return _round_int8(x * _div(INT8_MAX, amax)[..., None]), _div(amax, INT8_MAX)
 
 
-def quantize_q(q: torch.Tensor, sm_scale: float, q_amax: torch.Tensor | None = None):
+def _exponent(x: torch.Tensor) -> torch.Tensor:
+    """The biased binary exponent of float32 ``x`` >= 0 (0 for zero and subnormals, 255 for Inf/NaN)."""
+    return (x.view(torch.int32) >> 23) & 0xFF
+
+
+def balance_scales(q: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor | None) -> torch.Tensor:
+    """Per-channel powers of two that balance Q·Kᵀ: Q's channel c is divided by s_c and K's multiplied by it.
+
+    s_c = 2^floor((e_q - e_k) / 2), clamped to 2^±``BALANCE_MAX_LOG2``, from the binary exponents of Q's channel
+    |max| (over the tokens of the query heads sharing a K/V head; NaNs skipped) and of K's (after subtracting
+    ``k_mean``, if given), so both ranges end within a factor of 2 of their geometric mean; 1 where either
+    range is zero or the exponents differ by at most ``BALANCE_DEAD_BAND`` (moving channels of like ranges
+    only reshuffles which channel sets a token's range: measured, it costs accuracy where Q and K share
+    their outlier channels). Powers of two make the scaling exact. q: (B, H, Sq, D); k: (B, H_kv, Sk, D); k_mean:
+    (B, H_kv, D) float32 or None. Returns (B, H_kv, DP) float32, 1 in the padded channels.
+    """
+    B, H_kv, _, D = k.shape
+    qf = q.float().unflatten(1, (H_kv, q.shape[1] // H_kv))
+    q_range = qf.abs().nan_to_num(nan=0.0).amax(dim=(2, 3))
+    kf = k.float()
+    k_max = kf.nan_to_num(nan=-math.inf).amax(2)
+    k_min = kf.nan_to_num(nan=math.inf).amin(2)
+    mean = torch.zeros_like(k_max) if k_mean is None else k_mean.float().expand(B, H_kv, D)
+    k_range = torch.maximum(k_max - mean, mean - k_min)
+    e_q, e_k = _exponent(q_range), _exponent(k_range)
+    e = ((e_q - e_k) >> 1).clamp(-BALANCE_MAX_LOG2, BALANCE_MAX_LOG2)
+    e = torch.where((e_q == 0) | (e_k == 0) | ((e_q - e_k).abs() <= BALANCE_DEAD_BAND), 0, e)
+    s = ((127 + e) << 23).view(torch.float32)
+    return F.pad(s, (0, padded_head_dim(D) - D), value=1.0)
+
+
+def _per_query_head(balance: torch.Tensor, H: int) -> torch.Tensor:
+    """(B, H_kv, DP) balance -> (B, H, 1, DP), each query head with its K/V head's."""
+    return balance.repeat_interleave(H // balance.shape[1], dim=1)[:, :, None, :]
+
+
+def quantize_q(q: torch.Tensor, sm_scale: float, q_amax: torch.Tensor | None = None,
+               balance: torch.Tensor | None = None):
     """Per-token INT8 Q with ``sm_scale·log2(e)`` folded into its scale.
 
-    q: (B, H, S, D) fp16/bf16. q_amax: optional static range broadcastable to (B, H).
+    q: (B, H, S, D) fp16/bf16. q_amax: optional static range broadcastable to (B, H). balance: ``balance_scales``
+    (B, H_kv, DP), Q's channels divided by it, or None.
     Returns q8 (B, H, S_pad, DP) int8 and qs (B, H, S_pad) float32.
     """
     S, D = q.shape[2:]
-    q8, qs = _quantize_groups(_pad(q, padded_len(S), padded_head_dim(D)), q_amax)
+    x = _pad(q, padded_len(S), padded_head_dim(D))
+    if balance is not None:
+        x = x * _div(1.0, _per_query_head(balance, q.shape[1]))
+    q8, qs = _quantize_groups(x, q_amax)
     return q8, qs * torch.tensor(sm_scale * LOG2E, dtype=torch.float32)
 
 
@@ -88,12 +132,14 @@ def quantize_k(
     smooth_k: bool = True,
     k_amax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
+    balance: torch.Tensor | None = None,
 ):
     """INT8 K after mean subtraction, with ``k_groups`` (1 or 4) scales per tile of ``block_n`` keys.
 
     With 4, key j of a tile is in group (j mod 8) div 2 (``config.TileConfig``).
     k: (B, H, S, D). k_amax: optional static range (of the smoothed K) broadcastable to (B, H).
     k_mean: optional static mean subtracted instead of K's token mean, broadcastable to (B, H, D).
+    balance: ``balance_scales`` (B, H, DP), K's channels multiplied by it after the subtraction, or None.
     Returns k8 (B, H, S_pad, DP) int8 and ks (B, H, S_pad) float32: each key's group scale.
     """
     B, H, S, D = k.shape
@@ -102,6 +148,8 @@ def quantize_k(
     if smooth_k:
         mean = token_mean(k) if k_mean is None else k_mean.float().expand(B, H, D)
         x = x - mean[:, :, None, :]
+    if balance is not None:
+        x = x * balance[:, :, None, :D]
     # (B, H, tile, key // 8, group, key within the group's pair, channel); groups to the front, flattened
     x = _pad(x, s_pad, dp).view(B, H, s_pad // block_n, block_n // 8, k_groups, 8 // k_groups, dp)
     x = x.permute(0, 1, 2, 4, 3, 5, 6)
@@ -141,6 +189,7 @@ def emulate_attention(
     pv: PV = PV.FP16,
     sm_scale: float | None = None,
     smooth_k: bool = True,
+    qk_balance: bool = True,
     attn_mask: torch.Tensor | None = None,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
@@ -163,8 +212,11 @@ def emulate_attention(
         sm_scale = D**-0.5
     cfg = tile_config(D, pv)
     block_n, k_groups = block_n or cfg.block_n, k_groups or cfg.k_groups
-    q8, qs = quantize_q(qb, sm_scale, q_amax)
-    k8, ks = quantize_k(kb, block_n, k_groups, smooth_k, k_amax, k_mean)
+    balance = None
+    if balance_applies(qk_balance, q_amax, k_amax, k_mean):
+        balance = balance_scales(qb, kb, token_mean(kb) if smooth_k else None)
+    q8, qs = quantize_q(qb, sm_scale, q_amax, balance)
+    k8, ks = quantize_k(kb, block_n, k_groups, smooth_k, k_amax, k_mean, balance)
     idx = _gqa_index(H, H_kv, q.device)
     if pv is PV.FP16:
         vq = F.pad(vb, (0, q8.shape[-1] - D, 0, k8.shape[2] - Sk)).index_select(1, idx)

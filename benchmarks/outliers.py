@@ -1,0 +1,99 @@
+"""Accuracy on inputs with outlier channels, with and without the Q·Kᵀ channel balance.
+
+    python benchmarks/outliers.py --out bench_out/outliers.json             # the kernels, on a GPU
+    python benchmarks/outliers.py --device cpu --lengths 1024               # the emulation, on the CPU
+
+Inputs are ``testing.realistic_qkv`` (K channel bias, sink token) with ``--gain`` (20) times larger channels:
+``separate`` gives Q and K outlier channels of their own (each channel ``gain`` times larger), ``shared`` the
+same channels in both (each sqrt(gain), so their product is ``gain`` times larger), and ``shared, both ×gain``
+the extreme of each ``gain`` times larger in the same channels (products ``gain``² larger). Every cell is the
+worst cosine against float64 attention over the seeds. On the GPU the last rows time the whole call at Flux's
+shape with and without the balance, replayed from CUDA graphs in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+
+import torch
+
+from diffusion_int8 import int8_attention
+from diffusion_int8.kernels.reference import attention_ref
+from diffusion_int8.testing import cosine, graph_ms, realistic_qkv
+
+KINDS = {"separate": dict(outliers="separate"), "shared": dict(outliers="shared"),
+         "shared, both ×gain": dict(outliers="shared", square=True)}
+
+
+def worst_cos(device, D, S, n, kind, gain, mode, balance, seeds):
+    opts = dict(KINDS[kind])
+    square = opts.pop("square", False)
+    worst = 1.0
+    for seed in range(seeds):
+        q, k, v = realistic_qkv(1, 2, S, S, D, device=device, seed=seed * 1000 + D + S + n,
+                                outlier_gain=gain**2 if square else gain, n_outliers=n, **opts)
+        ref = attention_ref(q, k, v)
+        out = int8_attention(q, k, v, mode=mode, qk_balance=balance)
+        worst = min(worst, cosine(out, ref).item())
+    return worst
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--head-dims", default="40,64,128,160")
+    ap.add_argument("--lengths", default="1024,4096,8192")
+    ap.add_argument("--outliers", default="1,3", help="outlier channels per tensor")
+    ap.add_argument("--gain", type=float, default=20.0)
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (emulation)",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "gain": args.gain, "seeds": args.seeds}
+    rows = []
+    grid = itertools.product(KINDS, [int(d) for d in args.head_dims.split(",")],
+                             [int(s) for s in args.lengths.split(",")], [int(n) for n in args.outliers.split(",")])
+    for kind, D, S, n in grid:
+        row = dict(kind=kind, D=D, S=S, n=n)
+        for mode, balance in itertools.product(("int8_fp16v", "int8"), (False, True)):
+            row[f"{mode}{'' if balance else ', no balance'}"] = worst_cos(dev, D, S, n, kind, args.gain, mode, balance,
+                                                                           args.seeds)
+        rows.append(row)
+        print(row, flush=True)
+    cols = [c for c in rows[0] if c not in ("kind", "D", "S", "n")]
+    print(f"\nworst cosine against float64, {meta['device']}, {meta['date']}, gain {args.gain:g}, {args.seeds} seeds\n")
+    print("| outliers | D | tokens | n | " + " | ".join(cols) + " |")
+    print("|---|---|---|---|" + "---|" * len(cols))
+    for r in rows:
+        print(f"| {r['kind']} | {r['D']} | {r['S']} | {r['n']} | " + " | ".join(f"{r[c]:.5f}" for c in cols) + " |")
+    for kind in KINDS:
+        sel = [r for r in rows if r["kind"] == kind]
+        print(f"worst over {kind}: " + ", ".join(f"{c} {min(r[c] for r in sel):.5f}" for c in cols))
+
+    timing = {}
+    if dev.type == "cuda":  # what the balance costs at Flux's shape: the whole call, graph-replayed, in turns
+        q, k, v = realistic_qkv(2, 24, 4608, 4608, 128, device=dev)
+        for _ in range(2):
+            for mode, balance in itertools.product(("int8_fp16v", "int8"), (False, True)):
+                label = f"{mode}{'' if balance else ', no balance'}"
+                ms = graph_ms(lambda: int8_attention(q, k, v, mode=mode, qk_balance=balance), 50)
+                timing.setdefault(label, []).append(ms)
+        print("\nFlux (2, 24, 4608, 128), whole call replayed from a CUDA graph, ms (two rounds):")
+        for label, ms in timing.items():
+            print(f"  {label}: {sorted(ms)}")
+        for mode in ("int8_fp16v", "int8"):
+            on, off = min(timing[mode]), min(timing[f"{mode}, no balance"])
+            print(f"  {mode}: balance costs {on / off - 1:+.1%}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows, "flux_ms": timing}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
