@@ -21,8 +21,9 @@ import torch
 from diffusers import DiTTransformer2DModel, FlowMatchEulerDiscreteScheduler
 from tqdm.auto import tqdm
 
-from .pipeline import ShapesPipeline, transformer_config
+from .pipeline import ShapesPipeline
 from .shapes import CLASSES, NUM_CLASSES, render
+from .variants import transformer_config
 
 
 def train(out: Path, steps: int, batch: int, lr: float, seed: int, max_minutes: float, device: torch.device) -> dict:
