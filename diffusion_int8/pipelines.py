@@ -19,9 +19,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .embedded.variants import VARIANTS, describe, shipped
 from .models import denoiser
 
-EMBEDDED = "embedded"
+EMBEDDED = VARIANTS["base"].name  # the default --model; every shipped name is in embedded.variants
 
 
 @dataclass
@@ -108,18 +109,23 @@ def default_items(pipe) -> Items:
 
 
 def load(model: str | Path, device: torch.device, dtype: torch.dtype | None = None):
-    """A diffusers pipeline from a local directory (never a hub download), or ``"embedded"``.
+    """A diffusers pipeline from a local directory (never a hub download), or a shipped model by name
+    (``embedded``, ``embedded-long``: ``embedded.variants``).
 
-    ``dtype`` defaults to fp16 on CUDA and fp32 on the CPU.
+    ``dtype`` defaults to fp16 on CUDA and fp32 on the CPU. ``FileNotFoundError`` for a directory that holds
+    no pipeline, or a shipped model whose weights are not in this install.
     """
-    from .embedded import EMBEDDED_PATH, load_pipeline
+    from .embedded import load_pipeline
 
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
-    path = EMBEDDED_PATH if str(model) == EMBEDDED else Path(model)
+    variant = shipped(model)
+    if variant is not None:
+        return load_pipeline(variant=variant.key, device=device, dtype=dtype)
+    path = Path(model)
     index = path / "model_index.json"
     if not index.is_file():
         raise FileNotFoundError(f"{path} is not a local diffusers pipeline (no model_index.json); "
-                                f"pass a directory saved with save_pretrained, or '{EMBEDDED}'")
+                                f"pass a directory saved with save_pretrained, or a shipped model: {describe()}")
     if json.loads(index.read_text()).get("_class_name") == "ShapesPipeline":
         return load_pipeline(path, device=device, dtype=dtype)
     from diffusers import DiffusionPipeline
@@ -130,18 +136,19 @@ def load(model: str | Path, device: torch.device, dtype: torch.dtype | None = No
 
 
 def model_id(model: str | Path) -> str:
-    """``--model`` as calibration files and reports record it: ``embedded``, or the absolute path."""
-    return EMBEDDED if str(model) == EMBEDDED else str(Path(model).resolve())
+    """``--model`` as calibration files and reports record it: a shipped name (``embedded``), or the absolute
+    path."""
+    return str(model) if shipped(model) else str(Path(model).resolve())
 
 
 def pipeline_id(pipe) -> str:
-    """A loaded pipeline's name for the records: ``embedded`` for the shipped one, else where it was loaded
-    from, else its class name."""
-    from .embedded import EMBEDDED_PATH
-
+    """A loaded pipeline's name for the records: a shipped name for a shipped one (``embedded``), else where it
+    was loaded from, else its class name."""
     path = getattr(pipe, "name_or_path", None)
-    if path and Path(path).resolve() == Path(EMBEDDED_PATH).resolve():
-        return EMBEDDED
+    if path:
+        for v in VARIANTS.values():
+            if Path(path).resolve() == v.path.resolve():
+                return v.name
     return str(path or type(pipe).__name__)
 
 

@@ -6,13 +6,15 @@ import argparse
 from pathlib import Path
 
 from .. import pipelines
+from ..embedded.variants import describe
 from .usage import UsageError, nonnegative_float, nonnegative_int, positive_int, user_errors
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Arguments shared by ``calibrate`` and ``eval``."""
     p.add_argument("--model", default=pipelines.EMBEDDED,
-                   help=f"local diffusers pipeline directory, or '{pipelines.EMBEDDED}' (the shipped shapes model; default)")
+                   help=f"local diffusers pipeline directory, or a shipped shapes model: {describe()} "
+                        f"(default: {pipelines.EMBEDDED})")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", type=Path, help="text file, one prompt per line")
     src.add_argument("--class-labels", nargs="+", help="class names or ids, for class-conditional pipelines")

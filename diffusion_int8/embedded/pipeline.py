@@ -1,12 +1,13 @@
-"""``ShapesPipeline``: the project's own small class-conditional diffusion transformer, in pixel space.
+"""``ShapesPipeline``: the project's own small class-conditional diffusion transformers, in pixel space.
 
-A ``DiTTransformer2DModel`` (6 layers, 4 heads of dim 64, 256 tokens of 2×2 patches of a 32×32 RGB
-image) trained by flow matching on ``shapes.render`` data (``python -m diffusion_int8.embedded.train``),
-sampled with ``FlowMatchEulerDiscreteScheduler`` and classifier-free guidance. The trained weights
-ship in the package (``EMBEDDED_PATH``, fp16 safetensors) and load offline:
+A ``DiTTransformer2DModel`` (6 layers, 4 heads of dim 64) trained by flow matching on ``shapes.render``
+data (``python -m diffusion_int8.embedded.train``), sampled with ``FlowMatchEulerDiscreteScheduler`` and
+classifier-free guidance, in two variants (``variants.VARIANTS``): ``base``, 256 tokens of 2×2 patches of a
+32×32 RGB image, and ``long``, 4,096 tokens of one pixel each of a 64×64 image. The trained weights ship in
+the package (``Variant.path``, fp16 safetensors) and load offline:
 
     from diffusion_int8.embedded import load_pipeline
-    pipe = load_pipeline(device="cuda")
+    pipe = load_pipeline(device="cuda")                    # load_pipeline(variant="long"): 4,096 tokens
     images = pipe(["red circle", "blue ring"], generator=torch.Generator().manual_seed(0)).images
 """
 
@@ -21,14 +22,7 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.utils.torch_utils import randn_tensor
 
 from .shapes import CLASSES, NUM_CLASSES
-
-EMBEDDED_PATH = Path(__file__).parent / "shapes-dit"
-
-
-def transformer_config() -> dict:
-    """The architecture: head dim 64, 256 tokens, 6 layers; the label table has a null class for CFG."""
-    return dict(num_attention_heads=4, attention_head_dim=64, in_channels=3, out_channels=3, num_layers=6,
-                sample_size=32, patch_size=2, num_embeds_ada_norm=NUM_CLASSES, norm_type="ada_norm_zero")
+from .variants import get_variant
 
 
 class ShapesPipeline(DiffusionPipeline):
@@ -78,7 +72,8 @@ class ShapesPipeline(DiffusionPipeline):
             num_inference_steps: Euler steps of the flow.
             guidance_scale: classifier-free guidance; 1 turns it off (and halves the batch).
             generator: one generator, or one per image (the noise of image i then depends only on its own).
-            output_type: ``"pil"``, ``"np"`` (B, 32, 32, 3) float, or ``"pt"`` (B, 3, 32, 32) float in [0, 1].
+            output_type: ``"pil"``, ``"np"`` (B, S, S, 3) float, or ``"pt"`` (B, 3, S, S) float in [0, 1], where S
+                is the model's image side (``transformer.config.sample_size``: 32 for ``base``, 64 for ``long``).
             callback_on_step_end: as in diffusers, called after every denoising step as
                 ``callback_on_step_end(pipe, step, timestep, callback_kwargs)``; ``callback_kwargs`` holds the
                 tensors named in ``callback_on_step_end_tensor_inputs`` (``"latents"``: the current sample, in
@@ -137,16 +132,29 @@ def _class_named_in(text: str) -> str:
     return named[0]
 
 
-def load_pipeline(path: str | Path | None = None, *, device: str | torch.device | None = None,
+def load_pipeline(path: str | Path | None = None, *, variant: str = "base", device: str | torch.device | None = None,
                   dtype: torch.dtype | None = None) -> ShapesPipeline:
-    """The shipped pipeline (or one saved by the training script at ``path``), offline.
+    """A shipped pipeline, or one saved by the training script at ``path``, offline.
 
-    ``dtype`` defaults to fp16 on CUDA and fp32 on the CPU (where fp16 matmuls are slow).
+    Args:
+        path: a directory written by ``python -m diffusion_int8.embedded.train --out DIR``; default: the
+            weights of ``variant`` in the package.
+        variant: ``"base"`` (256 tokens) or ``"long"`` (4,096 tokens), when ``path`` is not given.
+        device: default: CUDA if there is a GPU, else the CPU.
+        dtype: default: fp16 on CUDA and fp32 on the CPU (where fp16 matmuls are slow).
+
+    Raises ``FileNotFoundError`` where the directory holds no pipeline, saying how to train one.
     """
-    path = Path(path) if path is not None else EMBEDDED_PATH
+    shipped = get_variant(variant) if path is None else None
+    path = Path(path) if path is not None else shipped.path
     if not (path / "model_index.json").is_file():
-        raise FileNotFoundError(f"no ShapesPipeline at {path} (model_index.json missing); "
-                                f"train one with `python -m diffusion_int8.embedded.train --out DIR`")
+        train = f"python -m diffusion_int8.embedded.train --variant {shipped.key if shipped else 'base'} --out DIR"
+        if shipped is not None:
+            raise FileNotFoundError(
+                f"the {shipped.key} model's weights ({shipped.name}) are not in this install: {path} holds no "
+                f"model_index.json. Train them on a GPU with `{train}`, then load DIR (load_pipeline(DIR), "
+                f"--model DIR) or copy it to {path}")
+        raise FileNotFoundError(f"no ShapesPipeline at {path} (model_index.json missing); train one with `{train}`")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     pipe = ShapesPipeline.from_pretrained(path, dtype=dtype)
