@@ -8,7 +8,8 @@ Inputs are ``testing.realistic_qkv`` (K channel bias, sink token) with ``--gain`
 same channels in both (each sqrt(gain), so their product is ``gain`` times larger), and ``shared, both ×gain``
 the extreme of each ``gain`` times larger in the same channels (products ``gain``² larger). Every cell is the
 worst cosine against float64 attention over the seeds. On the GPU the last rows time the whole call at Flux's
-shape with and without the balance, replayed from CUDA graphs in one run.
+and SDXL's shapes with and without the balance, replayed from CUDA graphs in one run (``--timing-only``
+skips the accuracy grid).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main():
     ap.add_argument("--outliers", default="1,3", help="outlier channels per tensor")
     ap.add_argument("--gain", type=float, default=20.0)
     ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--timing-only", action="store_true", help="only the timing rows (GPU)")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -58,41 +60,42 @@ def main():
     rows = []
     grid = itertools.product(KINDS, [int(d) for d in args.head_dims.split(",")],
                              [int(s) for s in args.lengths.split(",")], [int(n) for n in args.outliers.split(",")])
-    for kind, D, S, n in grid:
+    for kind, D, S, n in [] if args.timing_only else grid:
         row = dict(kind=kind, D=D, S=S, n=n)
         for mode, balance in itertools.product(("int8_fp16v", "int8"), (False, True)):
             row[f"{mode}{'' if balance else ', no balance'}"] = worst_cos(dev, D, S, n, kind, args.gain, mode, balance,
                                                                            args.seeds)
         rows.append(row)
         print(row, flush=True)
-    cols = [c for c in rows[0] if c not in ("kind", "D", "S", "n")]
-    print(f"\nworst cosine against float64, {meta['device']}, {meta['date']}, gain {args.gain:g}, {args.seeds} seeds\n")
-    print("| outliers | D | tokens | n | " + " | ".join(cols) + " |")
-    print("|---|---|---|---|" + "---|" * len(cols))
-    for r in rows:
-        print(f"| {r['kind']} | {r['D']} | {r['S']} | {r['n']} | " + " | ".join(f"{r[c]:.5f}" for c in cols) + " |")
-    for kind in KINDS:
-        sel = [r for r in rows if r["kind"] == kind]
-        print(f"worst over {kind}: " + ", ".join(f"{c} {min(r[c] for r in sel):.5f}" for c in cols))
-
+    if rows:
+        cols = [c for c in rows[0] if c not in ("kind", "D", "S", "n")]
+        print(f"\nworst cosine against float64, {meta['device']}, {meta['date']}, gain {args.gain:g}, {args.seeds} seeds\n")
+        print("| outliers | D | tokens | n | " + " | ".join(cols) + " |")
+        print("|---|---|---|---|" + "---|" * len(cols))
+        for r in rows:
+            print(f"| {r['kind']} | {r['D']} | {r['S']} | {r['n']} | " + " | ".join(f"{r[c]:.5f}" for c in cols) + " |")
+        for kind in KINDS:
+            sel = [r for r in rows if r["kind"] == kind]
+            print(f"worst over {kind}: " + ", ".join(f"{c} {min(r[c] for r in sel):.5f}" for c in cols))
     timing = {}
-    if dev.type == "cuda":  # what the balance costs at Flux's shape: the whole call, graph-replayed, in turns
-        q, k, v = realistic_qkv(2, 24, 4608, 4608, 128, device=dev)
-        for _ in range(2):
-            for mode, balance in itertools.product(("int8_fp16v", "int8"), (False, True)):
-                label = f"{mode}{'' if balance else ', no balance'}"
-                ms = graph_ms(lambda: int8_attention(q, k, v, mode=mode, qk_balance=balance), 50)
-                timing.setdefault(label, []).append(ms)
-        print("\nFlux (2, 24, 4608, 128), whole call replayed from a CUDA graph, ms (two rounds):")
-        for label, ms in timing.items():
-            print(f"  {label}: {sorted(ms)}")
-        for mode in ("int8_fp16v", "int8"):
-            on, off = min(timing[mode]), min(timing[f"{mode}, no balance"])
-            print(f"  {mode}: balance costs {on / off - 1:+.1%}")
+    if dev.type == "cuda":  # what the balance costs: the whole call, graph-replayed, variants in turns
+        for shape_name, shape in (("flux", (2, 24, 4608, 128)), ("sdxl", (2, 10, 4096, 64))):
+            B, H, N, D = shape
+            q, k, v = realistic_qkv(B, H, N, N, D, device=dev)
+            times = timing[shape_name] = {}
+            for _ in range(3):
+                for mode, balance in itertools.product(("int8_fp16v", "int8"), (False, True)):
+                    label = f"{mode}{'' if balance else ', no balance'}"
+                    ms = graph_ms(lambda: int8_attention(q, k, v, mode=mode, qk_balance=balance), 50)
+                    times.setdefault(label, []).append(ms)
+            print(f"\n{shape_name} {shape}, whole call replayed from a CUDA graph, median of 3 rounds:")
+            for mode in ("int8_fp16v", "int8"):
+                on, off = sorted(times[mode])[1], sorted(times[f"{mode}, no balance"])[1]
+                print(f"  {mode}: {on:.3f} ms with the balance, {off:.3f} ms without: {on / off - 1:+.1%}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "flux_ms": timing}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, "timing_ms": timing}, f, indent=1)
 
 
 if __name__ == "__main__":

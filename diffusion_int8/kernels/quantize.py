@@ -183,6 +183,8 @@ def _quant_kv_block(
 # results do not depend on how many programs ran the chunks. Slots of the partials buffer:
 _KSUM, _KMAX, _KMIN, _VMAX, _QMAX = (tl.constexpr(i) for i in range(5))
 _N_SLOTS = 5
+_MAX_CHUNKS = 32  # chunks per (batch, head), at most
+_MAX_CHUNKS_C = tl.constexpr(_MAX_CHUNKS)
 
 
 @triton.jit
@@ -200,21 +202,20 @@ def _stats_chunk(
     if cls == 0:
         first = pid_c * (chunk // BLOCK)
         ksum = tl.zeros([BLOCK, DP], tl.float32)
-        # max and min are exact in any order: reduced per tile, they hold (DP,) registers, not (BLOCK, DP)
-        kmax = tl.full([DP], float("-inf"), tl.float32)
-        kmin = tl.full([DP], float("inf"), tl.float32)
+        kmax = tl.full([BLOCK, DP], float("-inf"), tl.float32)
+        kmin = tl.full([BLOCK, DP], float("inf"), tl.float32)
         for i in range(0, chunk // BLOCK):
             k, _, _, valid = _load_tile(K, stride_kb, stride_kh, stride_ks, stride_kd, first + i, pid_bh, H_KV, SK, D,
                                         BLOCK, DP)
             ksum += k
             if BALANCE:
                 keep = valid & (k == k)
-                kmax = tl.maximum(kmax, tl.max(tl.where(keep, k, float("-inf")), axis=0))
-                kmin = tl.minimum(kmin, tl.min(tl.where(keep, k, float("inf")), axis=0))
+                kmax = tl.maximum(kmax, tl.where(keep, k, float("-inf")))
+                kmin = tl.minimum(kmin, tl.where(keep, k, float("inf")))
         tl.store(out + _KSUM * slot, tl.sum(ksum, axis=0))
         if BALANCE:
-            tl.store(out + _KMAX * slot, kmax)
-            tl.store(out + _KMIN * slot, kmin)
+            tl.store(out + _KMAX * slot, tl.max(kmax, axis=0))
+            tl.store(out + _KMIN * slot, tl.min(kmin, axis=0))
     elif cls == 1:
         first = pid_c * (chunk // BLOCK)
         vmax = tl.zeros([BLOCK, DP], tl.float32)
@@ -241,18 +242,19 @@ def _stats_chunk(
 
 @triton.jit
 def _fold(PART, pid_bh, N_CHUNKS, DP: tl.constexpr, how: tl.constexpr, init: tl.constexpr):
-    """The chunk partials of one (batch, head) folded in chunk order: their sum, max or min."""
+    """The chunk partials of one (batch, head) folded: their sum, max or min. All chunks are loaded at once
+    (at most ``_MAX_CHUNKS``): the finishing program is the pass's tail, and a loop of dependent loads per
+    chunk would lengthen it by a memory latency each."""
+    offs_c = tl.arange(0, _MAX_CHUNKS_C)
     offs_d = tl.arange(0, DP)
-    acc = tl.full([DP], init, tl.float32)
-    for c in range(N_CHUNKS):
-        part = tl.load(PART + (pid_bh * N_CHUNKS + c) * DP + offs_d, cache_modifier=".cg")
-        if how == "sum":
-            acc += part
-        elif how == "max":
-            acc = tl.maximum(acc, part)
-        else:
-            acc = tl.minimum(acc, part)
-    return acc
+    parts = tl.load(PART + (pid_bh * N_CHUNKS + offs_c[:, None]) * DP + offs_d[None, :],
+                    mask=offs_c[:, None] < N_CHUNKS, other=init, cache_modifier=".cg")
+    if how == "sum":
+        return tl.sum(parts, axis=0)
+    elif how == "max":
+        return tl.max(parts, axis=0)
+    else:
+        return tl.min(parts, axis=0)
 
 
 @triton.jit
@@ -369,7 +371,7 @@ def _quant_fused_kernel(
 def _chunking(Sq: int, Sk: int, block: int) -> tuple[int, int, int]:
     """The statistics pass's chunks: (chunk of keys, chunk of queries, number of chunks). Enough chunks to fill
     the GPU at a few (batch, head)s, few enough that folding the partials stays small."""
-    chunk = max(256, triton.cdiv(triton.cdiv(Sk, 32), 64) * 64)
+    chunk = max(256, triton.cdiv(triton.cdiv(Sk, _MAX_CHUNKS), 64) * 64)
     n_chunks = triton.cdiv(Sk, chunk)
     chunk_q = max(block, triton.cdiv(triton.cdiv(Sq, n_chunks), block) * block)
     return chunk, chunk_q, n_chunks
