@@ -46,7 +46,7 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
     ptrs.update(Q="*" + dt, K="*" + dt, V="*" + dt, Q8="*i8", K8="*i8", V8="*fp8e4nv" if v_fmt == 1 else "*i8")
     dp = padded_head_dim(D)
     cfg = tile_config(D, PV.FP8)
-    block = Qz._stats_block(dp)
+    block = Qz.stats_block(dp)
     n = 0
     for balance in (False,) if static else (False, True):
         compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(

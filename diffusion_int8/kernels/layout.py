@@ -56,6 +56,16 @@ def v_channel_amax(v: torch.Tensor, v_amax: torch.Tensor | None = None, static: 
     return F.pad(amax, (0, padded_head_dim(D) - D), value=1.0)
 
 
+# The statistics pass reads tiles of this many tokens (``stats_block``); for the Q·Kᵀ balance it measures Q's
+# channel ranges on one tile in Q_SAMPLE_EVERY
+Q_SAMPLE_EVERY = 4
+
+
+def stats_block(dp: int) -> int:
+    """Tokens per tile of the statistics pass at padded head dim ``dp``."""
+    return 64 if dp <= 128 else 32
+
+
 def balance_applies(qk_balance: bool, q_amax, k_amax, k_mean) -> bool:
     """Whether a call balances Q·Kᵀ's channels: asked for, and Q's and K's ranges and K's mean measured (static
     ones were taken of the unbalanced tensors)."""

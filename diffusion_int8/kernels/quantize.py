@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP_FUSION, INT8_MAX, LOG2E, PV, padded_head_dim, tile_config
 from .launch import EAGER, Runner
-from .layout import balance_applies, padded_len, v_channel_amax
+from .layout import Q_SAMPLE_EVERY, balance_applies, padded_len, stats_block, v_channel_amax
 from .tl_helpers import rdiv, round_to_int8
 
 _ROW_BLOCK = 64  # tokens per program when the scale is per token
@@ -185,6 +185,7 @@ _KSUM, _KMAX, _KMIN, _VMAX, _QMAX = (tl.constexpr(i) for i in range(5))
 _N_SLOTS = 5
 _MAX_CHUNKS = 32  # chunks per (batch, head), at most
 _MAX_CHUNKS_C = tl.constexpr(_MAX_CHUNKS)
+_Q_SAMPLE_EVERY = tl.constexpr(Q_SAMPLE_EVERY)
 
 
 @triton.jit
@@ -227,12 +228,14 @@ def _stats_chunk(
             vpoison += v * 0.0
         tl.store(out + _VMAX * slot, tl.max(vmax, axis=0) + tl.sum(vpoison, axis=0))
     else:
+        # Q's channel |max| over one tile in Q_SAMPLE_EVERY (chunk_q is a multiple of that many tiles): the
+        # balance only needs to find Q's large channels, which are large in every token, not the exact range
         first = pid_c * (chunk_q // BLOCK)
         qmax = tl.zeros([BLOCK, DP], tl.float32)
         b = pid_bh // H_KV
         for g in range(0, G):
             qh = b * H_KV * G + pid_bh % H_KV * G + g
-            for i in range(0, chunk_q // BLOCK):
+            for i in range(0, chunk_q // BLOCK, _Q_SAMPLE_EVERY):
                 x, _, _, _ = _load_tile(Q, stride_qb, stride_qh, stride_qs, stride_qd, first + i, qh, H_KV * G, SQ, D,
                                         BLOCK, DP)
                 a = tl.abs(x)
@@ -373,12 +376,8 @@ def _chunking(Sq: int, Sk: int, block: int) -> tuple[int, int, int]:
     the GPU at a few (batch, head)s, few enough that folding the partials stays small."""
     chunk = max(256, triton.cdiv(triton.cdiv(Sk, _MAX_CHUNKS), 64) * 64)
     n_chunks = triton.cdiv(Sk, chunk)
-    chunk_q = max(block, triton.cdiv(triton.cdiv(Sq, n_chunks), block) * block)
+    chunk_q = triton.cdiv(triton.cdiv(Sq, n_chunks), block * Q_SAMPLE_EVERY) * block * Q_SAMPLE_EVERY
     return chunk, chunk_q, n_chunks
-
-
-def _stats_block(dp: int) -> int:
-    return 64 if dp <= 128 else 32
 
 
 def kv_moments(k: torch.Tensor | None, v: torch.Tensor | None, runner: Runner = EAGER, *,
@@ -391,7 +390,7 @@ def kv_moments(k: torch.Tensor | None, v: torch.Tensor | None, runner: Runner = 
     x = k if k is not None else v
     B, H, S, D = x.shape
     dp = padded_head_dim(D)
-    block = _stats_block(dp)
+    block = stats_block(dp)
     Sq, G = (q.shape[2], q.shape[1] // H) if q is not None else (0, 1)
     chunk, chunk_q, n_chunks = _chunking(Sq, S, block)
     n = (k is not None) + (v is not None) + (q is not None)
@@ -486,7 +485,7 @@ def quantize_qkv(
         v8 = runner.empty(shape, torch.float8_e4m3fn if v_fmt == 1 else torch.int8, dev)
         vs = runner.empty((B, H_kv, dp), torch.float32, dev)
     if (measure_k or measure_v or balance) and not static and max(Sk, Sq * (H // H_kv)) <= _FUSED_MAX_TOKENS:
-        block = _stats_block(dp)
+        block = stats_block(dp)
         chunk, chunk_q, n_chunks = _chunking(Sq, Sk, block)
         partials = runner.empty((_N_SLOTS, B, H_kv, n_chunks, dp), torch.float32, dev)
         moments = runner.empty((3, B, H_kv, dp), torch.float32, dev)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LOG2E, P_FLOOR, PV, padded_head_dim
-from .layout import balance_applies, padded_len, static_range, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
+from .layout import Q_SAMPLE_EVERY, balance_applies, padded_len, static_range, stats_block, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
 
 
 def _pad(x: torch.Tensor, s_pad: int, dp: int) -> torch.Tensor:
@@ -77,7 +77,8 @@ def balance_scales(q: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor | None
     """Per-channel powers of two that balance Q·Kᵀ: Q's channel c is divided by s_c and K's multiplied by it.
 
     s_c = 2^floor((e_q - e_k) / 2), clamped to 2^±``BALANCE_MAX_LOG2``, from the binary exponents of Q's channel
-    |max| (over the tokens of the query heads sharing a K/V head; NaNs skipped) and of K's (after subtracting
+    |max| (over the query heads sharing a K/V head, on the tokens of one tile in ``Q_SAMPLE_EVERY`` of the
+    statistics pass: enough to find a channel large in every token; NaNs skipped) and of K's (after subtracting
     ``k_mean``, if given), so both ranges end within a factor of 2 of their geometric mean; 1 where either
     range is zero or the exponents differ by at most ``BALANCE_DEAD_BAND`` (moving channels of like ranges
     only reshuffles which channel sets a token's range: measured, it costs accuracy where Q and K share
@@ -85,7 +86,10 @@ def balance_scales(q: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor | None
     (B, H_kv, D) float32 or None. Returns (B, H_kv, DP) float32, 1 in the padded channels.
     """
     B, H_kv, _, D = k.shape
-    qf = q.float().unflatten(1, (H_kv, q.shape[1] // H_kv))
+    # the sampled tokens: one tile of ``stats_block`` tokens in ``Q_SAMPLE_EVERY``
+    block = stats_block(padded_head_dim(D))
+    sampled = torch.arange(q.shape[2], device=q.device) // block % Q_SAMPLE_EVERY == 0
+    qf = q[:, :, sampled].float().unflatten(1, (H_kv, q.shape[1] // H_kv))
     q_range = qf.abs().nan_to_num(nan=0.0).amax(dim=(2, 3))
     kf = k.float()
     k_max = kf.nan_to_num(nan=-math.inf).amax(2)
