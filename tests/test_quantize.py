@@ -26,7 +26,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_quantization_bit_exact(kdev, D, dtype, layout):
     from diffusion_int8.kernels import quantize as TQ
 
-    S = 300 if kdev == "cpu" else 4224  # on CPU both fit the one-launch path; test_two_paths_agree takes the other
+    S = 300 if kdev == "cpu" else 4224  # the two-launch path; test_two_paths_agree_bit_for_bit takes both
     q, k, v = realistic_qkv(2, 3, S, S, D, dtype=dtype, layout=layout, device=kdev, outliers="separate")
     q, k, v = (R.to_bhsd(t, layout) for t in (q, k, v))  # strided views, as the op passes them
     q_amax = torch.full((3,), 2.5, device=kdev)
@@ -97,15 +97,18 @@ def test_static_k_mean_bit_exact_and_skips_the_statistics_pass(kdev, pv, monkeyp
 @pytest.mark.parametrize("smooth", [True, False])
 def test_two_paths_agree_bit_for_bit(kdev, smooth, monkeypatch):
     # Short sequences take one launch (statistics and quantization in one program per K/V head), longer ones
-    # a statistics pass and then the quantization; both give the emulation's result bit for bit. GQA (4 query
+    # a statistics pass and then the quantization; both give the emulation's result bit for bit. GQA (2 query
     # heads per K/V head) and odd lengths; forcing the threshold to 0 sends the same call down the other path.
     from diffusion_int8.kernels import quantize as TQ
 
-    q, k, v = realistic_qkv(1, 4, 77, 203, 72, H_kv=1, device=kdev, outliers="separate", n_outliers=3)
-    results = []
+    q, k, v = realistic_qkv(1, 2, 77, 203, 72, H_kv=1, device=kdev, outliers="separate", n_outliers=3)
+    results, passes = [], []
+    real = TQ.kv_moments
+    monkeypatch.setattr(TQ, "kv_moments", lambda *a, **kw: passes.append(1) or real(*a, **kw))
     for limit in (TQ._FUSED_MAX_TOKENS, 0):
         monkeypatch.setattr(TQ, "_FUSED_MAX_TOKENS", limit)
         results.append(TQ.quantize_qkv(q, k, v, 0.3, PV.INT8, k_tile=(64, 4), smooth_k=smooth))
+    assert passes == [1]  # the short call ran no separate statistics pass, the forced one did
     for got, other in zip(*results):
         assert torch.equal(got, other)
     bal = R.balance_scales(q, k, R.token_mean(k) if smooth else None)
