@@ -111,8 +111,8 @@ def run_shape(name, shape, dtype, sweep):
         add(label, graphed(lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale)), acc=False)
         add(f"{label}, static ranges", graphed(
             lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale, **static)), acc=False)
-        add(f"{label}, no Q·Kᵀ balance", graphed(  # what the balance's read of Q in the statistics pass costs
-            lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale, qk_balance=False)),
+        add(f"{label}, Q·Kᵀ balance", graphed(  # what the optional balance's read of Q costs
+            lambda pv=pv: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale, qk_balance=True)),
             acc=False)
 
     try:

@@ -23,8 +23,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
-def test_quantization_bit_exact(kdev, D, dtype, layout):
+def test_quantization_bit_exact(kdev, D, dtype, layout, monkeypatch):
+    from diffusion_int8.kernels import layout as L
     from diffusion_int8.kernels import quantize as TQ
+
+    monkeypatch.setattr(L, "BALANCE_MIN_QUERIES", 0)  # balance at the CPU's short lengths too
 
     S = 300 if kdev == "cpu" else 4224  # the two-launch path; test_two_paths_agree_bit_for_bit takes both
     q, k, v = realistic_qkv(2, 3, S, S, D, dtype=dtype, layout=layout, device=kdev, outliers="separate")
@@ -35,7 +38,8 @@ def test_quantization_bit_exact(kdev, D, dtype, layout):
     cases = [(PV.FP16, True, None, None, 64, 4), (PV.FP8, False, q_amax, None, 128, 1), (PV.INT8, True, None, None, 64, 1),
              (PV.FP8, True, None, v_amax, 128, 4), (PV.FP8, False, None, None, 64, 4)]
     for pv, smooth, qa, va, bn, groups in cases:
-        q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.125, pv, k_tile=(bn, groups), smooth_k=smooth, q_amax=qa, v_amax=va)
+        q8, qs, k8, ks, v8, vs = TQ.quantize_qkv(q, k, v, 0.125, pv, k_tile=(bn, groups), smooth_k=smooth,
+                                                 qk_balance=True, q_amax=qa, v_amax=va)
         bal = None if qa is not None else R.balance_scales(q, k, R.token_mean(k) if smooth else None)
         assert bal is None or (bal != 1).any()  # the outlier channels were balanced
         want_q, want_k = R.quantize_q(q, 0.125, qa, bal), R.quantize_k(k, bn, groups, smooth, balance=bal)
@@ -99,15 +103,17 @@ def test_two_paths_agree_bit_for_bit(kdev, smooth, monkeypatch):
     # Short sequences take one launch (statistics and quantization in one program per K/V head), longer ones
     # a statistics pass and then the quantization; both give the emulation's result bit for bit. GQA (2 query
     # heads per K/V head) and odd lengths; forcing the threshold to 0 sends the same call down the other path.
+    from diffusion_int8.kernels import layout as L
     from diffusion_int8.kernels import quantize as TQ
 
+    monkeypatch.setattr(L, "BALANCE_MIN_QUERIES", 0)
     q, k, v = realistic_qkv(1, 2, 77, 203, 72, H_kv=1, device=kdev, outliers="separate", n_outliers=3)
     results, passes = [], []
     real = TQ.kv_moments
     monkeypatch.setattr(TQ, "kv_moments", lambda *a, **kw: passes.append(1) or real(*a, **kw))
     for limit in (TQ._FUSED_MAX_TOKENS, 0):
         monkeypatch.setattr(TQ, "_FUSED_MAX_TOKENS", limit)
-        results.append(TQ.quantize_qkv(q, k, v, 0.3, PV.INT8, k_tile=(64, 4), smooth_k=smooth))
+        results.append(TQ.quantize_qkv(q, k, v, 0.3, PV.INT8, k_tile=(64, 4), smooth_k=smooth, qk_balance=True))
     assert passes == [1]  # the short call ran no separate statistics pass, the forced one did
     for got, other in zip(*results):
         assert torch.equal(got, other)
@@ -139,6 +145,25 @@ def test_balance_is_exact_and_lifts_outlier_accuracy():
         exact = q.double() @ kc.repeat_interleave(2, dim=1).transpose(-1, -2) * math.log2(math.e)
         errs[name] = (s[:, :, :256, :256] - exact).abs().mean().item()
     assert errs["balanced"] < 0.5 * errs["plain"], errs
+
+
+def test_balance_applies_only_where_asked_and_measurable(kdev):
+    # Off by default; on request only with measured ranges and mean, and with enough queries per K/V head for
+    # Q's channel ranges to mean something (one query row: the balance made accuracy worse)
+    from diffusion_int8.kernels import layout as L
+    from diffusion_int8.kernels import quantize as TQ
+
+    n = L.BALANCE_MIN_QUERIES
+    assert not L.balance_applies(False, None, None, None, n)
+    assert L.balance_applies(True, None, None, None, n) and not L.balance_applies(True, None, None, None, n - 1)
+    amax = torch.ones(1)
+    assert not any(L.balance_applies(True, *s, n) for s in ((amax, None, None), (None, amax, None), (None, None, amax)))
+    q, k, v = realistic_qkv(1, 2, n // 2, 64, 32, H_kv=1, device=kdev, outliers="separate")  # 2 heads: n queries
+    with_bal = TQ.quantize_qkv(q, k, v, 0.3, PV.FP16, qk_balance=True)
+    assert not torch.equal(with_bal.q8, TQ.quantize_qkv(q, k, v, 0.3, PV.FP16).q8)
+    assert torch.equal(with_bal.q8, R.quantize_q(q, 0.3, None, R.balance_scales(q, k, R.token_mean(k)))[0])
+    short = TQ.quantize_qkv(q[:, :, :5], k, v, 0.3, PV.FP16, qk_balance=True)
+    assert torch.equal(short.q8, R.quantize_q(q[:, :, :5], 0.3)[0])
 
 
 @triton.jit

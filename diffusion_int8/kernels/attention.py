@@ -222,7 +222,7 @@ def triton_attention(
     pv: PV,
     sm_scale: float,
     smooth_k: bool = True,
-    qk_balance: bool = True,
+    qk_balance: bool = False,
     attn_mask: torch.Tensor | None = None,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,

@@ -440,7 +440,7 @@ def quantize_qkv(
     *,
     k_tile: tuple[int, int] | None = None,
     smooth_k: bool = True,
-    qk_balance: bool = True,
+    qk_balance: bool = False,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
@@ -453,7 +453,7 @@ def quantize_qkv(
 
     q: (B, H, Sq, D); k, v: (B, H_kv, Sk, D); any strides. k_tile: K's quantization, (block_n, k_groups)
     (``config.TileConfig``), by default the tile table's for this head dim and ``pv``. qk_balance: scale
-    Q's and K's channels by ``reference.balance_scales`` (measured; only where no static range or mean is given).
+    Q's and K's channels by ``reference.balance_scales`` (where ``layout.balance_applies``).
     q_amax / k_amax: static ranges broadcastable to (B, H) / (B, H_kv) (``k_amax`` of the smoothed K); v_amax:
     static per-channel range broadcastable to (B, H_kv, D); k_mean: static smoothing mean broadcastable to
     (B, H_kv, D). With ``k_mean`` and ``v_amax`` given (or no smoothing and fp16 P·V) there is no statistics
@@ -474,7 +474,7 @@ def quantize_qkv(
     dev = q.device
     v_fmt = pv.code
     static = any(t is not None for t in (q_amax, k_amax, v_amax, k_mean))
-    balance = balance_applies(qk_balance, q_amax, k_amax, k_mean)
+    balance = balance_applies(qk_balance, q_amax, k_amax, k_mean, Sq * (H // H_kv))
     measure_k = smooth_k and k_mean is None
     measure_v = v_fmt != 0 and v_amax is None
     q8 = runner.empty((B, H, sq_pad, dp), torch.int8, dev)

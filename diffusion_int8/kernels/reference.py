@@ -7,7 +7,7 @@ CPUs and on GPUs the kernel does not support. ``attention_ref`` is plain attenti
 
 Numerics shared by both backends (``q``, ``k``, ``v`` in (B, H, S, D), D padded to ``DP``):
 
-* Q·Kᵀ balance (``balance_scales``, where no static range or mean is given): Q's channel c divided by a power of
+* Q·Kᵀ balance (``balance_scales``; optional, ``layout.balance_applies`` says where): Q's channel c divided by a power of
   two s_c and K's multiplied by it, which leaves Q·Kᵀ unchanged exactly and evens out channels that are large
   in one of the two (outlier channels), so one per-token or per-block range no longer follows them.
 * Q, per token: ``q8 = round(clamp(q · 127/amax, ±127))``, scale ``amax/127 · sm_scale · log2(e)``.
@@ -193,7 +193,7 @@ def emulate_attention(
     pv: PV = PV.FP16,
     sm_scale: float | None = None,
     smooth_k: bool = True,
-    qk_balance: bool = True,
+    qk_balance: bool = False,
     attn_mask: torch.Tensor | None = None,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
@@ -217,7 +217,7 @@ def emulate_attention(
     cfg = tile_config(D, pv)
     block_n, k_groups = block_n or cfg.block_n, k_groups or cfg.k_groups
     balance = None
-    if balance_applies(qk_balance, q_amax, k_amax, k_mean):
+    if balance_applies(qk_balance, q_amax, k_amax, k_mean, Sq * (H // H_kv)):
         balance = balance_scales(qb, kb, token_mean(kb) if smooth_k else None)
     q8, qs = quantize_q(qb, sm_scale, q_amax, balance)
     k8, ks = quantize_k(kb, block_n, k_groups, smooth_k, k_amax, k_mean, balance)
