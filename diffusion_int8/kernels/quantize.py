@@ -342,18 +342,11 @@ def _quant_fused_kernel(
     pid_bh = tl.program_id(0)
     HAS_V: tl.constexpr = V_FMT != 0
     for c in range(0, N_CHUNKS):
-        if HAS_K:
-            _stats_chunk(Q, K, V, PART, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks,
-                         stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, 0, c, pid_bh, H_KV, G, SQ, SK, D,
-                         N_CHUNKS, chunk, chunk_q, slot, BLOCK, DP, BALANCE)
-        if HAS_V:
-            _stats_chunk(Q, K, V, PART, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks,
-                         stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, 1, c, pid_bh, H_KV, G, SQ, SK, D,
-                         N_CHUNKS, chunk, chunk_q, slot, BLOCK, DP, BALANCE)
-        if BALANCE:
-            _stats_chunk(Q, K, V, PART, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks,
-                         stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, 2, c, pid_bh, H_KV, G, SQ, SK, D,
-                         N_CHUNKS, chunk, chunk_q, slot, BLOCK, DP, BALANCE)
+        for cls in tl.static_range(3):  # K, V, Q: the classes the statistics pass runs as separate programs
+            if (cls == 0 and HAS_K) or (cls == 1 and HAS_V) or (cls == 2 and BALANCE):
+                _stats_chunk(Q, K, V, PART, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh,
+                             stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, cls, c, pid_bh, H_KV,
+                             G, SQ, SK, D, N_CHUNKS, chunk, chunk_q, slot, BLOCK, DP, BALANCE)
     tl.debug_barrier()  # the partials, stored by every thread of the program, before the fold reads them
     _finish_stats(PART, MOM, pid_bh, SK, N_CHUNKS, slot, mom_slot, DP, HAS_K, HAS_V, SMOOTH, BALANCE)
     tl.debug_barrier()
