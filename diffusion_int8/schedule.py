@@ -1,7 +1,9 @@
-"""Rule-based precision schedules: which attention mode runs at which noise level and layer.
+"""Rule-based precision schedules: which attention mode runs at which noise level and layer, and how sparse.
 
 A schedule maps the denoiser's timestep, normalized to a noise level in [0, 1], and the attention
-module's name to a ``Mode``. Rules are tried in order; the first that matches wins, else ``default``.
+module's name to a ``Mode`` and a sparsity level ``tau`` (the attention mass kept per query block by the
+block-sparse predictor, ``kernels.sparsity``; None = dense). Rules are tried in order; the first that matches
+wins, else ``default`` and ``default_tau``.
 
     schedule = PrecisionSchedule(
         rules=[Rule("fp16", min_noise=0.98),              # the first, highest-noise step exact
@@ -12,9 +14,10 @@ module's name to a ``Mode``. Rules are tried in order; the first that matches wi
     diffusion_int8.enable(pipe, schedule=schedule)
 
 Schedules serialize to JSON (``save`` / ``load``); ``load`` checks every field, so a bad file fails there,
-with a ``ValueError`` naming the file and the field, not during generation. ``PrecisionSchedule.from_calibration``
-derives the rules from measured errors: at each calibrated step (and, optionally, layer) the cheapest mode
-whose error stays under a budget.
+with a ``ValueError`` naming the file and the field, not during generation. Files of schema 1 (before sparsity
+levels) still load, as dense schedules. ``PrecisionSchedule.from_calibration`` derives the rules from measured
+errors: at each calibrated step (and, optionally, layer) the cheapest mode whose error stays under a budget,
+and with a ``sparsity_budget`` the sparsest calibrated level whose error stays under that.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from pathlib import Path
 import torch
 
 from .kernels import Mode
+from .kernels.sparsity import check_tau
 
-SCHEMA_VERSION = 1
-_FIELDS = ("schema_version", "kind", "name", "default", "num_train_timesteps", "rules")  # to_dict's
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # 1: no sparsity levels (no default_tau, no rule tau)
+_FIELDS = ("schema_version", "kind", "name", "default", "default_tau", "num_train_timesteps", "rules")  # to_dict's
 
 
 def _is_number(x) -> bool:
@@ -59,15 +64,20 @@ def noise_level(timestep: float, num_train_timesteps: float | None = None, scale
 
 @dataclass(frozen=True)
 class Rule:
-    """``mode`` for noise levels in [min_noise, max_noise] and module names matching ``layers`` (fnmatch)."""
+    """``mode`` and sparsity level ``tau`` for noise levels in [min_noise, max_noise] and module names matching
+    ``layers`` (fnmatch). ``tau`` in (0, 1]: the attention mass the block-sparse predictor keeps per query block
+    (INT8 modes only); None: dense."""
 
     mode: Mode
     min_noise: float = 0.0
     max_noise: float = 1.0
     layers: str = "*"
+    tau: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "mode", Mode.parse(self.mode))
+        if self.tau is not None:
+            object.__setattr__(self, "tau", check_tau(self.tau))
         for name in ("min_noise", "max_noise"):
             if not _is_number(getattr(self, name)):
                 raise ValueError(f"{name} must be a number in [0, 1], got {getattr(self, name)!r}")
@@ -84,51 +94,83 @@ class Rule:
 
 @dataclass(frozen=True)
 class PrecisionSchedule:
-    """An ordered list of rules and a default mode. Callable as ``schedule(timestep) -> Mode``."""
+    """An ordered list of rules, a default mode and a default sparsity level (None: dense). Callable as
+    ``schedule(timestep) -> Mode``."""
 
     rules: tuple[Rule, ...] = ()
     default: Mode = Mode.INT8
     num_train_timesteps: float | None = None
     name: str = field(default="custom", compare=False)
+    default_tau: float | None = None
     _memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "rules", tuple(r if isinstance(r, Rule) else Rule(**r) for r in self.rules))
         object.__setattr__(self, "default", Mode.parse(self.default))
+        if self.default_tau is not None:
+            object.__setattr__(self, "default_tau", check_tau(self.default_tau, "default_tau"))
         ntt = self.num_train_timesteps
         if ntt is not None and not (_is_number(ntt) and ntt > 0):
             raise ValueError(f"num_train_timesteps must be null or a number > 0 (the timesteps' scale), got {ntt!r}")
 
     def __hash__(self):
-        return hash((self.rules, self.default, self.num_train_timesteps))
+        return hash((self.rules, self.default, self.default_tau, self.num_train_timesteps))
+
+    @property
+    def sparse(self) -> bool:
+        """Whether any rule, or the default, sets a sparsity level below 1."""
+        return any(t is not None and t < 1 for t in (self.default_tau, *(r.tau for r in self.rules)))
+
+    def _decide(self, timestep: float, layer: str | None, scale: float | None) -> tuple[Mode, float | None]:
+        key = (timestep, layer, scale)
+        found = self._memo.get(key)
+        if found is None:
+            noise = noise_level(timestep, self.num_train_timesteps, scale)
+            rule = next((r for r in self.rules if r.matches(noise, layer)), None)
+            found = (self.default, self.default_tau) if rule is None else (rule.mode, rule.tau)
+            if len(self._memo) < 65536:  # steps × layers of one schedule; bounded all the same
+                self._memo[key] = found
+        return found
 
     def mode_for(self, timestep: float, layer: str | None = None, scale: float | None = None) -> Mode:
         """The mode at ``timestep`` for module ``layer``; ``scale``: see ``noise_level``."""
-        key = (timestep, layer, scale)
-        mode = self._memo.get(key)
-        if mode is None:
-            noise = noise_level(timestep, self.num_train_timesteps, scale)
-            mode = next((r.mode for r in self.rules if r.matches(noise, layer)), self.default)
-            if len(self._memo) < 65536:  # steps × layers of one schedule; bounded all the same
-                self._memo[key] = mode
-        return mode
+        return self._decide(timestep, layer, scale)[0]
+
+    def tau_for(self, timestep: float, layer: str | None = None, scale: float | None = None) -> float | None:
+        """The sparsity level at ``timestep`` for module ``layer`` (None: dense); ``scale``: see ``noise_level``."""
+        return self._decide(timestep, layer, scale)[1]
 
     @classmethod
     def from_calibration(cls, calibration, budget: float = 0.05, *, metric: str = "rel_l1",
-                         per_layer: bool = False, name: str | None = None) -> "PrecisionSchedule":
-        """The cheapest mode per calibrated step (and layer) whose measured attention error is within ``budget``.
+                         per_layer: bool = False, sparsity_budget: float | None = None,
+                         name: str | None = None) -> "PrecisionSchedule":
+        """The cheapest mode per calibrated step (and layer) whose measured attention error is within ``budget``,
+        and with ``sparsity_budget``, the sparsest calibrated level within that.
 
         Args:
             calibration: a ``Calibration`` (``diffusion-int8 calibrate``).
             budget: the largest accepted error: relative L1 of the attention output against exact attention
                 (``metric="rel_l1"``), or 1 - cosine similarity (``metric="cos"``).
             per_layer: decide per layer; otherwise per step, for the worst layer at that step.
+            sparsity_budget: the largest accepted error of block-sparse attention (exact attention over the
+                predicted blocks against all blocks, same metric): the smallest calibrated ``tau``
+                (``calibrate(..., sparsity_levels=...)``) within it, else dense. The two errors add up roughly,
+                so the attention's error is about ``budget + sparsity_budget`` where both are spent. None: dense.
 
         Each calibrated step covers the noise levels half-way to its neighbours, so the schedule applies
-        to any number of steps. Modes are tried in the order ``int8``, ``int8_fp16v``, ``fp16``.
+        to any number of steps. Modes are tried in the order ``int8``, ``int8_fp16v``, ``fp16``; sparsity
+        applies where the mode is an INT8 one.
         """
         if metric not in ("rel_l1", "cos"):
             raise ValueError(f"metric must be 'rel_l1' or 'cos', got {metric!r}")
+        levels = []
+        if sparsity_budget is not None:
+            if not (_is_number(sparsity_budget) and sparsity_budget > 0):
+                raise ValueError(f"sparsity_budget must be a number > 0 or None, got {sparsity_budget!r}")
+            levels = calibration.sparsity_levels()
+            if not levels:
+                raise ValueError("sparsity_budget needs a calibration with sparsity levels: run "
+                                 "`diffusion-int8 calibrate --sparsity-levels ...` (calibrate(sparsity_levels=...))")
         noise = [float(n) for n in calibration.noise]
         order = sorted(range(len(noise)), key=lambda i: noise[i])
         bounds = [0.0] + [(noise[a] + noise[b]) / 2 for a, b in zip(order, order[1:])] + [1.0]
@@ -141,26 +183,37 @@ class PrecisionSchedule:
             return 1 - e if metric == "cos" else e
 
         errs = {m: err(m) for m in cheapest if m.value in calibration.modes()}
+        sparse_errs = {tau: calibration.sparse_error(tau, metric) for tau in levels}  # tau ascending: sparsest first
+        if metric == "cos":
+            sparse_errs = {tau: 1 - e for tau, e in sparse_errs.items()}
 
         def choose(values: dict) -> Mode:
             return next((m for m in cheapest if m in values and values[m] <= budget), Mode.FP16)
+
+        def choose_tau(values: dict, mode: Mode) -> float | None:
+            if mode is Mode.FP16:
+                return None
+            return next((tau for tau, e in values.items() if e <= sparsity_budget), None)
 
         rules = []
         groups = [(n, [i]) for i, n in enumerate(names)] if per_layer else [("*", list(range(len(names))))]
         for pattern, idx in groups:
             modes = {t: choose({m: float(e[idx, t].max()) for m, e in errs.items()}) for t in range(len(noise))}
-            # merge neighbouring steps that chose the same mode into one noise interval
+            taus = {t: choose_tau({tau: float(e[idx, t].max()) for tau, e in sparse_errs.items()}, modes[t])
+                    for t in range(len(noise))}
+            # merge neighbouring steps that chose the same mode and level into one noise interval
             run_start = None
             for j, t in enumerate(order):
                 if run_start is None:
                     run_start = t
                 nxt = order[j + 1] if j + 1 < len(order) else None
-                if nxt is None or modes[nxt] is not modes[t]:
-                    rules.append(Rule(modes[t], interval[run_start][0], interval[t][1], pattern))
+                if nxt is None or (modes[nxt], taus[nxt]) != (modes[t], taus[t]):
+                    rules.append(Rule(modes[t], interval[run_start][0], interval[t][1], pattern, taus[t]))
                     run_start = None
+        sparse = f", sparsity<={sparsity_budget}" if sparsity_budget is not None else ""
         return cls(rules=tuple(rules), default=Mode.FP16,
                    num_train_timesteps=calibration.meta.get("num_train_timesteps") or calibration.meta.get("timestep_scale"),
-                   name=name or f"calibrated({metric}<={budget}{', per layer' if per_layer else ''})")
+                   name=name or f"calibrated({metric}<={budget}{sparse}{', per layer' if per_layer else ''})")
 
     def __call__(self, timestep: float) -> Mode:
         return self.mode_for(timestep)
@@ -171,6 +224,7 @@ class PrecisionSchedule:
             "kind": "rules",
             "name": self.name,
             "default": self.default.value,
+            "default_tau": self.default_tau,
             "num_train_timesteps": self.num_train_timesteps,
             "rules": [{**asdict(r), "mode": r.mode.value} for r in self.rules],
         }
@@ -185,14 +239,16 @@ class PrecisionSchedule:
         if not isinstance(data, dict):
             raise ValueError(f"{source}: a schedule is a JSON object (as PrecisionSchedule.save writes), "
                              f"got {_json_type(data)}")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise bad("schema_version", f"{data.get('schema_version')!r} is not a diffusion-int8 schedule schema; "
-                                        f"this version reads schema {SCHEMA_VERSION}")
+        schema = data.get("schema_version")
+        if schema not in READABLE_SCHEMAS or isinstance(schema, bool):
+            raise bad("schema_version", f"{schema!r} is not a diffusion-int8 schedule schema; "
+                                        f"this version reads schemas {', '.join(map(str, READABLE_SCHEMAS))}")
         if data.get("kind") != "rules":
             raise bad("kind", f"{data.get('kind')!r}; a schedule file has kind \"rules\"")
-        unknown = sorted(set(data) - set(_FIELDS))
+        known = _FIELDS if schema >= 2 else tuple(f for f in _FIELDS if f != "default_tau")
+        unknown = sorted(set(data) - set(known))
         if unknown:
-            raise bad(unknown[0], f"unknown field; the fields are {', '.join(_FIELDS)}")
+            raise bad(unknown[0], f"unknown field{' in schema 1' if schema == 1 else ''}; the fields are {', '.join(known)}")
         if "default" not in data:
             raise bad("default", f"missing; give the mode where no rule matches: {', '.join(m.value for m in Mode)}")
         try:
@@ -201,12 +257,19 @@ class PrecisionSchedule:
             raise bad("default", str(e)) from None
         if not isinstance(data.get("rules"), list):
             raise bad("rules", f"must be a list of rules (it may be empty), got {_json_type(data.get('rules'))}")
-        rules = tuple(_rule_from_dict(r, f"rules[{i}]", bad) for i, r in enumerate(data["rules"]))
+        rule_fields = _RULE_FIELDS if schema >= 2 else tuple(f for f in _RULE_FIELDS if f != "tau")
+        rules = tuple(_rule_from_dict(r, f"rules[{i}]", bad, rule_fields) for i, r in enumerate(data["rules"]))
         if not isinstance(data.get("name", ""), str):
             raise bad("name", f"must be a string, got {_json_type(data['name'])}")
+        default_tau = data.get("default_tau")
+        if default_tau is not None:
+            try:
+                default_tau = check_tau(default_tau, "default_tau")
+            except ValueError as e:
+                raise bad("default_tau", f"{e} or null (dense)") from None
         try:
             return cls(rules=rules, default=default, num_train_timesteps=data.get("num_train_timesteps"),
-                       name=data.get("name", "custom"))
+                       name=data.get("name", "custom"), default_tau=default_tau)
         except ValueError as e:  # the only field left to check
             raise bad("num_train_timesteps", str(e)) from None
 
@@ -238,13 +301,14 @@ class PrecisionSchedule:
 _RULE_FIELDS = tuple(f.name for f in fields(Rule))
 
 
-def _rule_from_dict(data, where: str, bad) -> Rule:
-    """One rule of a schedule file; ``bad(where, what)`` makes the error."""
+def _rule_from_dict(data, where: str, bad, rule_fields: tuple[str, ...] = _RULE_FIELDS) -> Rule:
+    """One rule of a schedule file with the fields ``rule_fields`` (its schema's); ``bad(where, what)`` makes the
+    error."""
     if not isinstance(data, dict):
-        raise bad(where, f"a rule is an object with {', '.join(_RULE_FIELDS)}, got {_json_type(data)}")
-    unknown = sorted(set(data) - set(_RULE_FIELDS))
+        raise bad(where, f"a rule is an object with {', '.join(rule_fields)}, got {_json_type(data)}")
+    unknown = sorted(set(data) - set(rule_fields))
     if unknown:
-        raise bad(f"{where}.{unknown[0]}", f"unknown field; a rule's fields are {', '.join(_RULE_FIELDS)}")
+        raise bad(f"{where}.{unknown[0]}", f"unknown field; a rule's fields are {', '.join(rule_fields)}")
     if "mode" not in data:
         raise bad(f"{where}.mode", f"missing; give one of {', '.join(m.value for m in Mode)}")
     try:

@@ -35,7 +35,7 @@ def test_json_round_trip_and_no_silent_overwrite(tmp_path):
     s = PRESETS["balanced"]
     path = s.save(tmp_path / "s.json")
     assert PrecisionSchedule.load(path) == s
-    assert json.loads(path.read_text())["schema_version"] == 1
+    assert json.loads(path.read_text())["schema_version"] == 2
     with pytest.raises(FileExistsError, match="overwrite=True"):
         s.save(path)
     s.save(path, overwrite=True)
@@ -75,7 +75,8 @@ def _with(**changes) -> str:
 @pytest.mark.parametrize("content, where", [
     ("{not json", "not valid JSON: Expecting property name enclosed in double quotes at line 1, column 2"),
     ("[1, 2]", "a schedule is a JSON object"),
-    (_with(schema_version=2), "schema_version: 2 is not a diffusion-int8 schedule schema"),
+    (_with(schema_version=3), "schema_version: 3 is not a diffusion-int8 schedule schema"),
+    (_with(schema_version=True), "schema_version: True is not a diffusion-int8 schedule schema"),
     (_with(kind="table"), "kind: 'table'"),
     (json.dumps({k: v for k, v in VALID.items() if k != "default"}), "default: missing; give the mode"),
     (_with(default="int4"), "default: mode must be one of"),
@@ -90,6 +91,13 @@ def _with(**changes) -> str:
     (_with(rules=[{"mode": "int8", "layers": 3}]), "rules[0]: layers must be a module-name pattern"),
     (_with(num_train_timesteps=0), "num_train_timesteps: num_train_timesteps must be null or a number > 0"),
     (_with(name=["x"]), "name: must be a string"),
+    (_with(rules=[{"mode": "int8", "tau": 0}]), "rules[0]: tau must be a number in (0, 1]"),
+    (_with(rules=[{"mode": "int8", "tau": "0.9"}]), "rules[0]: tau must be a number in (0, 1]"),
+    (_with(default_tau=1.5), "default_tau: default_tau must be a number in (0, 1]"),
+    (_with(schema_version=1, default_tau=None), "default_tau: unknown field in schema 1"),
+    (json.dumps({**{k: v for k, v in VALID.items() if k != "default_tau"}, "schema_version": 1,
+                 "rules": [{"mode": "int8", "tau": 0.9}]}), "rules[0].tau: unknown field; a rule's fields are mode, "
+                                                          "min_noise, max_noise, layers"),
     (b"\xff\xfe{}", "not UTF-8 text"),
 ])
 def test_invalid_schedule_files_fail_at_load_naming_file_and_field(tmp_path, content, where):
@@ -105,3 +113,35 @@ def test_a_valid_file_with_every_field_loads(tmp_path):
                           num_train_timesteps=1000, name="mine")
     path = s.save(tmp_path / "s.json")
     assert PrecisionSchedule.load(path) == s and PrecisionSchedule.load(path).name == "mine"
+
+
+def test_sparsity_levels_per_noise_interval_and_layer():
+    s = PrecisionSchedule(rules=(Rule("fp16", min_noise=0.95), Rule("int8", min_noise=0.5, tau=0.9),
+                                 Rule("int8", min_noise=0.2, layers="*attn1*", tau=0.95), Rule("int8_fp16v", 0.2, 1)),
+                          default="int8_fp16v", default_tau=0.99)
+    assert s.tau_for(990) is None and s.mode_for(990) is Mode.FP16
+    assert s.tau_for(700, "blocks.0.attn1") == 0.9 and s.mode_for(700) is Mode.INT8
+    assert s.tau_for(300, "blocks.0.attn1") == 0.95 and s.tau_for(300, "blocks.0.attn2") is None  # the rule's tau: dense
+    assert s.tau_for(100) == 0.99 and s.mode_for(100) is Mode.INT8_FP16V  # no rule: the defaults
+    assert s.sparse and not PRESETS["balanced"].sparse
+    assert s._memo[(300, "blocks.0.attn1", None)] == (Mode.INT8, 0.95)  # looked up once per (timestep, layer)
+    with pytest.raises(ValueError, match=r"tau must be a number in \(0, 1\]"):
+        Rule("int8", tau=1.2)
+    with pytest.raises(ValueError, match=r"default_tau must be a number in \(0, 1\]"):
+        PrecisionSchedule(default_tau=0)
+
+
+def test_sparse_schedule_round_trips_and_schema_1_files_still_load_dense(tmp_path):
+    s = PrecisionSchedule(rules=(Rule("int8", min_noise=0.5, tau=0.9), Rule("fp16")), default="int8", default_tau=0.97,
+                          name="sparse")
+    path = s.save(tmp_path / "s.json")
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 2 and data["default_tau"] == 0.97 and data["rules"][0]["tau"] == 0.9
+    assert PrecisionSchedule.load(path) == s and PrecisionSchedule.load(path).tau_for(700) == 0.9
+    # a file written before sparsity levels existed: schema 1, rules without tau
+    old = {"schema_version": 1, "kind": "rules", "name": "old", "default": "int8_fp16v", "num_train_timesteps": None,
+           "rules": [{"mode": "int8", "min_noise": 0.5, "max_noise": 1.0, "layers": "*"}]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    loaded = PrecisionSchedule.load(tmp_path / "old.json")
+    assert loaded == PrecisionSchedule(rules=(Rule("int8", min_noise=0.5),), default="int8_fp16v")
+    assert loaded.tau_for(700) is None and loaded.tau_for(100) is None and not loaded.sparse
