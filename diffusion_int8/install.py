@@ -14,7 +14,7 @@ import torch
 from .kernels import Mode
 from .kernels.config import MAX_HEAD_DIM
 from .models import attention_modules, denoiser, head_dim_of
-from .processor import Int8DiffusionProcessor, Int8State, Schedule, as_calibration, as_gate
+from .processor import Int8DiffusionProcessor, Int8State, Schedule, as_calibration, as_gate, check_sparsity
 from .schedule import PrecisionSchedule
 from .speed_gate import SpeedGate
 
@@ -59,6 +59,8 @@ def enable(
     record: bool = False,
     observer: Callable | None = None,
     speed_gate: "bool | SpeedGate | str | Path" = True,
+    sparsity: float | None = None,
+    qk_balance: bool = False,
 ) -> Int8Handle:
     """Install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoiser.
 
@@ -70,12 +72,18 @@ def enable(
             once per denoiser call (one host read per step).
         calibration: a ``Calibration`` or its file (``diffusion-int8 calibrate``): checked against the model
             (layer names, heads, head dims), then its ranges at each step become static quantization ranges.
-        record: keep a trace of ``(step, timestep, layer, mode)`` in ``handle.state.trace``.
+        record: keep a trace of ``(step, timestep, layer, mode)`` in ``handle.state.trace``, and count the
+            (query block, key block) pairs computed per step: ``handle.state.skipped_blocks()``.
         observer: see ``Int8DiffusionProcessor``; the calibration collector passes one.
         speed_gate: True (default): INT8 only for the call shapes where it beats SDPA on this GPU, by the
             crossover table shipped for its architecture or measured by ``diffusion-int8 tune``; SDPA elsewhere.
             False forces INT8 (experiments, quality evaluation). A ``SpeedGate`` or table file gates by that.
             ``handle.state.int8_calls`` / ``gated_calls`` count the two outcomes.
+        sparsity: block-sparse attention at a constant level tau in (0, 1] (the pooled attention mass kept per
+            query block; see ``Int8DiffusionProcessor``) for every INT8 call, with ``mode`` or with a schedule
+            that has no levels of its own; a schedule with levels (``PrecisionSchedule.from_calibration(...,
+            sparsity_budget=...)``) sets them per step and layer instead, and giving both raises ``ValueError``.
+        qk_balance: passed to ``int8_attention``: the exact Q·Kᵀ channel balance against outlier channels.
 
     Modules the kernel cannot run (head dim > 256) keep their processor; one warning lists them.
     Refuses a model already enabled, or one compiled with ``torch.compile`` (enable first, compile after).
@@ -88,6 +96,7 @@ def enable(
     Mode.parse(mode)
     if isinstance(schedule, str):
         schedule = PrecisionSchedule.load(schedule)
+    check_sparsity(sparsity, schedule)
     calibration = as_calibration(calibration)
     if calibration is not None:
         calibration.validate(model)
@@ -102,7 +111,8 @@ def enable(
         originals[name] = module.processor
         module.set_processor(
             Int8DiffusionProcessor(mode, schedule=schedule, calibration=calibration, inner=module.processor,
-                                   state=state, name=name, observer=observer, speed_gate=gate)
+                                   state=state, name=name, observer=observer, speed_gate=gate, sparsity=sparsity,
+                                   qk_balance=qk_balance)
         )
     _warn_skipped(skipped)
     hook = None

@@ -39,6 +39,20 @@ def stock_processor_for(attn: torch.nn.Module, called_with_context: bool):
     return ap.AttnProcessor2_0()
 
 
+# Where stock processors that attend jointly over text and image tokens put the text (the encoder_hidden_states
+# they receive) in the concatenated sequence
+_TEXT_FIRST = frozenset({"FluxAttnProcessor", "FluxAttnProcessor2_0", "CogVideoXAttnProcessor2_0",
+                         "FusedCogVideoXAttnProcessor2_0"})
+_TEXT_LAST = frozenset({"JointAttnProcessor2_0", "FusedJointAttnProcessor2_0"})
+
+
+def text_position(processor) -> str | None:
+    """``"first"`` or ``"last"``: where ``processor``'s joint attention puts the text tokens it receives as
+    ``encoder_hidden_states``; None where this is not known (then both ends are treated as text)."""
+    name = type(processor).__name__
+    return "first" if name in _TEXT_FIRST else "last" if name in _TEXT_LAST else None
+
+
 @functools.lru_cache(maxsize=None)
 def call_params(processor_type: type) -> tuple[frozenset[str], bool]:
     """A processor's keyword parameter names, and whether it takes ``**kwargs``."""

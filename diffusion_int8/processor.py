@@ -2,8 +2,8 @@
 
 ``Int8DiffusionProcessor`` runs the module's own stock processor, with its norms, RoPE, projections and
 residuals, as a copy of its ``__call__`` whose attention call is routed to the INT8 op (``routing``); the
-precision comes from a constant mode or a per-step schedule, the speed gate decides whether INT8 pays for the
-call's shape, and a calibration gives static ranges.
+precision and the sparsity level come from a constant mode and level or a per-step schedule, the speed gate
+decides whether INT8 pays for the call's shape, and a calibration gives static ranges.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union
 
@@ -20,7 +20,10 @@ import torch.nn.functional as F
 
 from .calibration.file import Calibration
 from .kernels import Mode
-from .models import call_params, stock_processor_for
+from .kernels.config import SPARSE_BLOCK
+from .kernels.layout import cdiv
+from .kernels.sparsity import check_tau, predict_block_mask
+from .models import call_params, stock_processor_for, text_position
 from .routing import RouteToInt8, attention_dispatch, int8_core, keeps_stock, kernel_takes, other_backend, routed
 from .schedule import PrecisionSchedule
 from .speed_gate import CrossoverTable, SpeedGate
@@ -36,7 +39,9 @@ class Int8State:
     ``step`` counts denoiser calls since ``reset()``; ``trace``, when a list, records
     ``(step, timestep, layer, mode)`` for every attention call (the mode the schedule chose, before the speed
     gate); ``int8_calls`` and ``gated_calls`` count the calls that ran INT8 and those the gate sent to SDPA (in eager
-    mode: under ``torch.compile`` the counts stay as they are).
+    mode: under ``torch.compile`` the counts stay as they are). While a trace is kept, ``block_counts`` adds up per
+    step the (query block, key block) pairs computed and all pairs, over every attention call, dense ones included
+    (``skipped_blocks`` reads them).
     """
 
     timestep: float | None = None
@@ -45,12 +50,34 @@ class Int8State:
     timestep_scale: float | None = None  # 1000 or 1: what the timesteps of this generation are out of
     int8_calls: int = 0  # attention calls that ran an INT8 mode
     gated_calls: int = 0  # calls the schedule gave an INT8 mode and the speed gate sent to SDPA
+    # step -> [pairs computed (a device tensor where a mask was predicted: no host sync per call), all pairs]
+    block_counts: dict = field(default_factory=dict)
 
     def reset(self) -> None:
         self.timestep, self.step, self.timestep_scale = None, -1, None
         self.int8_calls = self.gated_calls = 0
+        self.block_counts.clear()
         if self.trace is not None:
             self.trace.clear()
+
+    def count_blocks(self, kept, total: int) -> None:
+        """Add one attention call's computed pairs (an int or a 0-d device tensor) and all its pairs to this step."""
+        entry = self.block_counts.setdefault(self.step, [0, 0])
+        entry[0] = entry[0] + kept
+        entry[1] += total
+
+    def skipped_blocks(self) -> dict | None:
+        """The fraction of (query block, key block) pairs skipped, ``{"per_step": [...], "overall": f}`` over the
+        steps since ``reset()``, or None where nothing was counted (no trace kept). Reads the device counters: one
+        host synchronization, at report time."""
+        if not self.block_counts:
+            return None
+        steps = sorted(self.block_counts)
+        kept = torch.stack([torch.as_tensor(self.block_counts[s][0], dtype=torch.float64).cpu() for s in steps])
+        total = torch.tensor([float(self.block_counts[s][1]) for s in steps], dtype=torch.float64)
+        skipped = 1 - kept / total.clamp_min(1)
+        return {"per_step": skipped.tolist(), "overall": float(1 - kept.sum() / total.sum().clamp_min(1)),
+                "steps": steps}
 
 
 def as_gate(speed_gate) -> SpeedGate | None:
@@ -96,6 +123,15 @@ class Int8DiffusionProcessor:
         speed_gate: True (default) runs an INT8 mode only for call shapes where it is faster than SDPA on the
             GPU (``speed_gate.SpeedGate``; elsewhere SDPA, exact); False forces INT8 wherever the mode says;
             a ``SpeedGate``, or a crossover table file, gates by that table.
+        sparsity: a constant sparsity level tau in (0, 1] for every INT8 call: ``predict_block_mask`` keeps per
+            query block the key blocks that hold ``tau`` of the pooled attention mass, and the kernel skips the
+            rest (1 or None: dense). A schedule with levels of its own (``PrecisionSchedule.sparse``) sets them
+            instead, and giving both is an error. Calls that run SDPA (``fp16``, or sent there by the speed gate),
+            calls with an ``attn_mask`` and calls of at most ``SPARSE_BLOCK`` keys stay dense. In joint text+image
+            attention (the stock processor receives ``encoder_hidden_states`` and attends over both), the key
+            blocks holding the text tokens are always kept.
+        qk_balance: ``int8_attention``'s Q·Kᵀ channel balance, for models whose Q and K carry outlier channels
+            of their own (see its docstring; applies with measured ranges and at least 1,024 queries per head).
     """
 
     def __init__(
@@ -109,6 +145,8 @@ class Int8DiffusionProcessor:
         name: str | None = None,
         observer: Callable | None = None,
         speed_gate: "bool | SpeedGate | str | Path" = True,
+        sparsity: float | None = None,
+        qk_balance: bool = False,
     ):
         self.mode = Mode.parse(mode)
         self.gate = as_gate(speed_gate)
@@ -117,6 +155,10 @@ class Int8DiffusionProcessor:
             schedule = PrecisionSchedule.load(schedule)
         if schedule is not None and not callable(schedule):
             raise TypeError(f"schedule must be a PrecisionSchedule, a preset name, a file or a callable, got {type(schedule).__name__}")
+        self.sparsity = check_sparsity(sparsity, schedule)
+        if not isinstance(qk_balance, bool):
+            raise TypeError(f"qk_balance must be True or False, got {qk_balance!r}")
+        self.qk_balance = qk_balance
         self.schedule = schedule
         self.inner = inner
         self.state = state if state is not None else Int8State()
@@ -130,6 +172,8 @@ class Int8DiffusionProcessor:
         self._routed_calls: dict[type, Callable] = {}  # stock processor type -> its routed __call__
         self._routed_hit = False  # set by the routes: did the first routed call reach them
         self._ranges: tuple = (None, None, None)  # (timestep, device, ranges) of the last call
+        self._text: tuple[int, str | None] = (0, None)  # text tokens of the current call and where they are
+        self._keep: dict = {}  # (keys, text tokens, where, device) -> always-kept key blocks
 
     def current_mode(self) -> Mode:
         if self.schedule is None:
@@ -139,6 +183,14 @@ class Int8DiffusionProcessor:
         if isinstance(self.schedule, PrecisionSchedule):
             return self.schedule.mode_for(self.state.timestep, self.name, self.state.timestep_scale)
         return Mode.parse(self.schedule(self.state.timestep))
+
+    def current_tau(self) -> float | None:
+        """The sparsity level of this call: the schedule's, else the constant ``sparsity`` (None: dense)."""
+        if isinstance(self.schedule, PrecisionSchedule) and self.state.timestep is not None:
+            tau = self.schedule.tau_for(self.state.timestep, self.name, self.state.timestep_scale)
+            if tau is not None:
+                return tau
+        return self.sparsity
 
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
         # Positional arguments go to the stock processor untouched (new-style modules pass
@@ -155,10 +207,13 @@ class Int8DiffusionProcessor:
         if not var_kw:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
         mode = self.current_mode()
-        if self.state.trace is not None:
+        tracing = self.state.trace is not None
+        if tracing:
             self.state.trace.append((self.state.step, self.state.timestep, self.name, mode.value))
-        if mode is Mode.FP16 and self.observer is None:
+        if mode is Mode.FP16 and self.observer is None and not tracing:  # with a trace, its blocks are counted
             return inner(attn, hidden_states, *args, **kwargs)
+        context = args[0] if args else kwargs.get("encoder_hidden_states")
+        self._text = (context.shape[-2], text_position(inner)) if isinstance(context, torch.Tensor) else (0, None)
         if torch.compiler.is_compiling():
             # dynamo cannot trace a function whose globals differ from its module's; a torch-function mode
             # costs nothing in a compiled graph (it is traced away). As in eager, another attention backend
@@ -212,21 +267,57 @@ class Int8DiffusionProcessor:
             exact = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
             self.observer(self, query, key, value, attn_mask, scale, exact)
-        if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal):
-            return exact if exact is not None else F.scaled_dot_product_attention(
-                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                enable_gqa=enable_gqa)
         # the counts are kept in eager mode only: torch.compile guards on an int it reads, so counting inside a
         # compiled graph would recompile it at every call
         counting = not torch.compiler.is_compiling()
+        blocks = counting and self.state.trace is not None
+        if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal):
+            if blocks:
+                pairs = _block_pairs(query, key)
+                self.state.count_blocks(pairs, pairs)
+            return exact if exact is not None else F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa)
         if self.gate is not None and not self.gate.pays(mode, query, key):
             if counting:
                 self.state.gated_calls += 1
+            if blocks:
+                pairs = _block_pairs(query, key)
+                self.state.count_blocks(pairs, pairs)
             return exact if exact is not None else F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
         if counting:
             self.state.int8_calls += 1
-        return int8_core(mode, query, key, value, attn_mask, scale, self._static_ranges(query.device))
+        block_mask = self._block_mask(query, key, attn_mask, scale)
+        if blocks:
+            total = _block_pairs(query, key)
+            self.state.count_blocks(total if block_mask is None else block_mask.sum(), total)
+        return int8_core(mode, query, key, value, attn_mask, scale, self._static_ranges(query.device),
+                         block_mask=block_mask, qk_balance=self.qk_balance)
+
+    def _block_mask(self, query, key, attn_mask, scale) -> torch.Tensor | None:
+        """The predicted block mask of an INT8 call (BHSD inputs), or None where it runs dense."""
+        tau = self.current_tau()
+        if tau is None or tau >= 1 or attn_mask is not None or key.shape[2] <= SPARSE_BLOCK:
+            return None
+        return predict_block_mask(query, key, tau, sm_scale=scale, keep_kv_blocks=self._text_blocks(query, key))
+
+    def _text_blocks(self, query, key) -> torch.Tensor | None:
+        """(nKB,) bool: the key blocks holding text tokens in joint text+image attention, else None."""
+        n_text, where = self._text
+        sq, sk = query.shape[2], key.shape[2]
+        if not 0 < n_text < sk or sq != sk:  # no text, cross-attention (keys are all text) or not joint
+            return None
+        cache_key = (sk, n_text, where, key.device)
+        keep = self._keep.get(cache_key)
+        if keep is None:
+            block = torch.arange(cdiv(sk, SPARSE_BLOCK), device=key.device)
+            first = block < cdiv(n_text, SPARSE_BLOCK)
+            last = block >= (sk - n_text) // SPARSE_BLOCK
+            keep = first if where == "first" else last if where == "last" else first | last
+            if len(self._keep) < 64:
+                self._keep[cache_key] = keep
+        return keep
 
     def _dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
@@ -238,6 +329,23 @@ class Int8DiffusionProcessor:
         out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
                               dropout_p, is_causal, scale, enable_gqa)
         return out.transpose(1, 2)
+
+
+def check_sparsity(sparsity, schedule) -> float | None:
+    """``sparsity`` (None or a level in (0, 1]) checked, and not given beside a schedule with levels of its own."""
+    if sparsity is None:
+        return None
+    sparsity = check_tau(sparsity, "sparsity")
+    if isinstance(schedule, PrecisionSchedule) and schedule.sparse:
+        raise ValueError(f"schedule {schedule.name!r} sets sparsity levels of its own; give sparsity= or a schedule "
+                         f"with levels, not both")
+    return sparsity
+
+
+def _block_pairs(query: torch.Tensor, key: torch.Tensor) -> int:
+    """(query block, key block) pairs of an attention call, over its batch and heads (BHSD, or any with S at -2)."""
+    batch_heads = query.numel() // max(query.shape[-2] * query.shape[-1], 1)
+    return batch_heads * cdiv(query.shape[-2], SPARSE_BLOCK) * cdiv(key.shape[-2], SPARSE_BLOCK)
 
 
 _P = inspect.Parameter

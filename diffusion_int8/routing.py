@@ -92,11 +92,12 @@ class RouteToInt8(TorchFunctionMode):
 
 
 def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-              *, ranges=None):
+              *, ranges=None, block_mask=None, qk_balance=False):
     """``scaled_dot_product_attention``'s signature (BHSD), in ``mode``; cases the kernel does not cover go to SDPA.
 
     ``ranges``: optional ``StaticRanges`` for ``int8_attention``, shaped (1, H), (1, H), (1, H, D), (1, H, D)
-    (``Calibration.ranges``; ``k_mean`` may be None).
+    (``Calibration.ranges``; ``k_mean`` may be None). ``block_mask`` and ``qk_balance``: as ``int8_attention``
+    takes them (a block mask applies to INT8 calls only; calls that go to SDPA are dense).
     """
     mode = Mode.parse(mode)
     if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal):
@@ -104,13 +105,13 @@ def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
         )
-    return int8_core(mode, query, key, value, attn_mask, scale, ranges)
+    return int8_core(mode, query, key, value, attn_mask, scale, ranges, block_mask=block_mask, qk_balance=qk_balance)
 
 
 _NO_RANGES = StaticRanges()
 
 
-def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges):
+def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_mask=None, qk_balance=False):
     """``int8_sdpa`` for a call ``kernel_takes`` (the processor has checked it already)."""
     dtype = query.dtype
     if dtype not in (torch.float16, torch.bfloat16):  # fp32 models: the kernel computes in fp16
@@ -119,7 +120,8 @@ def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges):
             attn_mask = attn_mask.to(torch.float32)
     r = ranges if ranges is not None else _NO_RANGES
     out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,
-                         q_amax=r.q_amax, k_amax=r.k_amax, v_amax=r.v_amax, k_mean=r.k_mean)
+                         qk_balance=qk_balance, q_amax=r.q_amax, k_amax=r.k_amax, v_amax=r.v_amax, k_mean=r.k_mean,
+                         block_mask=block_mask)
     return out.to(dtype)
 
 

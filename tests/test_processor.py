@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -311,3 +312,151 @@ def test_processor_reaching_attention_another_way_is_routed_with_a_warning():
         out = run(model, x)
     assert handle.state.int8_calls > 0 and 0 < rel_l2(out, stock) <= BOUND["int8"]
     handle.disable()
+
+
+# -- block-sparse attention ------------------------------------------------------------------------------------
+
+def long_dit():
+    """The tiny DiT at 576 tokens (48×48 latents in 2×2 patches): five 128-token blocks per side."""
+    import diffusers as d
+
+    torch.manual_seed(0)
+    model = d.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8,
+                                    num_layers=2, sample_size=48, patch_size=2, num_embeds_ada_norm=10).eval()
+    g = torch.Generator().manual_seed(1)
+    return model, dict(hidden_states=torch.randn(2, 4, 48, 48, generator=g), class_labels=torch.tensor([1, 3]))
+
+
+class Spy:
+    """Wraps a function, keeping the keyword arguments of every call."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(kwargs)
+        return self.fn(*args, **kwargs)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    from diffusion_int8 import processor, routing
+
+    spy = Spy(routing.int8_attention)
+    monkeypatch.setattr(routing, "int8_attention", spy)
+    # random weights give keys with little in common within a block: without the similarity guard, so that the
+    # predictor's masks skip blocks here (the guard is tested in test_sparsity.py)
+    monkeypatch.setattr(processor, "predict_block_mask", functools.partial(processor.predict_block_mask,
+                                                                           min_similarity=None))
+    return spy.calls
+
+
+def at(model, x, t):
+    return run(model, {**x, "timestep": torch.tensor([t, t])})
+
+
+def test_sparsity_passes_predicted_masks_and_counts_skipped_blocks(kernel_calls):
+    model, x = long_dit()
+    dense = at(model, x, 500)
+    handle = enable(model, mode="int8_fp16v", sparsity=0.5, record=True, speed_gate=False)
+    out = at(model, x, 500)
+    masks = [c["block_mask"] for c in kernel_calls]
+    assert len(masks) == 2 and all(m is not None and m.shape == (2, 2, 5, 5) and m.dtype == torch.bool for m in masks)
+    kept = sum(int(m.sum()) for m in masks)
+    skipped = handle.state.skipped_blocks()
+    assert skipped["steps"] == [0] and skipped["overall"] == pytest.approx(1 - kept / 200)
+    assert 0 < skipped["overall"] < 1 and skipped["per_step"] == [pytest.approx(skipped["overall"])]
+    handle.disable()
+    print(f"skipped {skipped['overall']:.3f} of the blocks, rel L2 {rel_l2(out, dense):.4f} against stock")
+    assert 0 < rel_l2(out, dense) < 0.5
+    # tau 1 and no sparsity are the dense kernel call, bit for bit
+    kernel_calls.clear()
+    for kwargs in ({"sparsity": 1.0}, {}):
+        handle = enable(model, mode="int8_fp16v", speed_gate=False, **kwargs)
+        outs = at(model, x, 500)
+        handle.disable()
+        assert all(c["block_mask"] is None for c in kernel_calls)
+        torch.testing.assert_close(outs, run_dense_int8(model, x), rtol=0, atol=0)
+
+
+def run_dense_int8(model, x):
+    handle = enable(model, mode="int8_fp16v", speed_gate=False)
+    try:
+        return at(model, x, 500)
+    finally:
+        handle.disable()
+
+
+def test_schedule_levels_apply_per_noise_level_and_sdpa_calls_stay_dense(kernel_calls):
+    from diffusion_int8 import PrecisionSchedule, Rule
+
+    model, x = long_dit()
+    schedule = PrecisionSchedule(rules=(Rule("fp16", min_noise=0.9), Rule("int8", min_noise=0.5, tau=0.5)),
+                                 default="int8")
+    handle = enable(model, schedule=schedule, record=True, speed_gate=False)
+    for t in (950, 700, 100):  # fp16, int8 at tau 0.5, int8 dense
+        at(model, x, t)
+    skipped = handle.state.skipped_blocks()
+    handle.disable()
+    assert [c["block_mask"] is not None for c in kernel_calls] == [True, True, False, False]
+    assert skipped["per_step"][0] == 0 and skipped["per_step"][1] > 0 and skipped["per_step"][2] == 0
+    assert skipped["overall"] == pytest.approx(skipped["per_step"][1] / 3)  # every step has the same 100 pairs
+
+    class NeverPays(diffusion_int8.speed_gate.SpeedGate):
+        def pays(self, mode, q, k):
+            return False
+
+    kernel_calls.clear()
+    handle = enable(model, mode="int8", sparsity=0.5, record=True, speed_gate=NeverPays())
+    at(model, x, 700)
+    assert not kernel_calls and handle.state.gated_calls == 2 and handle.state.skipped_blocks()["overall"] == 0
+    handle.disable()
+
+
+def test_sparsity_arguments_are_checked():
+    from diffusion_int8 import PrecisionSchedule, Rule
+
+    model, _ = long_dit()
+    with pytest.raises(ValueError, match=r"sparsity must be a number in \(0, 1\]"):
+        enable(model, mode="int8", sparsity=0)
+    sparse = PrecisionSchedule(rules=(Rule("int8", tau=0.9),), name="mine")
+    with pytest.raises(ValueError, match="schedule 'mine' sets sparsity levels of its own"):
+        enable(model, schedule=sparse, sparsity=0.9)
+    with pytest.raises(TypeError, match="qk_balance must be True or False"):
+        Int8DiffusionProcessor("int8", qk_balance="yes")
+    enable(model, schedule="balanced", sparsity=0.9).disable()  # no levels of its own: the constant applies
+
+
+def test_qk_balance_reaches_the_op(kernel_calls):
+    model, x = long_dit()
+    for balance in (True, False):
+        handle = enable(model, mode="int8", qk_balance=balance, speed_gate=False)
+        at(model, x, 500)
+        handle.disable()
+    assert [c["qk_balance"] for c in kernel_calls] == [True, True, False, False]
+
+
+@pytest.mark.parametrize("family, first", [("flux", True), ("sd3", False), ("cogvideox", True)])
+def test_joint_attention_always_keeps_the_text_key_blocks(monkeypatch, family, first):
+    from diffusion_int8 import processor
+
+    spy = Spy(processor.predict_block_mask)
+    monkeypatch.setattr(processor, "predict_block_mask", lambda *a, **kw: spy(*a, **kw))
+    model, x = build(family)
+    g = torch.Generator().manual_seed(2)
+    if family == "flux":  # 300 image tokens and 7 text tokens: three blocks, the text in the first
+        x = {**x, "hidden_states": torch.randn(1, 300, 16, generator=g), "img_ids": torch.randn(300, 3, generator=g)}
+    elif family == "sd3":  # 16×16 patches and 7 text tokens after them: the text in the third block
+        x = {**x, "hidden_states": torch.randn(1, 4, 32, 32, generator=g)}
+        model = type(model)(**{**model.config, "sample_size": 32}).eval()
+    else:  # 2 latent frames of 16×16 patches after 8 text tokens
+        x = {**x, "hidden_states": torch.randn(1, 2, 4, 32, 32, generator=g)}
+        model = type(model)(**{**model.config, "sample_width": 32, "sample_height": 32}).eval()
+    handle = enable(model, mode="int8", sparsity=0.5, speed_gate=False)
+    run(model, x)
+    handle.disable()
+    joint = [c for c in spy.calls if c["keep_kv_blocks"] is not None]
+    assert joint
+    for c in joint:
+        keep = c["keep_kv_blocks"]
+        assert keep.dtype == torch.bool and int(keep.sum()) == 1 and bool(keep[0] if first else keep[-1])
