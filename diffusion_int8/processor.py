@@ -66,18 +66,15 @@ class Int8State:
         entry[0] = entry[0] + kept
         entry[1] += total
 
+    def block_totals(self) -> dict[int, tuple[float, int]]:
+        """``{step: (pairs computed, all pairs)}`` since ``reset()``, read from the device counters (one host
+        synchronization per step: call it at report time)."""
+        return {s: (float(kept), total) for s, (kept, total) in sorted(self.block_counts.items())}
+
     def skipped_blocks(self) -> dict | None:
-        """The fraction of (query block, key block) pairs skipped, ``{"per_step": [...], "overall": f}`` over the
-        steps since ``reset()``, or None where nothing was counted (no trace kept). Reads the device counters: one
-        host synchronization, at report time."""
-        if not self.block_counts:
-            return None
-        steps = sorted(self.block_counts)
-        kept = torch.stack([torch.as_tensor(self.block_counts[s][0], dtype=torch.float64).cpu() for s in steps])
-        total = torch.tensor([float(self.block_counts[s][1]) for s in steps], dtype=torch.float64)
-        skipped = 1 - kept / total.clamp_min(1)
-        return {"per_step": skipped.tolist(), "overall": float(1 - kept.sum() / total.sum().clamp_min(1)),
-                "steps": steps}
+        """The fraction of (query block, key block) pairs skipped, ``{"steps": [...], "per_step": [...], "overall":
+        f}`` over the steps since ``reset()``, or None where nothing was counted (no trace kept)."""
+        return skipped_fractions(self.block_totals())
 
 
 def as_gate(speed_gate) -> SpeedGate | None:
@@ -288,16 +285,16 @@ class Int8DiffusionProcessor:
                 query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
         if counting:
             self.state.int8_calls += 1
-        block_mask = self._block_mask(query, key, attn_mask, scale)
+        block_mask = self.block_mask_for(query, key, attn_mask, scale, self.current_tau())
         if blocks:
             total = _block_pairs(query, key)
             self.state.count_blocks(total if block_mask is None else block_mask.sum(), total)
         return int8_core(mode, query, key, value, attn_mask, scale, self._static_ranges(query.device),
                          block_mask=block_mask, qk_balance=self.qk_balance)
 
-    def _block_mask(self, query, key, attn_mask, scale) -> torch.Tensor | None:
-        """The predicted block mask of an INT8 call (BHSD inputs), or None where it runs dense."""
-        tau = self.current_tau()
+    def block_mask_for(self, query, key, attn_mask, scale, tau: float | None) -> torch.Tensor | None:
+        """The block mask this processor predicts for an INT8 call (BHSD inputs) at level ``tau`` (bool (B, H, nQB,
+        nKB)), or None where the call runs dense: no level or 1, an ``attn_mask``, or one key block."""
         if tau is None or tau >= 1 or attn_mask is not None or key.shape[2] <= SPARSE_BLOCK:
             return None
         return predict_block_mask(query, key, tau, sm_scale=scale, keep_kv_blocks=self._text_blocks(query, key))
@@ -329,6 +326,16 @@ class Int8DiffusionProcessor:
         out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
                               dropout_p, is_causal, scale, enable_gqa)
         return out.transpose(1, 2)
+
+
+def skipped_fractions(totals: dict[int, tuple[float, int]]) -> dict | None:
+    """``Int8State.block_totals`` (or their sums over generations) as skipped fractions per step and overall."""
+    if not totals:
+        return None
+    steps = sorted(totals)
+    kept, total = sum(totals[s][0] for s in steps), sum(totals[s][1] for s in steps)
+    return {"steps": steps, "per_step": [1 - totals[s][0] / max(totals[s][1], 1) for s in steps],
+            "overall": 1 - kept / max(total, 1)}
 
 
 def check_sparsity(sparsity, schedule) -> float | None:

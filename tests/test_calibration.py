@@ -535,3 +535,148 @@ def test_library_calibrate_gives_the_cli_file(tmp_path, monkeypatch):
     assert (tmp_path / "lib" / "schedule.json").read_text() == (tmp_path / "cli" / "schedule.json").read_text()
     with pytest.raises(FileExistsError, match="overwrite=True"):
         write_outputs(cal, schedule, tmp_path / "lib")
+
+
+# -- sparsity levels -------------------------------------------------------------------------------------------
+
+LEVELS = (0.5, 0.9)
+
+
+def collect_long_dit(monkeypatch, seen=None):
+    """The tiny DiT at 576 tokens (five 128-token blocks) through two timesteps, collecting sparsity levels too;
+    random weights give keys with little in common within a block, so the predictor runs without its guard."""
+    import functools
+
+    import diffusers as d
+
+    from diffusion_int8 import processor
+    from diffusion_int8.kernels.sparsity import predict_block_mask
+
+    monkeypatch.setattr(processor, "predict_block_mask", functools.partial(predict_block_mask, min_similarity=None))
+    torch.manual_seed(0)
+    model = d.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8,
+                                    num_layers=2, sample_size=48, patch_size=2, num_embeds_ada_norm=10).eval()
+    col = Collector(sparsity_levels=LEVELS)
+
+    def observer(proc, q, k, v, mask, scale, exact):
+        if seen is not None:
+            seen.append((proc.state.step, proc.name, q.clone(), k.clone(), v.clone(), scale, exact.clone()))
+        col(proc, q, k, v, mask, scale, exact)
+
+    handle = enable(model, mode="fp16", observer=observer)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in (900, 300):
+            model(hidden_states=torch.randn(2, 4, 48, 48, generator=g), timestep=torch.tensor([t, t]),
+                  class_labels=torch.tensor([1, 3]))
+    handle.disable()
+    return model, col.record(0)
+
+
+def test_sparsity_levels_are_collected_as_directly_computed(monkeypatch):
+    from diffusion_int8.calibration.stats import output_errors, sparse_sdpa
+    from diffusion_int8.kernels.sparsity import predict_block_mask
+
+    seen = []
+    _, record = collect_long_dit(monkeypatch, seen)
+    timesteps, stats = merge([record])
+    for step, layer, q, k, v, scale, exact in seen:
+        st = stats[layer]
+        for tau in LEVELS:
+            mask = predict_block_mask(q, k, tau, sm_scale=scale, min_similarity=None)
+            errs = output_errors(sparse_sdpa(q, k, v, mask, scale, 128), exact)
+            torch.testing.assert_close(st[f"sparse.rel_l1@{tau}"][:, step], errs["rel_l1"].mean(0))
+            torch.testing.assert_close(st[f"sparse.kept@{tau}"][:, step], mask.float().mean((-1, -2)).mean(0))
+            # and the exact sparse attention is attention restricted to the kept tokens
+            token_mask = mask.repeat_interleave(128, 2).repeat_interleave(128, 3)[..., :q.shape[2], :k.shape[2]]
+            ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=token_mask, scale=scale)
+            torch.testing.assert_close(sparse_sdpa(q, k, v, mask, scale, 128), ref)
+    for st in stats.values():
+        assert (st["sparse.kept@0.5"] <= st["sparse.kept@0.9"]).all() and (st["sparse.kept@0.5"] < 1).any()
+        assert (st["sparse.rel_l1@0.5"] > 0).any()
+    cal = Calibration.from_stats({"model": "tiny-dit", "model_class": "DiTTransformer2DModel",
+                                  "num_train_timesteps": 1000}, timesteps, stats)
+    assert cal.sparsity_levels() == [0.5, 0.9] and cal.meta["schema_version"] == 3
+    assert cal.kept(0.5).shape == (2, 2) and bool((cal.sparse_error(0.5) >= 0).all())
+    with pytest.raises(ValueError, match=r"level 0.7 was not calibrated; the calibrated sparsity levels are \[0.5, 0.9\]"):
+        cal.sparse_error(0.7)
+
+
+def test_sparse_calibration_round_trips_and_schema_2_files_still_load(monkeypatch, tmp_path):
+    _, record = collect_long_dit(monkeypatch)
+    timesteps, stats = merge([record])
+    cal = Calibration.from_stats({"model": "tiny-dit", "num_train_timesteps": 1000}, timesteps, stats)
+    back = Calibration.load(cal.save(tmp_path / "sparse.safetensors"))
+    assert back.sparsity_levels() == [0.5, 0.9] and torch.equal(back.kept(0.9), cal.kept(0.9))
+    # a file of the previous schema: no levels
+    dense = {n: {k: t for k, t in st.items() if not k.startswith("sparse.")} for n, st in cal.layers.items()}
+    meta = {k: v for k, v in cal.meta.items() if k != "sparsity_levels"}
+    old = Calibration({**meta, "schema_version": 2}, cal.timesteps, cal.noise, dense).save(tmp_path / "v2.safetensors")
+    back = Calibration.load(old)
+    assert back.sparsity_levels() == [] and back.meta["schema_version"] == 2
+    with pytest.raises(ValueError, match="sparsity_budget needs a calibration with sparsity levels"):
+        PrecisionSchedule.from_calibration(back, 0.02, sparsity_budget=0.05)
+    # declared levels must have their tensors, and only declared levels may
+    layer = next(iter(cal.layers))
+    tensors, header = _file_parts(cal.save(tmp_path / "c.safetensors"))
+    meta = json.loads(header["diffusion_int8"])
+    for change, message in (
+            (lambda t, m: t.pop(f"{layer}::sparse.kept@0.9"), f"lacks tensor {layer}::sparse.kept@0.9"),
+            (lambda t, m: m.update(sparsity_levels=[0.5]), f"tensor {layer}::sparse.cos@0.9 is not a calibration statistic"),
+            (lambda t, m: m.update(sparsity_levels=[0.5, 1.0]), "sparsity_levels must be a list of distinct levels in (0, 1)"),
+            (lambda t, m: m.update(schema_version=2), "schema 2 files have no sparsity levels")):
+        t, m = dict(tensors), json.loads(json.dumps(meta))
+        change(t, m)
+        with pytest.raises(ValueError) as err:
+            Calibration.load(_write(tmp_path / "bad.safetensors", t, m))
+        assert message in str(err.value), str(err.value)
+
+
+def crafted_sparse(errors: dict, kept: dict, noise):
+    """``crafted`` with int8 errors of 0.01 everywhere but an fp16 last step, and per-level sparse errors (L, T)."""
+    L = len(next(iter(errors.values())))
+    int8 = [[0.01] * (len(noise) - 1) + [0.5]] * L
+    cal = crafted(int8, int8, noise)
+    for i, st in enumerate(cal.layers.values()):
+        for tau in errors:
+            st[f"sparse.rel_l1@{tau!r}"] = torch.tensor(errors[tau][i]).repeat(2, 1).float()
+            st[f"sparse.kept@{tau!r}"] = torch.tensor(kept[tau][i]).repeat(2, 1).float()
+    cal.meta["sparsity_levels"] = sorted(errors)
+    return cal
+
+
+def test_sparse_schedule_from_crafted_calibration():
+    noise = [1.0, 0.75, 0.5, 0.25, 0.0]
+    errors = {0.8: [[0.09, 0.04, 0.03, 0.10, 0.0], [0.02, 0.02, 0.02, 0.02, 0.0]],
+              0.95: [[0.03, 0.01, 0.01, 0.06, 0.0], [0.01, 0.01, 0.01, 0.01, 0.0]]}
+    kept = {0.8: [[0.3] * 5] * 2, 0.95: [[0.6] * 5] * 2}
+    cal = crafted_sparse(errors, kept, noise)
+    s = PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05)
+    # worst layer per step: 0.8 errors 0.09 0.04 0.03 0.10 -> 0.95, 0.8, 0.8, dense (0.95's 0.06 too); last step fp16
+    assert [s.tau_for(t * 1000) for t in noise] == [0.95, 0.8, 0.8, None, None]
+    assert [s.mode_for(t * 1000).value for t in noise] == ["int8"] * 4 + ["fp16"]
+    assert len(s.rules) == 4  # steps 1 and 2 merged: same mode and level
+    assert s.sparse and "sparsity<=0.05" in s.name
+    per_layer = PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, per_layer=True)
+    assert [per_layer.tau_for(t * 1000, "blocks.1.attn") for t in noise] == [0.8] * 4 + [None]
+    assert PrecisionSchedule.from_dict(json.loads(json.dumps(per_layer.to_dict()))) == per_layer
+    # without a sparsity budget the schedule is the dense one it always was
+    dense = PrecisionSchedule.from_calibration(cal, budget=0.02)
+    int8 = [[0.01] * 4 + [0.5]] * 2
+    assert not dense.sparse and dense == PrecisionSchedule.from_calibration(crafted(int8, int8, noise), budget=0.02)
+    with pytest.raises(ValueError, match="sparsity_budget must be a number > 0"):
+        PrecisionSchedule.from_calibration(cal, 0.02, sparsity_budget=0)
+
+
+def test_calibrate_cli_with_sparsity_levels(tmp_path):
+    # the shipped model's 256 tokens are two blocks: the predictor runs on every call
+    res = run_cli(CLI_ARGS[:3] + ["--class-labels", "red circle", "--steps", "2", "--sparsity-levels", "0.9,0.5",
+                                  "--sparsity-budget", "1", "--out", "cal"], tmp_path)
+    cal = Calibration.load(tmp_path / "cal")
+    assert cal.sparsity_levels() == [0.5, 0.9]
+    schedule = PrecisionSchedule.load(tmp_path / "cal" / "schedule.json")
+    assert schedule.sparse  # a budget of 1 takes the sparsest level wherever the mode is INT8
+    assert {r.tau for r in schedule.rules if r.mode is not Mode.FP16} == {0.5}
+    summary = (tmp_path / "cal" / "summary.md").read_text()
+    assert "| 0.5 |" in summary and "| step | noise | mode | tau |" in summary
+    assert "tau 0.5" in res.stdout and "levels per step:" in res.stdout

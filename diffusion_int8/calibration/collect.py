@@ -8,11 +8,15 @@ of different batches, processes or machines merge exactly by adding them in batc
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ..kernels import Mode
+from ..kernels.config import SPARSE_BLOCK
+from ..kernels.sparsity import check_tau
 from ..routing import int8_sdpa
-from .stats import QUANTIZED_MODES, input_stats, output_errors
+from .stats import QUANTIZED_MODES, input_stats, output_errors, sparse_key, sparse_sdpa
 
 MEAN_STATS = ("q_p99", "k_p99", "q_max", "k_max", "k_mean")  # averaged over images
 MAX_STATS = ("v_amax",)  # maximum over images
@@ -24,11 +28,15 @@ class Collector:
     Args:
         percentile: the percentile of |Q| and |K| to record (99 by default).
         modes: the quantized modes whose error against exact attention is measured at every call.
+        sparsity_levels: levels tau in (0, 1) whose error is measured at every call: exact attention over the
+            block pairs the processor's predictor keeps at that level, against all pairs, and the fraction of
+            pairs kept (calls the processor keeps dense, e.g. with an attention mask, count as exact and whole).
     """
 
-    def __init__(self, percentile: float = 99.0, modes=QUANTIZED_MODES):
+    def __init__(self, percentile: float = 99.0, modes=QUANTIZED_MODES, sparsity_levels: Sequence[float] = ()):
         self.percentile = percentile
         self.modes = tuple(Mode.parse(m) for m in modes)
+        self.sparsity_levels = tuple(check_sparsity_levels(sparsity_levels))
         self.reset()
 
     def reset(self) -> None:
@@ -43,6 +51,8 @@ class Collector:
         for mode in self.modes:
             errs = output_errors(int8_sdpa(mode, q, k, v, attn_mask, scale=scale), exact)
             found.update({f"err.{mode.value}.{m}": t for m, t in errs.items()})
+        for tau in self.sparsity_levels:
+            found.update(self._sparse_stats(proc, q, k, v, attn_mask, scale, exact, tau))
         entry = self.acc.setdefault(layer, {}).setdefault(step, {})
         entry["count"] = entry.get("count", 0) + q.shape[0]
         for key, t in found.items():
@@ -53,6 +63,20 @@ class Collector:
             else:
                 t = t.sum(0)
                 entry[key] = entry[key] + t if key in entry else t
+
+    @staticmethod
+    def _sparse_stats(proc, q, k, v, attn_mask, scale, exact, tau: float) -> dict[str, torch.Tensor]:
+        """Per (batch, head): the error of block-sparse exact attention at ``tau`` and the fraction of pairs kept."""
+        mask = proc.block_mask_for(q, k, attn_mask, scale, tau)
+        B, H = q.shape[:2]
+        if mask is None:
+            errs = {"rel_l1": q.new_zeros(B, H), "cos": q.new_ones(B, H)}
+            kept = q.new_ones(B, H)
+        else:
+            errs = output_errors(sparse_sdpa(q, k, v, mask, scale, SPARSE_BLOCK), exact)
+            kept = mask.float().mean((-1, -2))
+        return {sparse_key("sparse.rel_l1", tau): errs["rel_l1"], sparse_key("sparse.cos", tau): errs["cos"],
+                sparse_key("sparse.kept", tau): kept}
 
     def record(self, index: int) -> dict:
         """This batch's statistics as plain tensors, ``(H, T)`` or ``(H, D, T)`` sums and maxima, then reset.
@@ -101,3 +125,13 @@ def merge(records: list[dict]) -> tuple[list[float], dict[str, dict[str, torch.T
         count = total.pop("count")
         out[layer] = {key: (t if key in MAX_STATS else t / count).float() for key, t in total.items()}
     return timesteps, out
+
+
+def check_sparsity_levels(levels: Sequence[float]) -> list[float]:
+    """Sparsity levels to calibrate, ascending; ``ValueError`` unless each is in (0, 1) and none repeats."""
+    out = sorted(check_tau(t, "a sparsity level") for t in levels)
+    if any(t >= 1 for t in out):
+        raise ValueError(f"a sparsity level to calibrate must be below 1 (1 is dense), got {max(out)}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"sparsity levels repeat: {out}")
+    return out

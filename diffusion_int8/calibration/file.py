@@ -10,6 +10,10 @@ the metadata, every tensor's presence and shape, and that the fitted ranges are 
 K's mean finite, over the whole noise interval [0, 1]. Anything wrong is a ``ValueError`` naming the file
 and the tensor or field, raised at load rather than during generation.
 
+Since schema 3 a file may also hold, per calibrated sparsity level tau (metadata ``sparsity_levels``), the error
+of block-sparse attention at that level and the fraction of block pairs it computes: ``sparse.rel_l1@{tau}``,
+``sparse.cos@{tau}`` and ``sparse.kept@{tau}`` (H, T).
+
 Ranges and K's mean are also fitted as quadratics in the noise level (``fit.q``, ``fit.k``, ``fit.qmax``,
 ``fit.kmax`` (H, 3), ``fit.v``, ``fit.m`` (H, D, 3), coefficients of 1, n, n²), so ``ranges`` gives static
 scales and the smoothing vector at any step of any schedule. Schema 1 files (before K's mean and the
@@ -31,9 +35,10 @@ from ..kernels import Mode, StaticRanges
 from ..kernels.config import MAX_HEAD_DIM
 from ..models import attention_modules, head_dim_of
 from ..schedule import noise_level
+from .stats import SPARSE_STATS, sparse_key, sparse_stat
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)  # 2: no sparsity levels; 1: neither Q/K maxima nor K's mean
 FILE_NAME = "calibration.safetensors"
 _META_KEY = "diffusion_int8"
 _SHA_KEY = "diffusion_int8.sha256"
@@ -106,7 +111,8 @@ class Calibration:
         noise: (T,) the same as noise levels in [0, 1] (``schedule.noise_level``).
         layers: ``{name: {stat: tensor}}``: ``q_p99``, ``k_p99``, ``q_max``, ``k_max`` (H, T); ``k_mean``,
             ``v_amax`` (H, D, T); ``err.{mode}.rel_l1`` and ``err.{mode}.cos`` (H, T); ``fit.q``, ``fit.k``,
-            ``fit.qmax``, ``fit.kmax`` (H, 3), ``fit.v``, ``fit.m`` (H, D, 3).
+            ``fit.qmax``, ``fit.kmax`` (H, 3), ``fit.v``, ``fit.m`` (H, D, 3); per sparsity level tau,
+            ``sparse.rel_l1@{tau}``, ``sparse.cos@{tau}`` and ``sparse.kept@{tau}`` (H, T).
     """
 
     meta: dict
@@ -126,7 +132,8 @@ class Calibration:
             for short, stat in _FITS.items():
                 st[f"fit.{short}"] = fit_quadratic(noise, st[stat]).float()
             layers[name] = st
-        meta = {**meta, "schema_version": SCHEMA_VERSION, "steps": len(timesteps),
+        levels = sorted({found[1] for st in stats.values() for found in map(sparse_stat, st) if found})
+        meta = {**meta, "schema_version": SCHEMA_VERSION, "steps": len(timesteps), "sparsity_levels": levels,
                 "layers": {n: {"heads": int(s["q_p99"].shape[0]), "head_dim": int(s["v_amax"].shape[1])}
                            for n, s in layers.items()}}
         return cls(meta, ts.float(), noise.float(), layers)
@@ -258,6 +265,25 @@ class Calibration:
         """(L, T) the error of ``mode``, averaged over heads, layers in ``self.layers`` order."""
         return torch.stack([st[f"err.{mode}.{metric}"].mean(0) for st in self.layers.values()])
 
+    def sparsity_levels(self) -> list[float]:
+        """The calibrated sparsity levels, ascending (the sparsest first); empty before schema 3 or without any."""
+        return [float(t) for t in self.meta.get("sparsity_levels", [])]
+
+    def sparse_error(self, tau: float, metric: str = "rel_l1") -> torch.Tensor:
+        """(L, T) the error of block-sparse exact attention at level ``tau`` against dense exact attention
+        (``rel_l1`` or ``cos``), averaged over heads."""
+        return self._sparse(f"sparse.{metric}", tau)
+
+    def kept(self, tau: float) -> torch.Tensor:
+        """(L, T) the fraction of (query block, key block) pairs the predictor keeps at ``tau``, averaged over heads."""
+        return self._sparse("sparse.kept", tau)
+
+    def _sparse(self, what: str, tau: float) -> torch.Tensor:
+        if float(tau) not in self.sparsity_levels():
+            raise ValueError(f"level {tau} was not calibrated; the calibrated sparsity levels are "
+                             f"{self.sparsity_levels() or 'none (calibrate with sparsity_levels=...)'}")
+        return torch.stack([st[sparse_key(what, tau)].mean(0) for st in self.layers.values()])
+
     def fit_report(self) -> dict:
         """How well ranges follow sigma: median R² over (layer, head) of the proportional model
         ``s = c·σ`` and of the stored quadratic, and the median ratio of the largest to smallest range."""
@@ -335,6 +361,13 @@ def _check_structure(path: Path, meta: dict, tensors: dict[str, torch.Tensor], l
         diff = sorted(set(declared) ^ set(layers))
         raise ValueError(f"{path}: metadata field layers and the tensors name different layers: {', '.join(diff[:5])}")
     schema = meta["schema_version"]
+    levels = meta.get("sparsity_levels", [])
+    if schema < 3 and levels:
+        raise ValueError(f"{path}: metadata field sparsity_levels: schema {schema} files have no sparsity levels")
+    if not (isinstance(levels, list) and all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1
+                                             for t in levels) and len(set(levels)) == len(levels)):
+        raise ValueError(f"{path}: metadata field sparsity_levels must be a list of distinct levels in (0, 1), "
+                         f"got {levels!r}")
     for name, st in layers.items():
         info = declared[name]
         if not (isinstance(info, dict) and _positive_int(info.get("heads")) and _positive_int(info.get("head_dim"))):
@@ -342,6 +375,8 @@ def _check_structure(path: Path, meta: dict, tensors: dict[str, torch.Tensor], l
                              f"with H, D > 0, got {info!r}")
         H, D = info["heads"], info["head_dim"]
         shapes = _expected_shapes(schema, H, D, T)
+        for tau in levels:
+            shapes.update({sparse_key(what, tau): (H, T) for what in SPARSE_STATS})
         for stat, t in st.items():
             want = shapes.get(stat, (H, T) if _error_stat(stat) else None)
             if want is None:

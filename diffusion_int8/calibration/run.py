@@ -26,8 +26,8 @@ OUTPUTS = (FILE_NAME, "schedule.json", "summary.md", "summary.json", "ranges.png
 
 def calibrate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequence[int | str] | None = None,
               steps: int = 20, batch_size: int = 8, seed: int = 0, guidance_scale: float | None = None,
-              percentile: float = 99.0, model: str | None = None, shards: pipelines.Shards | None = None,
-              progress: bool = True) -> Calibration | None:
+              percentile: float = 99.0, sparsity_levels: Sequence[float] = (), model: str | None = None,
+              shards: pipelines.Shards | None = None, progress: bool = True) -> Calibration | None:
     """Run ``pipe`` with exact (fp16) attention over the prompts or class labels and record, per attention
     layer, head and denoising step, the ranges of Q, K and V and the error INT8 would cause there.
 
@@ -41,6 +41,9 @@ def calibrate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Seque
         seed: image ``i`` is generated with ``torch.Generator().manual_seed(seed + i)``.
         guidance_scale: passed to the pipeline; None keeps the pipeline's default.
         percentile: the percentile of |Q| and |K| recorded beside their maxima, in (0, 100].
+        sparsity_levels: block-sparse levels tau in (0, 1) to measure at every attention call: the error of exact
+            attention over the block pairs the predictor keeps at tau, against all pairs, and the fraction kept
+            (``PrecisionSchedule.from_calibration(..., sparsity_budget=...)`` picks among them).
         model: the model's name recorded in the metadata (default: the pipeline's ``name_or_path``).
         shards: the process's share of the batches under ``accelerate launch`` (``pipelines.Shards``); by
             default one is made for the denoiser's device (a single process outside a launcher).
@@ -53,15 +56,15 @@ def calibrate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Seque
         in batch order, so the result does not depend on how many processes ran.
 
     Raises:
-        ValueError: class labels the pipeline does not know, or neither prompts nor labels for a pipeline
-            without default labels.
+        ValueError: class labels the pipeline does not know, neither prompts nor labels for a pipeline
+            without default labels, or sparsity levels outside (0, 1).
     """
     from .. import enable
 
+    collector = Collector(percentile=percentile, sparsity_levels=sparsity_levels)
     items = pipelines.resolve_items(pipe, prompts, class_labels)
     shards = shards or pipelines.Shards(str(pipelines.denoiser(pipe).device))
     denoiser = pipelines.denoiser(pipe)
-    collector = Collector(percentile=percentile)
     handle = enable(pipe, mode="fp16", observer=collector)
     records = []
     batches = shards.mine(items.batches(batch_size))

@@ -1,8 +1,9 @@
-"""Per-head statistics of attention inputs and of the error each precision causes."""
+"""Per-head statistics of attention inputs and of the error each precision and each sparsity level causes."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels import Mode
 from ..testing import cosine, rel_l1
@@ -51,4 +52,37 @@ def output_errors(out: torch.Tensor, exact: torch.Tensor) -> dict[str, torch.Ten
     return {"rel_l1": rel_l1(out, exact, start_dim=2).float(), "cos": cosine(out, exact, start_dim=2).float()}
 
 
+def sparse_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, scale: float | None,
+                block: int) -> torch.Tensor:
+    """Exact attention (SDPA, BHSD, any float dtype) over the (query block, key block) pairs ``block_mask`` keeps,
+    bool broadcastable to (B, H, nQB, nKB) of ``block`` tokens: what a block-sparse kernel computes, without its
+    quantization. One batch element at a time: the expanded mask is (H, Sq, Sk)."""
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[2]
+    mask = block_mask.expand(B, H, -1, -1)
+    out = []
+    for b in range(B):
+        tokens = mask[b].repeat_interleave(block, 1)[:, :Sq].repeat_interleave(block, 2)[:, :, :Sk]
+        out.append(F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], attn_mask=tokens[None],
+                                                  scale=scale, enable_gqa=k.shape[1] != H))
+    return torch.cat(out)
+
+
+def sparse_stat(stat: str) -> tuple[str, float] | None:
+    """``sparse.{rel_l1|cos|kept}@{tau}`` as (what, tau); None for any other name."""
+    name, _, tau = stat.partition("@")
+    if name not in SPARSE_STATS or not tau:
+        return None
+    try:
+        return name, float(tau)
+    except ValueError:
+        return None
+
+
+def sparse_key(what: str, tau: float) -> str:
+    """The statistic's name for level ``tau``: ``sparse.rel_l1@0.95``."""
+    return f"{what}@{float(tau)!r}"
+
+
+SPARSE_STATS = ("sparse.rel_l1", "sparse.cos", "sparse.kept")  # per level: its error and the pairs it computes
 QUANTIZED_MODES = (Mode.INT8, Mode.INT8_FP16V)

@@ -24,12 +24,23 @@ def summarize(cal: Calibration, schedule=None, top: int = 8) -> dict:
             "per_layer_mean_rel_l1": {n: float(e[i].mean()) for i, n in enumerate(names)},
             "most_sensitive": [{"layer": n, "step": t, "noise": noise[t], "rel_l1": v} for v, n, t in flat[:top]],
         }
+    sparsity = {}
+    for tau in cal.sparsity_levels():
+        e, skipped = cal.sparse_error(tau), 1 - cal.kept(tau)  # (L, T)
+        sparsity[str(tau)] = {
+            "mean_rel_l1": float(e.mean()), "max_rel_l1": float(e.max()),
+            "per_step_max_rel_l1": [float(x) for x in e.amax(0)],
+            "skipped": float(skipped.mean()), "per_step_skipped": [float(x) for x in skipped.mean(0)],
+        }
     out = {"model": cal.meta.get("model"), "model_class": cal.meta.get("model_class"), "steps": len(noise),
-           "noise": noise, "layers": len(names), "errors": per_mode, "ranges_vs_sigma": cal.fit_report()}
+           "noise": noise, "layers": len(names), "errors": per_mode, "sparsity": sparsity,
+           "ranges_vs_sigma": cal.fit_report()}
     if schedule is not None:
-        out["schedule"] = {"name": schedule.name, "per_step": [
-            schedule.mode_for(float(t), names[0] if names else None, cal.meta.get("timestep_scale")).value
-            for t in cal.timesteps]}
+        layer, scale = names[0] if names else None, cal.meta.get("timestep_scale")
+        out["schedule"] = {"name": schedule.name,
+                           "per_step": [schedule.mode_for(float(t), layer, scale).value for t in cal.timesteps]}
+        if getattr(schedule, "sparse", False):
+            out["schedule"]["tau_per_step"] = [schedule.tau_for(float(t), layer, scale) for t in cal.timesteps]
     return out
 
 
@@ -43,6 +54,13 @@ def write_markdown(summary: dict, path: Path) -> None:
     for m, e in summary["errors"].items():
         lines += ["", f"Most sensitive (layer, step) in `{m}`:", "", "| layer | step | noise | rel L1 |", "|---|---|---|---|"]
         lines += [f"| {r['layer']} | {r['step']} | {r['noise']:.3f} | {r['rel_l1']:.4f} |" for r in e["most_sensitive"]]
+    if summary.get("sparsity"):
+        lines += ["", "## Error of each sparsity level (relative L1 of exact attention over the kept blocks)", "",
+                  "Block pairs skipped by the predictor at each level, and the error that costs against all pairs, "
+                  "both averaged over heads, images and steps.", "",
+                  "| tau | blocks skipped | mean rel L1 | worst layer·step |", "|---|---|---|---|"]
+        for tau, e in summary["sparsity"].items():
+            lines.append(f"| {tau} | {e['skipped']:.1%} | {e['mean_rel_l1']:.4f} | {e['max_rel_l1']:.4f} |")
     lines += ["", "## How ranges move with sigma", "",
               "R² of a model where ranges scale in proportion to sigma (range = c·σ) against the stored quadratic fit, "
               "median over (layer, head); `max/min` is the median ratio of a head's largest to smallest range over the schedule.",
@@ -51,8 +69,13 @@ def write_markdown(summary: dict, path: Path) -> None:
         lines.append(f"| {stat} | {r['r2_proportional']:.3f} | {r['r2_quadratic']:.3f} | {r['max_over_min']:.2f} |")
     if "schedule" in summary:
         s = summary["schedule"]
-        lines += ["", f"## Schedule `{s['name']}`", "", "| step | noise | mode |", "|---|---|---|"]
-        lines += [f"| {i} | {n:.3f} | {m} |" for i, (n, m) in enumerate(zip(summary["noise"], s["per_step"]))]
+        if "tau_per_step" in s:
+            lines += ["", f"## Schedule `{s['name']}`", "", "| step | noise | mode | tau |", "|---|---|---|---|"]
+            lines += [f"| {i} | {n:.3f} | {m} | {'dense' if t is None else t} |"
+                      for i, (n, m, t) in enumerate(zip(summary["noise"], s["per_step"], s["tau_per_step"]))]
+        else:
+            lines += ["", f"## Schedule `{s['name']}`", "", "| step | noise | mode |", "|---|---|---|"]
+            lines += [f"| {i} | {n:.3f} | {m} |" for i, (n, m) in enumerate(zip(summary["noise"], s["per_step"]))]
     lines += ["", "Plots: `ranges.png` (Q, K and V ranges against the noise level, one line per layer, coloured by "
               "depth) and `errors.png` (error per step and mode), both with the noise level falling from left to "
               "right, as denoising proceeds.", ""]

@@ -1,10 +1,12 @@
 """``diffusion-int8 calibrate``: run a pipeline in exact attention and record what INT8 would do to it.
 
     diffusion-int8 calibrate --model PATH --prompts prompts.txt --steps 28 --out calib/
+    diffusion-int8 calibrate ... --sparsity-levels 0.99,0.97,0.95,0.9,0.8 --out calib/    # block-sparse too
     accelerate launch --multi_gpu --num_processes 8 -m diffusion_int8 calibrate ...   # prompts sharded
 
 Writes to ``--out``: ``calibration.safetensors``, ``schedule.json`` (the cheapest mode per step within
-``--budget``), ``summary.md``/``summary.json`` and the plots ``ranges.png``/``errors.png``, all at once
+``--budget`` and, with ``--sparsity-levels``, the sparsest level within ``--sparsity-budget``),
+``summary.md``/``summary.json`` and the plots ``ranges.png``/``errors.png``, all at once
 (``outputs.output_set``): an interrupted run leaves the previous outputs or none.
 """
 
@@ -20,18 +22,24 @@ from ..calibration.run import OUTPUTS
 from ..schedule import PrecisionSchedule
 from .common import add_model_args, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, output_set
-from .usage import percentile as percentile_arg, positive_float
+from .usage import UsageError, percentile as percentile_arg, positive_float, sparsity_levels as levels_arg
 
 DEFAULT_BUDGET = 0.02
+DEFAULT_SPARSITY_BUDGET = 0.05
 
 
 def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | None = None,
                       class_labels: list[str] | None = None, steps: int = 20, batch_size: int = 8, seed: int = 0,
                       guidance_scale: float | None = None, device: str | None = None, overwrite: bool = False,
                       percentile: float = 99.0, budget: float = DEFAULT_BUDGET, per_layer: bool = False,
+                      sparsity_levels: list[float] | None = None, sparsity_budget: float | None = None,
                       shown_out: Path | None = None) -> int:
     """The command with its arguments as keywords (``demo`` calls it); ``shown_out``: ``out`` as messages
     name it (the demo writes into a temporary directory). Returns the exit status."""
+    if sparsity_budget is not None and not sparsity_levels:
+        raise UsageError("--sparsity-budget needs --sparsity-levels: the levels to measure and choose from")
+    if sparsity_levels and sparsity_budget is None:
+        sparsity_budget = DEFAULT_SPARSITY_BUDGET
     check_out(out, OUTPUTS, overwrite)
     items = read_items(prompts, class_labels)
     shards = pipelines.Shards(device)
@@ -42,9 +50,10 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
               f"{'prompts' if items.kind == 'prompt' else 'labels'}, {steps} steps, {shards.world} process(es)")
     t0 = time.time()
     cal = calibrate(pipe, **item_kwargs(items), steps=steps, batch_size=batch_size, seed=seed,
-                    guidance_scale=guidance_scale, percentile=percentile, model=pipelines.model_id(model), shards=shards)
+                    guidance_scale=guidance_scale, percentile=percentile, sparsity_levels=sparsity_levels or (),
+                    model=pipelines.model_id(model), shards=shards)
     if shards.is_main:
-        schedule = PrecisionSchedule.from_calibration(cal, budget, per_layer=per_layer)
+        schedule = PrecisionSchedule.from_calibration(cal, budget, per_layer=per_layer, sparsity_budget=sparsity_budget)
         with output_set(out, OUTPUTS, overwrite) as tmp:
             summary = write_outputs(cal, schedule, tmp, budget)
         shown = shown_out or out
@@ -55,7 +64,13 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
         fit = summary["ranges_vs_sigma"]
         print("  ranges vs sigma, median R² proportional/quadratic: "
               + ", ".join(f"{k} {v['r2_proportional']:.2f}/{v['r2_quadratic']:.2f}" for k, v in fit.items()))
+        for tau, e in summary["sparsity"].items():
+            print(f"  tau {tau:9s} skips {e['skipped']:.1%} of the blocks, rel L1 mean {e['mean_rel_l1']:.4f}, "
+                  f"worst {e['max_rel_l1']:.4f}")
         print(f"  schedule {schedule.name}: {' '.join(summary['schedule']['per_step'])}")
+        if "tau_per_step" in summary["schedule"]:
+            print("  levels per step: " + " ".join("dense" if t is None else f"{t:g}"
+                                                    for t in summary["schedule"]["tau_per_step"]))
     shards.barrier()
     return 0
 
@@ -64,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     return calibrate_command(args.out, model=args.model, prompts=args.prompts, class_labels=args.class_labels,
                              steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                              guidance_scale=args.guidance_scale, device=args.device, overwrite=args.overwrite,
-                             percentile=args.percentile, budget=args.budget, per_layer=args.per_layer)
+                             percentile=args.percentile, budget=args.budget, per_layer=args.per_layer,
+                             sparsity_levels=args.sparsity_levels, sparsity_budget=args.sparsity_budget)
 
 
 def add_parser(sub) -> None:
@@ -76,4 +92,11 @@ def add_parser(sub) -> None:
     p.add_argument("--budget", type=positive_float, default=DEFAULT_BUDGET,
                    help="largest relative L1 attention error the derived schedule accepts (default: %(default)s)")
     p.add_argument("--per-layer", action="store_true", help="derive the schedule per layer as well as per step")
+    p.add_argument("--sparsity-levels", type=levels_arg, default=None, metavar="TAU,...",
+                   help="block-sparse levels to measure, comma-separated in (0, 1), e.g. 0.99,0.97,0.95,0.9,0.8: the "
+                        "attention mass the predictor keeps per query block; the schedule takes the sparsest within "
+                        "--sparsity-budget per step (and layer)")
+    p.add_argument("--sparsity-budget", type=positive_float, default=None,
+                   help="largest relative L1 attention error block sparsity may add, on top of --budget's "
+                        f"(default with --sparsity-levels: {DEFAULT_SPARSITY_BUDGET})")
     p.set_defaults(func=run)

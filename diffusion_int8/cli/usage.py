@@ -89,3 +89,20 @@ def percentile(text: str) -> float:
     if not 0 < value <= 100:
         raise argparse.ArgumentTypeError(f"must be a percentile in (0, 100], got {text!r}")
     return value
+
+
+def sparsity_levels(text: str) -> list[float]:
+    """argparse ``type=``: comma-separated sparsity levels in (0, 1), e.g. ``0.99,0.95,0.9``; ascending, distinct."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated numbers in (0, 1), got {part.strip()!r} in "
+                                             f"{text!r}") from None
+        if not 0 < value < 1:
+            raise argparse.ArgumentTypeError(f"each level must be in (0, 1) (1 is dense), got {part.strip()!r}")
+        values.append(value)
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"levels repeat in {text!r}")
+    return sorted(values)
