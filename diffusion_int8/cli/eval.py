@@ -97,6 +97,7 @@ def _print_summary(report: dict, out: Path) -> None:
     timing = R._timing(report)
     if timing["note"]:
         print(f"  {timing['note']}")
+    sparse = R.sparse_variants(report)
     for name, v in report["variants"].items():
         agg = v["quality"]["aggregate"]
         ms, base = v["speed"].get("denoiser_ms_per_step"), report["baseline"]["speed"].get("denoiser_ms_per_step")
@@ -104,7 +105,10 @@ def _print_summary(report: dict, out: Path) -> None:
         excluded = agg["psnr"].get("excluded", 0)
         print(f"  {name:28s} PSNR {R._fmt(agg['psnr']['mean'], 2)} dB (min {R._fmt(agg['psnr']['min'], 2)}), "
               f"SSIM {R._fmt(agg['ssim']['mean'], 4)}" + (f", denoiser step {ms:.2f} ms: {ratio}" if ratio else "")
-              + (f"; {excluded} non-finite image(s) left out" if excluded else ""))
+              + (f"; {excluded} non-finite image(s) left out" if excluded else "")
+              + (f"; {v['sparsity']['overall']:.1%} of attention blocks skipped" if name in sparse else ""))
+    for name, steps in R.sparsity_lines(report):
+        print(f"  {name}: blocks skipped per step {steps}")
     for k, v in report["metrics_available"].items():
         if not v["available"]:
             print(f"  {k}: unavailable: {v['reason']}")

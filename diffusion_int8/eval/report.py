@@ -4,7 +4,8 @@ The HTML embeds every picture as a data URI (side-by-side grids, difference heat
 plot), so it can be mailed or archived as one file. A few lines of script record, in ``data-`` attributes
 of ``<body>``, how many images decoded and any script error, which the tests read in headless Chromium.
 Images with NaN/Inf values (``non_finite_images`` of each variant) are listed in all three reports and
-marked in the HTML grid; the quality metrics leave them out.
+marked in the HTML grid; the quality metrics leave them out. Where a variant skipped attention blocks (block-sparse
+attention), the reports show the fraction skipped overall and per denoising step.
 
 Times are a speed measurement only on a GPU that runs the kernel (``timing``): elsewhere the INT8 modes
 run the kernel's PyTorch emulation, and the reports say so and show no ratio to stock. Where they are, the
@@ -119,9 +120,16 @@ def vs_stock(stock_ms: float | None, ms: float | None) -> str | None:
     return f"{ratio:.2f}× faster than stock" if ratio >= 1 else f"{1 / ratio:.2f}× slower than stock"
 
 
+def sparse_variants(report: dict) -> dict[str, dict]:
+    """``{variant: its sparsity}`` for the variants that skipped any (query block, key block) pair."""
+    return {n: v["sparsity"] for n, v in report.get("variants", {}).items()
+            if v.get("sparsity") and v["sparsity"]["overall"] > 0}
+
+
 def header(report: dict) -> list[str]:
     cols = ["variant", "PSNR dB (min)", "SSIM (min)", "LPIPS (max)", "FID", "KID", "denoiser ms/step"]
-    return cols + (["vs stock"] if _timing(report)["speed"] else []) + ["s/image", "peak MiB", "INT8 / gated calls"]
+    return (cols + (["vs stock"] if _timing(report)["speed"] else []) + ["s/image", "peak MiB", "INT8 / gated calls"]
+            + (["blocks skipped"] if sparse_variants(report) else []))
 
 
 def _peak(report: dict, speed: dict) -> str:
@@ -135,6 +143,7 @@ def _peak(report: dict, speed: dict) -> str:
 def _rows(report: dict) -> list[list[str]]:
     base = report["baseline"]["speed"]
     show_ratio = _timing(report)["speed"]
+    show_sparsity = bool(sparse_variants(report))
     rows = []
     for name, v in [(report["baseline"]["name"], report["baseline"]), *report["variants"].items()]:
         sp = v.get("speed", {})
@@ -142,8 +151,21 @@ def _rows(report: dict) -> list[list[str]]:
         ratio = ["stock" if v is report["baseline"] else (vs_stock(base.get("denoiser_ms_per_step"), ms) or "–")]
         rows.append([name, *(_quality_cells(v["quality"]) if "quality" in v else ["reference"] + ["–"] * 4),
                      _fmt(ms, 2), *(ratio if show_ratio else []), _fmt(sp.get("seconds_per_image"), 3),
-                     _peak(report, sp), _calls(sp)])
+                     _peak(report, sp), _calls(sp)] + ([_skipped(v.get("sparsity"))] if show_sparsity else []))
     return rows
+
+
+def _skipped(sparsity: dict | None) -> str:
+    return "–" if not sparsity else f"{sparsity['overall']:.1%}"
+
+
+def sparsity_lines(report: dict) -> list[tuple[str, str]]:
+    """Per sparse variant: its name and the fraction of blocks skipped at each step, e.g. ``0% 0% 41% 44%``."""
+    return [(n, " ".join(f"{x:.0%}" for x in s["per_step"])) for n, s in sparse_variants(report).items()]
+
+
+SPARSITY_NOTE = ("Blocks skipped: the fraction of (query block, key block) pairs of 128 tokens that block-sparse "
+                 "attention did not compute, over every attention call of the run (dense calls count whole).")
 
 
 def _calls(speed: dict) -> str:
@@ -196,6 +218,9 @@ def write_markdown(report: dict, out: Path) -> Path:
     if report.get("schedule"):
         s = report["schedule"]
         lines += ["", f"Schedule `{s['name']}` per step: {' '.join(s['per_step'])}"]
+    if sparse_variants(report):
+        lines += ["", SPARSITY_NOTE + " Per denoising step:", ""]
+        lines += [f"- `{name}`: {steps}" for name, steps in sparsity_lines(report)]
     lines += ["", "Images: " + ", ".join(f"`{p}`" for p in report["image_dirs"].values()), ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
@@ -296,6 +321,13 @@ def write_html(report: dict, images: dict[str, torch.Tensor], labels: list[str],
     rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in _rows(report))
     na = [f"<li><b>{e(k)}</b>: {e(v['reason'])}</li>" for k, v in report["metrics_available"].items() if not v["available"]]
     plot = schedule_plot(report)
+    sparsity_html = ""
+    if sparse_variants(report):
+        sparsity_html = (f'<h2>Block sparsity</h2><p class="note">{e(SPARSITY_NOTE)}</p><table class="metrics">'
+                         "<tr><th>variant</th><th>overall</th><th>per denoising step</th></tr>"
+                         + "".join(f"<tr><td>{e(n)}</td><td>{_skipped(sparse_variants(report)[n])}</td>"
+                                   f"<td style='text-align:left'>{e(steps)}</td></tr>"
+                                   for n, steps in sparsity_lines(report)) + "</table>")
     note = _non_finite_note(report)
     note_html = (f'<p class="warn">{e(note[0])}</p><ul class="warn">' + "".join(f"<li>{e(ln)}</li>" for ln in note[1])
                  + "</ul>") if note else ""
@@ -322,6 +354,7 @@ device {e(report['device'])} · INT8 kernel: {e(report['kernel'])} · {e(report[
 {'<ul class="note">' + ''.join(na) + '</ul>' if na else ''}
 {note_html}
 {f'<h2>Schedule</h2><img src="{plot}" alt="schedule" style="max-width:100%">' if plot else ''}
+{sparsity_html}
 <h2>Images</h2>
 <p class="note">Heat maps: mean absolute difference over channels, black = 0, white ≥ {vmax} (of the [0, 1] range).</p>
 {''.join(tables)}

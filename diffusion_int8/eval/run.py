@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from .. import pipelines
 from ..calibration import Calibration
 from ..kernels import Mode, kernel_info
+from ..processor import skipped_fractions
 from ..schedule import PrecisionSchedule
 from . import report as R
 from .score import Scorer, save_images
@@ -90,6 +91,7 @@ def run_variant(pipe, model, items, batches, device, kwargs: dict | None, *, ste
     handle = enable(pipe, record=True, speed_gate=speed_gate, **kwargs) if kwargs is not None else None
     timer = StepTimer(model, device)
     images, seconds, n_images, int8_calls, gated_calls = {}, 0.0, 0, 0, 0
+    blocks: dict[int, list] = {}  # step -> [block pairs computed, all pairs], over the batches
     try:
         if batches:  # warm-up (Triton compilation, allocator), not timed
             b, batch, idx = batches[0]
@@ -108,6 +110,7 @@ def run_variant(pipe, model, items, batches, device, kwargs: dict | None, *, ste
             seconds += time.perf_counter() - t0
             if handle is not None:
                 int8_calls, gated_calls = int8_calls + handle.state.int8_calls, gated_calls + handle.state.gated_calls
+                _add_blocks(blocks, handle.state.block_totals())
             n_images += len(idx)
             images.update(zip(idx, imgs))
             if handle is not None and handle.state.trace and not per_step:
@@ -121,8 +124,17 @@ def run_variant(pipe, model, items, batches, device, kwargs: dict | None, *, ste
              "denoiser_calls": len(timer.ms), "seconds_per_image": seconds / max(n_images, 1),
              "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
              "int8_calls": int8_calls if handle is not None else None,
-             "gated_calls": gated_calls if handle is not None else None}
+             "gated_calls": gated_calls if handle is not None else None,
+             "blocks": blocks if handle is not None else None}
     return images, speed, per_step
+
+
+def _add_blocks(into: dict, totals: dict) -> None:
+    """Add ``Int8State.block_totals`` (or another process's sums) to ``into``, step by step."""
+    for step, (kept, total) in totals.items():
+        entry = into.setdefault(int(step), [0.0, 0])
+        entry[0] += kept
+        entry[1] += total
 
 
 def _modes_per_step(trace) -> list[str]:
@@ -197,7 +209,8 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
         ``variants`` (per variant ``speed``: ``denoiser_ms_per_step`` (median), ``seconds_per_image``,
         ``peak_memory_mib``, ``int8_calls``, ``gated_calls``; ``quality``: per-image and aggregate PSNR,
         SSIM, LPIPS, FID, KID, unless ``generate_only``; ``non_finite_images``: indices of images with
-        NaN/Inf, left out of the scores), ``schedule`` (its mode per step), ``timing`` (whether the times
+        NaN/Inf, left out of the scores; ``sparsity``: the fraction of (query block, key block) pairs skipped,
+        ``{"steps", "per_step", "overall"}`` over every attention call), ``schedule`` (its mode per step), ``timing`` (whether the times
         are a speed measurement), ``metrics_available``, and ``images``: ``{variant: (N, 3, H, W) float32
         tensor in [0, 1]}`` on the CPU, the baseline ``fp16`` first. None on the other processes of a launch.
 
@@ -226,12 +239,15 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
             merged.update(res[name])
         images[name] = torch.stack([merged[i] for i in sorted(merged)]).float() / 255
     speed = {name: _merge_speed([s[name] for _, s, _ in gathered]) for name in results}
+    sparsity = {name: skipped_fractions(speed[name].pop("blocks") or {}) for name in results}
     bad = {name: sorted({i for _, _, nf in gathered for i in nf[name]}) for name in results}
     _warn_nonfinite(bad)
     model = model if model is not None else pipelines.pipeline_id(pipe)
     report = _report_head(model, items, shards.device, steps, seed)
     report["baseline"] = {"name": BASELINE, "speed": speed[BASELINE], "non_finite_images": bad[BASELINE]}
     report["variants"] = {n: {"speed": speed[n], "non_finite_images": bad[n]} for n in images if n != BASELINE}
+    for n, v in report["variants"].items():
+        v["sparsity"] = sparsity[n]
     report["image_dirs"] = {n: f"images/{_dirname(n)}" for n in images}
     sched_name = next((n for n in images if n.startswith("schedule:")), None)
     if sched_name:
@@ -286,7 +302,15 @@ def _merge_speed(parts: list[dict]) -> dict:
             "seconds_per_image": statistics.mean(p["seconds_per_image"] for p in parts),
             "peak_memory_mib": max(mem) if mem else None, "processes": len(parts),
             "int8_calls": None if parts[0].get("int8_calls") is None else sum(p["int8_calls"] for p in parts),
-            "gated_calls": None if parts[0].get("gated_calls") is None else sum(p["gated_calls"] for p in parts)}
+            "gated_calls": None if parts[0].get("gated_calls") is None else sum(p["gated_calls"] for p in parts),
+            "blocks": None if parts[0].get("blocks") is None else _summed_blocks(p["blocks"] for p in parts)}
+
+
+def _summed_blocks(parts) -> dict:
+    total: dict[int, list] = {}
+    for part in parts:
+        _add_blocks(total, part)
+    return total
 
 
 def _dirname(name: str) -> str:
