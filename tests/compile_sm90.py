@@ -66,16 +66,21 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
     return n
 
 
-def attention_variant(D, pv, mask, dt="fp16"):
+def attention_variant(D, pv, mask, dt="fp16", sparse=False):
     ptrs = dict(Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V=_PV_PTR[pv] or "*" + dt, VS="*fp32",
-                MASK_PTR={0: "*fp32", 1: "*u8", 2: "*" + dt}[mask], O="*" + dt)
+                MASK_PTR={0: "*fp32", 1: "*u8", 2: "*" + dt}[mask], KB_CNT="*i32", KB_IDX="*i32", O="*" + dt)
     cfg = tile_config(D, pv)
     compile_kernel(A._attn_fwd_kernel, ptrs, set(), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=pv.code, MASK=mask,
-        V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups, ABLATE=0), divisible=("SQ_PAD", "SK_PAD", "N_FULL"))
+        V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups, SPARSE=sparse, ABLATE=0),
+        divisible=("SQ_PAD", "SK_PAD", "N_FULL"))
 
 
-def hopper_variant(pv, dt="fp16"):
+def block_list_variant():
+    compile_kernel(A._block_list_kernel, dict(MASK="*u8", CNT="*i32", IDX="*i32"), set(), dict(NKB_P2=256))
+
+
+def hopper_variant(pv, dt="fp16", sparse=False):
     """A Gluon sm_90 kernel, with its tensor descriptors typed as the launcher builds them."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -90,13 +95,13 @@ def hopper_variant(pv, dt="fp16"):
 
     if pv is PV.FP8:
         fn, v_desc = Hp._attn_fwd_sm90_pingpong, desc("fp8e4nv", [dp, block_n], gl.float8e4nv)
-        constexprs, options = dict(STAGES=plan.stages, num_warps=plan.num_warps), dict(maxnreg=Hp._PINGPONG_MAXNREG)
+        constexprs, options = dict(STAGES=plan.stages, SPARSE=sparse, num_warps=plan.num_warps), dict(maxnreg=Hp._PINGPONG_MAXNREG)
     else:
         fn, v_desc = Hp._attn_fwd_sm90, desc(dt, [1, 1, block_n, dp], gl_v)
-        constexprs, options = dict(STAGES=plan.stages, num_warps=plan.num_warps), {}
+        constexprs, options = dict(STAGES=plan.stages, SPARSE=sparse, num_warps=plan.num_warps), {}
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(q_desc=desc("i8", [plan.block_m, dp], gl.int8), k_desc=desc("i8", [block_n, dp], gl.int8),
-               v_desc=v_desc, QS="*fp32", KS="*fp32", VS="*fp32", O="*" + dt)
+               v_desc=v_desc, QS="*fp32", KS="*fp32", VS="*fp32", KB_CNT="*i32", KB_IDX="*i32", O="*" + dt)
     sig.update({n: "constexpr" for n in constexprs})
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=TARGET, options=dict(num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION, **options))
@@ -108,14 +113,16 @@ def main(everything: bool) -> int:
         attn = list(itertools.product((40, 64, 72, 128, 256), list(PV), (0, 1, 2), ("fp16", "bf16")))
     else:  # every branch at least once
         quant = [(40, 1, True, False), (72, 2, False, True, "bf16"), (128, 0, True, False), (256, 1, True, True)]
-        attn = [(40, PV.FP16, 0), (36, PV.FP16, 1), (64, PV.FP8, 1, "bf16"), (72, PV.INT8, 2), (128, PV.FP8, 0), (256, PV.INT8, 0)]
+        attn = [(40, PV.FP16, 0), (36, PV.FP16, 1), (64, PV.FP8, 1, "bf16"), (72, PV.INT8, 2), (128, PV.FP8, 0), (256, PV.INT8, 0),
+                (64, PV.FP8, 0, "fp16", True), (128, PV.FP16, 1, "bf16", True), (40, PV.INT8, 0, "fp16", True)]
     n_quant = sum(quantize_variant(*args) for args in quant)
     for args in attn:
         attention_variant(*args)
-    hopper = [(PV.FP8,), (PV.FP16,), (PV.FP16, "bf16")]
+    block_list_variant()
+    hopper = [(PV.FP8,), (PV.FP16,), (PV.FP16, "bf16"), (PV.FP8, "fp16", True), (PV.FP16, "fp16", True)]
     for args in hopper:
         hopper_variant(*args)
-    print(f"compiled {n_quant + len(attn) + len(hopper)} kernels for {TARGET} with Triton {triton.__version__}")
+    print(f"compiled {n_quant + len(attn) + 1 + len(hopper)} kernels for {TARGET} with Triton {triton.__version__}")
     return 0
 
 

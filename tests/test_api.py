@@ -70,12 +70,15 @@ def test_opcheck_cpu(kdev):
     backend = config.select_backend(q.device).value
     mask = torch.rand(1, 1, 40, 72, device=kdev) > 0.3
     mask[..., 0] = True
-    args = (q, k, v, mask, None, None, None, None, "BHSD", "fp8", 0.125, True, True, backend)
+    args = (q, k, v, mask, None, None, None, None, None, "BHSD", "fp8", 0.125, True, True, backend)
+    torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
+    blocks = torch.tensor([True, False], device=kdev).view(1, 2, 1, 1)  # head 1 skips its one block: zeros
+    args = (q, k, v, None, blocks, None, None, None, None, "BHSD", "fp16", 0.125, True, False, backend)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     # every static input given: no statistics pass
     static = (q.float().abs().amax((2, 3)), torch.full((1, 2), 3.0, device=kdev), v.float().abs().amax(2),
               k.float().mean(2))
-    args = (q, k, v, None, *static, "BHSD", "fp8", 0.125, True, True, backend)
+    args = (q, k, v, None, None, *static, "BHSD", "fp8", 0.125, True, True, backend)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
 
 

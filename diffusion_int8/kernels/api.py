@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
-from .config import (ENV_BACKEND, ENV_PV8, MAX_HEAD_DIM, PV, Backend, Kernel, Mode, padded_head_dim, pv_for_mode,
-                     select_backend)
+from .config import (ENV_BACKEND, ENV_PV8, MAX_HEAD_DIM, PV, SPARSE_BLOCK, Backend, Kernel, Mode, padded_head_dim,
+                     pv_for_mode, select_backend)
 from .launch import signature
 from .ops import dispatch
 
@@ -26,6 +26,7 @@ def int8_attention(
     mode: str | Mode = "int8_fp16v",
     layout: str = "BHSD",
     attn_mask: torch.Tensor | None = None,
+    block_mask: torch.Tensor | None = None,
     scale: float | None = None,
     smooth_k: bool = True,
     qk_balance: bool = False,
@@ -48,6 +49,11 @@ def int8_attention(
             ``torch.nn.functional.scaled_dot_product_attention``).
         attn_mask: bool (True = attend) or additive float mask, broadcastable to (B, Hq, Sq, Sk),
             e.g. a key-padding mask of shape (B, 1, 1, Sk). Rows with every key masked give 0.
+        block_mask: block-sparse attention: a bool tensor broadcastable to (B, Hq, ceil(Sq / 128), ceil(Sk / 128)),
+            one entry per 128 queries × 128 keys (``config.SPARSE_BLOCK``); False skips that block: the kernels
+            never load its K and V, so the call's time follows the kept fraction. ``kernels.sparsity`` predicts
+            one from Q and K. Query rows whose block keeps no key block give 0; a mask that keeps every block
+            gives the dense result bit for bit. Mode ``fp16`` applies it as an element mask (exact, not faster).
         scale: softmax scale; default ``D ** -0.5``.
         smooth_k: subtract K's token mean per (batch, head) before quantizing (softmax is invariant
             to it; it removes the channel bias that breaks naive INT8 K).
@@ -80,13 +86,13 @@ def int8_attention(
         plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
             mode, layout, scale, smooth_k, qk_balance, os.environ.get(ENV_BACKEND), os.environ.get(ENV_PV8),
-            signature(q), signature(k), signature(v), signature(attn_mask),
+            signature(q), signature(k), signature(v), signature(attn_mask), signature(block_mask),
             signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean))
         call = _CALLS.get(key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, tensors without storage, unhashable options
         key, call = None, None
     if call is None:
-        call = _prepare(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean)
+        call = _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean)
         if key is not None:
             if len(_CALLS) >= 4096:
                 _CALLS.clear()
@@ -99,6 +105,8 @@ def int8_attention(
         _check_range_values(q_amax, k_amax, v_amax, k_mean)
     if call.mode is Mode.FP16:
         qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
+        if block_mask is not None:
+            return _sdpa_block_sparse(qb, kb, vb, attn_mask, block_mask, call, layout)
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=call.scale, enable_gqa=call.gqa)
         return out if layout == "BHSD" else out.transpose(1, 2)
     if call.empty:  # no batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)
@@ -109,11 +117,10 @@ def int8_attention(
         from .attention import triton_attention
 
         return triton_attention(q, k, v, layout=layout, pv=call.pv, sm_scale=call.scale, smooth_k=smooth_k,
-                                qk_balance=qk_balance,
-                                attn_mask=attn_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
+                                qk_balance=qk_balance, attn_mask=attn_mask, block_mask=block_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
                                 key=key)
     return dispatch(
-        q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, layout, call.pv.value, call.scale, smooth_k,
+        q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, layout, call.pv.value, call.scale, smooth_k,
         bool(qk_balance), call.backend.value,
     )
 
@@ -133,16 +140,16 @@ class _Call(NamedTuple):
 _CALLS: dict[tuple, _Call] = {}
 
 
-def _prepare(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean) -> _Call:
+def _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean) -> _Call:
     """Check a call and choose its backend and P·V format (raises on bad arguments)."""
-    mode, scale, gqa, empty = _check_call(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax,
-                                          k_mean)
+    mode, scale, gqa, empty = _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q_amax,
+                                          k_amax, v_amax, k_mean)
     if mode is Mode.FP16:
         return _Call(mode, scale, gqa, empty, None, None)
     return _Call(mode, scale, gqa, empty, select_backend(q.device), pv_for_mode(mode, q.device))
 
 
-def _check_call(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean):
+def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean):
     """Every check of ``int8_attention``'s arguments; returns (mode, scale, grouped heads) or raises."""
     mode = Mode.parse(mode)
     if layout not in _LAYOUTS:
@@ -153,6 +160,8 @@ def _check_call(q, k, v, mode, layout, attn_mask, scale, smooth_k, q_amax, k_ama
     Hkv, Sk = k.shape[3 - s_ax], k.shape[s_ax]
     if attn_mask is not None:
         _check_mask(attn_mask, q, (B, Hq, Sq, Sk))
+    if block_mask is not None:
+        _check_block_mask(block_mask, q, (B, Hq, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)))
     if scale is None:
         scale = D**-0.5
     elif not isinstance(scale, (int, float)) or not scale > 0:
@@ -244,6 +253,46 @@ def _check_mask(mask: torch.Tensor, q: torch.Tensor, full: tuple[int, int, int, 
             f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Sq, Sk) = {full}; "
             f"a key-padding mask is (B, 1, 1, Sk)"
         )
+
+
+def _check_block_mask(mask: torch.Tensor, q: torch.Tensor, full: tuple[int, int, int, int]) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"block_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"block_mask has dtype {mask.dtype}; accepted: torch.bool (True = compute the block)")
+    if mask.device != q.device:
+        raise ValueError(f"block_mask is on {mask.device}, q on {q.device}")
+    try:
+        ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, full) == torch.Size(full)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"block_mask of shape {tuple(mask.shape)} does not broadcast to (B, H, ceil(Sq / {SPARSE_BLOCK}), "
+            f"ceil(Sk / {SPARSE_BLOCK})) = {full}"
+        )
+
+
+def expand_block_mask(block_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
+    """A block mask (..., ceil(sq / 128), ceil(sk / 128)) as the element mask (..., sq, sk) it stands for."""
+    rows = block_mask.repeat_interleave(SPARSE_BLOCK, dim=-2)[..., :sq, :]
+    return rows.repeat_interleave(SPARSE_BLOCK, dim=-1)[..., :sk]
+
+
+def _sdpa_block_sparse(qb, kb, vb, attn_mask, block_mask, call: _Call, layout: str) -> torch.Tensor:
+    """Mode fp16 with a block mask: SDPA with the element mask it stands for; rows it leaves no key give 0."""
+    Sq, Sk = qb.shape[2], kb.shape[2]
+    keep = expand_block_mask(block_mask, Sq, Sk)
+    if attn_mask is None:
+        mask = keep
+    elif attn_mask.dtype == torch.bool:
+        mask = keep & attn_mask
+    else:
+        mask = attn_mask.masked_fill(~keep, float("-inf"))
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=call.scale, enable_gqa=call.gqa)
+    row_empty = ~block_mask.any(-1, keepdim=True).repeat_interleave(SPARSE_BLOCK, dim=-2)[..., :Sq, :]
+    out = out.masked_fill(row_empty, 0.0)
+    return out if layout == "BHSD" else out.transpose(1, 2)
 
 
 def _check_range_values(q_amax, k_amax, v_amax, k_mean) -> None:

@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from . import quantize as tq
-from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, P_FLOOR, PV, TESTED_TRITON, Kernel, tile_config
+from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, TESTED_TRITON, Kernel, tile_config
 from .launch import EAGER, Runner, plan_or_run, signature
-from .layout import padded_len, rows_16b_aligned, to_bhsd
+from .layout import cdiv, padded_len, rows_16b_aligned, to_bhsd
 from .tl_helpers import rdiv, round_to_int8
 
 try:  # the sm_90 Gluon kernels; a Triton whose Gluon API they do not cover runs the portable kernel
@@ -33,6 +33,7 @@ _LOG2E = tl.constexpr(LOG2E)
 _INT8_MAX = tl.constexpr(INT8_MAX)
 _P_FLOOR = tl.constexpr(P_FLOOR)
 _FP8_P_SHIFT = tl.constexpr(FP8_P_SHIFT)
+_SPARSE_BLOCK = tl.constexpr(SPARSE_BLOCK)
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
 
 # Ablation switches of the portable kernel, for ``benchmarks/ablate.py`` (bits of its ``ABLATE`` constexpr, given
@@ -138,13 +139,14 @@ def _attn_block(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q8, QS, K8, KS, V, VS, MASK_PTR, O,
+    Q8, QS, K8, KS, V, VS, MASK_PTR, KB_CNT, KB_IDX, O,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_os, stride_od,
-    H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_FULL,
+    H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_FULL, NQB, NKB,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
-    PV: tl.constexpr, MASK: tl.constexpr, V_ALIGN8: tl.constexpr, K_GROUPS: tl.constexpr, ABLATE: tl.constexpr,
+    PV: tl.constexpr, MASK: tl.constexpr, V_ALIGN8: tl.constexpr, K_GROUPS: tl.constexpr, SPARSE: tl.constexpr,
+    ABLATE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(DP >= 32)
@@ -175,33 +177,69 @@ def _attn_fwd_kernel(
             v_offs = tl.multiple_of(v_offs, [1, 8])
             D = D // 8 * 8
         v_ptrs = V + v_offs
-        v_step = BLOCK_N * stride_vs
+        v_tok = stride_vs
     elif PV == 1:
         v_ptrs = V + off_kv * DP * SK_PAD + offs_d[None, :] * SK_PAD + offs_n[:, None]  # from (DP, SK_PAD)
-        v_step = BLOCK_N
+        v_tok = 1
     else:
         v_ptrs = V + off_kv * SK_PAD * DP + offs_n[:, None] * DP + offs_d[None, :]
-        v_step = BLOCK_N * DP
+        v_tok = DP
+    v_step = BLOCK_N * v_tok
     mask_ptrs = (MASK_PTR + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
                  + offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :] * stride_mn)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
-    for start_n in range(0, N_FULL, BLOCK_N):
-        acc, m_i, l_i = _attn_block(
-            acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, start_n, offs_m, offs_n, offs_d,
-            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
-        )
-        k_ptrs += BLOCK_N * DP
-        v_ptrs += v_step
-        ks_ptr += BLOCK_N
-        mask_ptrs += BLOCK_N * stride_mn
-    if N_FULL < SK:
-        acc, m_i, l_i = _attn_block(
-            acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, N_FULL, offs_m, offs_n, offs_d,
-            SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
-        )
+    if SPARSE:
+        # the key blocks this query block keeps, ascending (``_block_list_kernel``): the tiles of the others are
+        # never loaded. The sequence's tail block, when kept, is the list's last: its tiles run after the loop.
+        row = off_bh.to(tl.int64) * NQB + start_m * BLOCK_M // _SPARSE_BLOCK
+        n_kept = tl.load(KB_CNT + row)
+        idx_ptr = KB_IDX + row * NKB
+        last = tl.load(idx_ptr + tl.maximum(n_kept - 1, 0))
+        has_tail = (n_kept > 0) & (SK % _SPARSE_BLOCK != 0) & (last == NKB - 1)
+        kb_next = tl.load(idx_ptr)
+        for i in range(n_kept - has_tail.to(tl.int32)):
+            kb = kb_next
+            kb_next = tl.load(idx_ptr + tl.minimum(i + 1, NKB - 1))  # a step ahead: its latency hides
+            for t in tl.static_range(_SPARSE_BLOCK // BLOCK_N):
+                start_n = kb * _SPARSE_BLOCK + t * BLOCK_N
+                acc, m_i, l_i = _attn_block(
+                    acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
+                    ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
+                    SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
+                )
+        if has_tail:  # its whole tiles as the dense loop runs them, then the partial one
+            for t in tl.static_range(_SPARSE_BLOCK // BLOCK_N):
+                start_n = last * _SPARSE_BLOCK + t * BLOCK_N
+                if start_n + BLOCK_N <= SK:
+                    acc, m_i, l_i = _attn_block(
+                        acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
+                        ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
+                        SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
+                    )
+                elif start_n < SK:
+                    acc, m_i, l_i = _attn_block(
+                        acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
+                        ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
+                        SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
+                    )
+    else:
+        for start_n in range(0, N_FULL, BLOCK_N):
+            acc, m_i, l_i = _attn_block(
+                acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, start_n, offs_m, offs_n, offs_d,
+                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
+            )
+            k_ptrs += BLOCK_N * DP
+            v_ptrs += v_step
+            ks_ptr += BLOCK_N
+            mask_ptrs += BLOCK_N * stride_mn
+        if N_FULL < SK:
+            acc, m_i, l_i = _attn_block(
+                acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, N_FULL, offs_m, offs_n, offs_d,
+                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
+            )
 
     # -- normalize; rows with every key masked give 0 --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -211,6 +249,33 @@ def _attn_fwd_kernel(
     o_ptrs = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
               + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _block_list_kernel(MASK, stride_b, stride_h, stride_q, stride_k, CNT, IDX, H, NQB, NKB, NKB_P2: tl.constexpr):
+    """Per (batch, head, query block): how many key blocks the bool block mask keeps, and which, ascending."""
+    row = tl.program_id(0)
+    bh = row // NQB
+    offs = tl.arange(0, NKB_P2)
+    ptrs = (MASK + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+            + (row % NQB).to(tl.int64) * stride_q + offs * stride_k)
+    keep = (tl.load(ptrs, mask=offs < NKB, other=0) != 0).to(tl.int32)
+    tl.store(IDX + row.to(tl.int64) * NKB + tl.cumsum(keep, 0) - 1, offs, mask=keep != 0)
+    tl.store(CNT + row, tl.sum(keep, 0))
+
+
+def block_lists(block_mask: torch.Tensor, B: int, H: int, Sq: int, Sk: int, runner: Runner = EAGER):
+    """The kernels' form of a block mask broadcastable to (B, H, NQB, NKB) (NQB, NKB: ``SPARSE_BLOCK`` blocks of
+    Sq and Sk): counts (B·H·NQB,) int32 and the kept key blocks' indices (B·H·NQB, NKB) int32, ascending, first
+    ``count`` of each row valid. One launch, no host synchronization."""
+    nqb, nkb = cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK)
+    mask = block_mask.expand(B, H, nqb, nkb).view(torch.uint8)
+    counts = runner.empty((B * H * nqb,), torch.int32, block_mask.device)
+    idx = runner.empty((B * H * nqb, nkb), torch.int32, block_mask.device)
+    runner.launch(_block_list_kernel, (B * H * nqb,), (
+        mask, *mask.stride(), counts, idx, H, nqb, nkb, triton.next_power_of_2(nkb),
+    ), {})
+    return counts, idx
 
 
 def triton_attention(
@@ -224,6 +289,7 @@ def triton_attention(
     smooth_k: bool = True,
     qk_balance: bool = False,
     attn_mask: torch.Tensor | None = None,
+    block_mask: torch.Tensor | None = None,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
@@ -246,19 +312,23 @@ def triton_attention(
     if key is not None and out is None:
         key = (*key, sm90, _ablate)  # out is allocated below, so its signature follows from q's
     else:
-        key = (layout, pv, sm_scale, smooth_k, qk_balance, sm90, _ablate, *map(signature, (q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, out)))
+        key = (layout, pv, sm_scale, smooth_k, qk_balance, sm90, _ablate,
+               *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out)))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    inputs = [q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, out]
+    inputs = [q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out]
 
     def record(runner):
         qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
+        blocks = None
+        if block_mask is not None:
+            blocks = block_lists(block_mask, qb.shape[0], qb.shape[1], qb.shape[2], kb.shape[2], runner)
         quantized = tq.quantize_qkv(  # K quantized in the tile table's K tiles, which attend() runs
             qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, qk_balance=qk_balance, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
             runner=runner,
         )
-        attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, sm90=sm90, runner=runner,
-               _ablate=_ablate)
+        attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, blocks=blocks, sm90=sm90,
+               runner=runner, _ablate=_ablate)
 
     plan_or_run(_PLANS, key, inputs, record)
     return out
@@ -275,6 +345,7 @@ def attend(
     *,
     pv: PV,
     attn_mask: torch.Tensor | None = None,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
     sm90: bool = True,
     runner: Runner = EAGER,
     _ablate: int = 0,
@@ -285,6 +356,7 @@ def attend(
 
     quantized: what ``quantize_qkv`` returns; vb: the caller's V viewed
     (B, H_kv, Sk, D), read in place for fp16 P·V; ob: the output viewed (B, H, Sq, D), written in place.
+    blocks: a block mask as ``block_lists`` gives it (None: dense).
     ``_ablate``: as ``triton_attention``'s; nonzero runs the portable kernel.
     """
     q8, qs, k8, ks, vk, vs = quantized
@@ -295,7 +367,7 @@ def attend(
         vk, vs = vb, qs  # V read in place; vs unused
     if sm90 and not _ablate and call_kernel(ob, vb, pv, q8.shape[-1], attn_mask is not None) is Kernel.SM90_GLUON:
         if hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D,
-                         runner=runner):
+                         blocks=blocks, runner=runner):
             return
 
     if attn_mask is None:
@@ -308,13 +380,15 @@ def attend(
             mask_kind = _MASK_ADD
         mstride = mask.stride()
 
+    counts, idx = blocks if blocks is not None else (qs, qs)
     runner.launch(_attn_fwd_kernel, (triton.cdiv(Sq, cfg.block_m), B * H), (
-        q8, qs, k8, ks, vk, vs, mask, ob,
+        q8, qs, k8, ks, vk, vs, mask, counts, idx, ob,
         *vb.stride(), *mstride, *ob.stride(),
         H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
-        # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS, ABLATE
+        cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK),
+        # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS, SPARSE, ABLATE
         cfg.block_m, cfg.block_n, q8.shape[-1], pv.code, mask_kind,
-        pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, _ablate,
+        pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, blocks is not None, _ablate,
     ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION))
 
 

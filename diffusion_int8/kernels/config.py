@@ -31,6 +31,9 @@ BALANCE_DEAD_BAND = 2
 # Quantized Q/K/V buffers are padded to a multiple of this many tokens, so the attention
 # kernel loads whole tiles without masks.
 SEQ_PAD = 128
+# Block-sparse attention: a block mask has one entry per SPARSE_BLOCK queries × SPARSE_BLOCK keys. Every kernel's
+# query and key tiles divide it, so a skipped block is whole tiles that are never loaded.
+SPARSE_BLOCK = 128
 MAX_HEAD_DIM = 256
 # Floor on a row's block maximum of P before INT8 P quantization (a fully masked block has max 0).
 P_FLOOR = 1e-30

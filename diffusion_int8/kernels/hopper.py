@@ -32,12 +32,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .config import FP8_P_SHIFT, FP_FUSION, PV, TESTED_TRITON
+from .config import FP8_P_SHIFT, FP_FUSION, PV, SPARSE_BLOCK, TESTED_TRITON
 from .launch import EAGER, Runner
 from .layout import rows_16b_aligned
 
 # FP8 P·V: P is scaled by 2^P_SHIFT into e4m3's normal range through the exponent's offset
 _P_SHIFT = gl.constexpr(FP8_P_SHIFT)
+_SPARSE_BLOCK = gl.constexpr(SPARSE_BLOCK)
 # 12 warps (two consumer warpgroups, the producer's) at 168 registers fill the 64K register file; the
 # partitions then re-split it as 240 / 240 / 24 per thread (setmaxnreg)
 _PINGPONG_MAXNREG = 168
@@ -77,26 +78,57 @@ def _program(H, H_KV):
 
 
 @gluon.jit
-def _load_k(k_desc, k_bufs, k_bars, j, k_row, N_BLOCKS, STAGES: gl.constexpr):
+def _key_tiles(KB_CNT, KB_IDX, pid_m, off_bh, SK, N_BLOCKS, NQB, NKB, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
+    """(key tiles to run, the program's kept-block list, its length). Dense: every tile of the sequence. With a
+    block mask (a CTA's 128 rows are one query block): the kept blocks' tiles, less the tail block's tiles that
+    start past SK, so the last tile is the masked one as in the dense loop; at least one (a query block that
+    keeps nothing runs one stand-in tile and stores zeros)."""
+    if SPARSE:
+        row = off_bh * NQB + pid_m
+        n_kept = gl.load(KB_CNT + row)
+        idx_row = KB_IDX + row.to(gl.int64) * NKB
+        last = gl.load(idx_row + gl.maximum(n_kept - 1, 0))
+        T: gl.constexpr = _SPARSE_BLOCK // BLOCK_N
+        tail_tiles = (SK - (NKB - 1) * _SPARSE_BLOCK + BLOCK_N - 1) // BLOCK_N
+        tail = ((n_kept > 0) & (last == NKB - 1)).to(gl.int32)
+        return gl.maximum(n_kept * T - tail * (T - tail_tiles), 1), idx_row, n_kept
+    else:
+        return N_BLOCKS, KB_IDX, 0
+
+
+@gluon.jit
+def _key_pos(j, idx_row, n_kept, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
+    """The first key of the program's j-th key tile: tile j of the sequence, or with a block mask the tile of
+    the kept blocks (``attention.block_lists``: ``n_kept`` indices at ``idx_row``). Past the last kept tile
+    (prefetches that ``pred`` turns off) and for a query block that keeps nothing, a valid position."""
+    if SPARSE:
+        T: gl.constexpr = _SPARSE_BLOCK // BLOCK_N
+        kb = gl.load(idx_row + gl.minimum(j // T, gl.maximum(n_kept - 1, 0)))
+        return kb * (n_kept > 0).to(gl.int32) * _SPARSE_BLOCK + (j % T) * BLOCK_N
+    else:
+        return j * BLOCK_N
+
+
+@gluon.jit
+def _load_k(k_desc, k_bufs, k_bars, j, pos, k_row, N_BLOCKS, STAGES: gl.constexpr):
+    """K tile j of the program (its first key at ``pos``: ``_key_pos``) into its ring stage."""
     slot = j % STAGES
     pred = j < N_BLOCKS
     bar = k_bars.index(slot)
     mbarrier.expect(bar, k_desc.block_type.nbytes, pred=pred)
-    _tma_load(k_desc, [k_row + j * k_desc.block_type.shape[0], 0], bar, k_bufs.index(slot),
-                                    pred=pred)
+    _tma_load(k_desc, [k_row + pos, 0], bar, k_bufs.index(slot), pred=pred)
 
 
 @gluon.jit
-def _load_v(v_desc, v_bufs, v_bars, j, v_row, b, h_kv, N_BLOCKS, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            PV: gl.constexpr):
+def _load_v(v_desc, v_bufs, v_bars, j, pos, v_row, b, h_kv, N_BLOCKS, STAGES: gl.constexpr, PV: gl.constexpr):
     slot = j % STAGES
     pred = j < N_BLOCKS
     bar = v_bars.index(slot)
     mbarrier.expect(bar, v_desc.block_type.nbytes, pred=pred)
     if PV == 1:  # the quantized Vᵀ, (B·H_kv·DP, SK_PAD)
-        _tma_load(v_desc, [v_row, j * BLOCK_N], bar, v_bufs.index(slot), pred=pred)
+        _tma_load(v_desc, [v_row, pos], bar, v_bufs.index(slot), pred=pred)
     else:  # the caller's V, (B, H_kv, SK, D) through its strides; rows past SK arrive as zeros
-        _tma_load(v_desc, [b, h_kv, j * BLOCK_N, 0], bar, v_bufs.index(slot), pred=pred)
+        _tma_load(v_desc, [b, h_kv, pos, 0], bar, v_bufs.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -162,13 +194,16 @@ def _softmax(qk, qs, ks, m_i, l_i, start_n, SK, BLOCK_N: gl.constexpr, P_SHIFT: 
 
 
 @gluon.jit
-def _epilogue(acc, l_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, b, h, off_kv, SQ, D,
+def _epilogue(acc, l_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, b, h, off_kv, SQ, D, n_kept,
               BLOCK_M: gl.constexpr, DP: gl.constexpr, PV: gl.constexpr, o_layout: gl.constexpr,
-              st_layout: gl.constexpr):
-    """Normalize rows row0.. (l >= 1 after the first block: no masks here), apply V's channel scales, store."""
+              st_layout: gl.constexpr, SPARSE: gl.constexpr):
+    """Normalize rows row0.. (l >= 1 after the first block: no masks here), apply V's channel scales, store.
+    With a block mask, rows whose block keeps no key block are 0 (their one step ran on a stand-in tile)."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = acc * gl.div_rn(gl.full_like(l_o, 1.0), l_o)[:, None]
     out = gl.convert_layout(out, st_layout)
+    if SPARSE:
+        out = gl.where(gl.full_like(out, n_kept) > 0, out, 0.0)
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
     cols = gl.arange(0, DP, layout=gl.SliceLayout(0, st_layout))
     if PV == 1:
@@ -180,33 +215,37 @@ def _epilogue(acc, l_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS,
 
 @gluon.jit
 def _step(acc, m_i, l_i, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc, v_desc, qs, ks_ptr,
-          k_row, v_row, b, h_kv, SK, N_BLOCKS,
+          k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr, STAGES: gl.constexpr, PV: gl.constexpr,
-          MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+          MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, SPARSE: gl.constexpr):
     """Block j's Q·Kᵀ and block j-1's P·V in flight together; block j's softmax runs under the P·V."""
+    # the positions this step needs, read first: with a block mask each is a load, whose latency then hides
+    start_n = _key_pos(j, idx_row, n_kept, BLOCK_N, SPARSE)
+    pos_k = _key_pos(j + STAGES, idx_row, n_kept, BLOCK_N, SPARSE)
+    pos_v = _key_pos(j - 1 + STAGES, idx_row, n_kept, BLOCK_N, SPARSE)
     s_tok = _issue_qk(q_smem, k_bufs, k_bars, j, BLOCK_M, BLOCK_N, STAGES, s_layout)
     mbarrier.wait(v_bars.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
     pv_tok = _issue_pv(p_bufs, j - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, PV, o_layout)
     qk = warpgroup_mma_wait(1, deps=[s_tok])
-    ks = gl.load(ks_ptr + j * BLOCK_N)  # one K scale per block: stored per key, read from the block's first
-    p, m_i, l_i, alpha = _softmax(qk, qs, ks, m_i, l_i, j * BLOCK_N, SK, BLOCK_N, 0.0, MASKED, s_layout)
+    ks = gl.load(ks_ptr + start_n)  # one K scale per block: stored per key, read from the block's first
+    p, m_i, l_i, alpha = _softmax(qk, qs, ks, m_i, l_i, start_n, SK, BLOCK_N, 0.0, MASKED, s_layout)
     # P's other buffer was last read by block j-2's P·V, waited for in the previous step
     _stage_p(p, p_bufs, j)
     # the MMA added block j-1 into acc; rescaled to block j's max before the next one adds to it
     acc = warpgroup_mma_wait(0, deps=[pv_tok]) * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     # every warp is past its wgmmas on K_j and V_{j-1} and has stored its rows of P_j
     _cta_barrier()
-    _load_k(k_desc, k_bufs, k_bars, j + STAGES, k_row, N_BLOCKS, STAGES)
-    _load_v(v_desc, v_bufs, v_bars, j - 1 + STAGES, v_row, b, h_kv, N_BLOCKS, BLOCK_N, STAGES, PV)
+    _load_k(k_desc, k_bufs, k_bars, j + STAGES, pos_k, k_row, N_BLOCKS, STAGES)
+    _load_v(v_desc, v_bufs, v_bars, j - 1 + STAGES, pos_v, v_row, b, h_kv, N_BLOCKS, STAGES, PV)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _attn_fwd_sm90(
-    q_desc, k_desc, v_desc, QS, KS, VS, O,
+    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_IDX, O,
     stride_ob, stride_oh, stride_os, stride_od,
-    H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
+    H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, NQB, NKB,
+    STAGES: gl.constexpr, SPARSE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """16-bit P·V (accumulated inside the MMA); one warpgroup per CTA, which also issues its TMA loads."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -220,6 +259,7 @@ def _attn_fwd_sm90(
     pid_m, off_bh, b, h, h_kv, off_kv = _program(H, H_KV)
     k_row = off_kv * SK_PAD
     v_row = off_kv * DP
+    N_BLOCKS, idx_row, n_kept = _key_tiles(KB_CNT, KB_IDX, pid_m, off_bh, SK, N_BLOCKS, NQB, NKB, BLOCK_N, SPARSE)
 
     q_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, DP], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, DP], k_desc.layout)
@@ -237,8 +277,9 @@ def _attn_fwd_sm90(
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [off_bh * SQ_PAD + pid_m * BLOCK_M, 0], q_bar, q_smem)
     for i in gl.static_range(STAGES):
-        _load_k(k_desc, k_bufs, k_bars, i, k_row, N_BLOCKS, STAGES)
-        _load_v(v_desc, v_bufs, v_bars, i, v_row, b, h_kv, N_BLOCKS, BLOCK_N, STAGES, PV)
+        pos = _key_pos(i, idx_row, n_kept, BLOCK_N, SPARSE)
+        _load_k(k_desc, k_bufs, k_bars, i, pos, k_row, N_BLOCKS, STAGES)
+        _load_v(v_desc, v_bufs, v_bars, i, pos, v_row, b, h_kv, N_BLOCKS, STAGES, PV)
 
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     qs = gl.load(QS + off_bh * SQ_PAD + offs_m)
@@ -249,20 +290,22 @@ def _attn_fwd_sm90(
     qk = warpgroup_mma_wait(0, deps=[_issue_qk(q_smem, k_bufs, k_bars, 0, BLOCK_M, BLOCK_N, STAGES, s_layout)])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    p, m_i, l_i, _ = _softmax(qk, qs, gl.load(ks_ptr), m_i, l_i, 0, SK, BLOCK_N, 0.0, True, s_layout)
+    start0 = _key_pos(0, idx_row, n_kept, BLOCK_N, SPARSE)
+    p, m_i, l_i, _ = _softmax(qk, qs, gl.load(ks_ptr + start0), m_i, l_i, start0, SK, BLOCK_N, 0.0, True, s_layout)
     _stage_p(p, p_bufs, 0)
     _cta_barrier()
-    _load_k(k_desc, k_bufs, k_bars, STAGES, k_row, N_BLOCKS, STAGES)
+    _load_k(k_desc, k_bufs, k_bars, STAGES, _key_pos(STAGES, idx_row, n_kept, BLOCK_N, SPARSE), k_row, N_BLOCKS,
+            STAGES)
     acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
 
     for j in range(1, N_BLOCKS - 1):
         acc, m_i, l_i = _step(acc, m_i, l_i, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc, v_desc,
-                              qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, BLOCK_M, BLOCK_N, DP, STAGES,
-                              PV, False, s_layout, o_layout)
+                              qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept, BLOCK_M, BLOCK_N,
+                              DP, STAGES, PV, False, s_layout, o_layout, SPARSE)
     if N_BLOCKS > 1:  # the last block holds the sequence's tail
         acc, m_i, l_i = _step(acc, m_i, l_i, N_BLOCKS - 1, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc,
-                              v_desc, qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, BLOCK_M, BLOCK_N, DP,
-                              STAGES, PV, True, s_layout, o_layout)
+                              v_desc, qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept, BLOCK_M,
+                              BLOCK_N, DP, STAGES, PV, True, s_layout, o_layout, SPARSE)
     mbarrier.wait(v_bars.index((N_BLOCKS - 1) % STAGES), ((N_BLOCKS - 1) // STAGES) & 1)
     pv_tok = _issue_pv(p_bufs, N_BLOCKS - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, PV, o_layout)
     acc = warpgroup_mma_wait(0, deps=[pv_tok])
@@ -273,7 +316,7 @@ def _attn_fwd_sm90(
         mbarrier.invalidate(v_bars.index(i))
 
     _epilogue(acc, l_i, pid_m * BLOCK_M, O, stride_ob, stride_oh, stride_os, stride_od, VS, b, h, off_kv, SQ, D,
-              BLOCK_M, DP, PV, o_layout, _store_layout(num_warps, DP))
+              n_kept, BLOCK_M, DP, PV, o_layout, _store_layout(num_warps, DP), SPARSE)
 
 
 # ---- FP8 P·V: two consumer warpgroups in ping-pong and a producer warp ----
@@ -286,20 +329,26 @@ def _turn_wait(my_turn, cid: gl.constexpr, r):
 
 
 @gluon.jit
-def _pp_step(acc, m_i, l_i, alpha_prev, ks_j, j, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs,
-             my_turn, other_turn, qs, ks_ptr, SK, N_BLOCKS, cid: gl.constexpr, BLOCK_M: gl.constexpr,
+def _pp_step(acc, m_i, l_i, alpha_prev, ks_j, pos_next, j, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs,
+             my_turn, other_turn, qs, ks_ptr, SK, N_BLOCKS, idx_row, n_kept, cid: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, DP: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """One consumer's step j: Q·Kᵀ_j and P·V_{j-1} issued in its turn, block j's softmax under the other's MMAs."""
+             s_layout: gl.constexpr, o_layout: gl.constexpr, SPARSE: gl.constexpr):
+    """One consumer's step j: Q·Kᵀ_j and P·V_{j-1} issued in its turn, block j's softmax under the other's MMAs.
+    ``pos_next``: tile j+1's first key; the step reads tile j+2's, for the next step (a load with a block mask)."""
+    pos_after = _key_pos(gl.minimum(j + 2, N_BLOCKS - 1), idx_row, n_kept, BLOCK_N, SPARSE)
     _turn_wait(my_turn, cid, j)
     s_tok = _issue_qk(q_smem, k_bufs, k_ready, j, BLOCK_M, BLOCK_N, STAGES, s_layout)
     mbarrier.wait(v_ready.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
     pv_tok = _issue_pv(p_bufs, j - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, 1, o_layout)
     mbarrier.arrive(other_turn, count=1)
     # block j+1's K scale, read now so that its latency hides under this step (3% at Flux)
-    ks_next = gl.load(ks_ptr + gl.minimum(j + 1, N_BLOCKS - 1) * BLOCK_N)
+    ks_next = gl.load(ks_ptr + pos_next)
     qk = warpgroup_mma_wait(1, deps=[s_tok])
-    p, m_i, l_i, alpha = _softmax(qk, qs, ks_j, m_i, l_i, j * BLOCK_N, SK, BLOCK_N, _P_SHIFT, MASKED, s_layout)
+    if MASKED:  # the column mask's only use of the position
+        start_n = _key_pos(j, idx_row, n_kept, BLOCK_N, SPARSE)
+    else:
+        start_n = 0
+    p, m_i, l_i, alpha = _softmax(qk, qs, ks_j, m_i, l_i, start_n, SK, BLOCK_N, _P_SHIFT, MASKED, s_layout)
     # P's other buffer was last read by block j-2's P·V, waited for in the previous step
     _stage_p(p, p_bufs, j)
     pv = warpgroup_mma_wait(0, deps=[pv_tok])
@@ -309,15 +358,16 @@ def _pp_step(acc, m_i, l_i, alpha_prev, ks_j, j, q_smem, k_bufs, k_ready, v_bufs
     # the whole warpgroup is past its wgmmas on K_j and V_{j-1} before their stages are released
     _cta_barrier()
     mbarrier.arrive(kv_free.index(j % STAGES), count=1)
-    return acc, m_i, l_i, alpha, ks_next
+    return acc, m_i, l_i, alpha, ks_next, pos_after
 
 
 @gluon.jit
 def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs, my_turn, other_turn,
                  QS, KS, VS, O, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, off_kv,
-                 SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS,
+                 SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, idx_row, n_kept,
                  cid: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr,
-                 STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, st_layout: gl.constexpr):
+                 STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, st_layout: gl.constexpr,
+                 SPARSE: gl.constexpr):
     """Consumer ``cid``: query rows [cid·64, cid·64 + 64) of the CTA's 128, one round per key block + 1."""
     q_smem = q_bufs.index(cid)
     row0 = pid_m * (2 * BLOCK_M) + cid * BLOCK_M
@@ -329,25 +379,29 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bu
     _turn_wait(my_turn, cid, 0)
     s_tok = _issue_qk(q_smem, k_bufs, k_ready, 0, BLOCK_M, BLOCK_N, STAGES, s_layout)
     mbarrier.arrive(other_turn, count=1)
-    ks_j = gl.load(ks_ptr + gl.minimum(1, N_BLOCKS - 1) * BLOCK_N)
+    ks_j = gl.load(ks_ptr + _key_pos(gl.minimum(1, N_BLOCKS - 1), idx_row, n_kept, BLOCK_N, SPARSE))
+    pos_next = _key_pos(gl.minimum(2, N_BLOCKS - 1), idx_row, n_kept, BLOCK_N, SPARSE)
+    start0 = _key_pos(0, idx_row, n_kept, BLOCK_N, SPARSE)
     qk = warpgroup_mma_wait(0, deps=[s_tok])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    p, m_i, l_i, alpha = _softmax(qk, qs, gl.load(ks_ptr), m_i, l_i, 0, SK, BLOCK_N, _P_SHIFT, True, s_layout)
+    p, m_i, l_i, alpha = _softmax(qk, qs, gl.load(ks_ptr + start0), m_i, l_i, start0, SK, BLOCK_N, _P_SHIFT, True,
+                                  s_layout)
     _stage_p(p, p_bufs, 0)
     _cta_barrier()
     mbarrier.arrive(kv_free.index(0), count=1)
     acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
 
     for j in range(1, N_BLOCKS - 1):
-        acc, m_i, l_i, alpha, ks_j = _pp_step(
-            acc, m_i, l_i, alpha, ks_j, j, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs, my_turn,
-            other_turn, qs, ks_ptr, SK, N_BLOCKS, cid, BLOCK_M, BLOCK_N, DP, STAGES, False, s_layout, o_layout)
+        acc, m_i, l_i, alpha, ks_j, pos_next = _pp_step(
+            acc, m_i, l_i, alpha, ks_j, pos_next, j, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs, my_turn,
+            other_turn, qs, ks_ptr, SK, N_BLOCKS, idx_row, n_kept, cid, BLOCK_M, BLOCK_N, DP, STAGES, False, s_layout,
+            o_layout, SPARSE)
     if N_BLOCKS > 1:  # the last block holds the sequence's tail
-        acc, m_i, l_i, alpha, ks_j = _pp_step(
-            acc, m_i, l_i, alpha, ks_j, N_BLOCKS - 1, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs,
-            my_turn, other_turn, qs, ks_ptr, SK, N_BLOCKS, cid, BLOCK_M, BLOCK_N, DP, STAGES, True, s_layout,
-            o_layout)
+        acc, m_i, l_i, alpha, ks_j, pos_next = _pp_step(
+            acc, m_i, l_i, alpha, ks_j, pos_next, N_BLOCKS - 1, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs,
+            my_turn, other_turn, qs, ks_ptr, SK, N_BLOCKS, idx_row, n_kept, cid, BLOCK_M, BLOCK_N, DP, STAGES, True,
+            s_layout, o_layout, SPARSE)
     # last round: the last block's P·V alone
     last = N_BLOCKS - 1
     _turn_wait(my_turn, cid, N_BLOCKS)
@@ -356,14 +410,14 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bu
     mbarrier.arrive(other_turn, count=1)
     pv = warpgroup_mma_wait(0, deps=[pv_tok])
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
-    _epilogue(acc, l_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, b, h, off_kv, SQ, D,
-              BLOCK_M, DP, 1, o_layout, st_layout)
+    _epilogue(acc, l_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, b, h, off_kv, SQ, D, n_kept,
+              BLOCK_M, DP, 1, o_layout, st_layout, SPARSE)
 
 
 @gluon.jit
 def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free,
-                 pid_m, off_bh, b, h_kv, k_row, v_row, SQ_PAD, N_BLOCKS,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                 pid_m, off_bh, b, h_kv, k_row, v_row, SQ_PAD, N_BLOCKS, idx_row, n_kept,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr):
     """One warp: both consumers' Q tiles, then K/V tiles by TMA as ring stages free up."""
     for c in gl.static_range(2):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
@@ -374,17 +428,18 @@ def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, v_bufs
         # t = j-S+1 = u-S: completion t // S of kv_free[t % S], of parity ((u // S) & 1) ^ 1; for j < S-1 the
         # wait is for parity 1 on a fresh barrier, which passes
         u = j + 1
+        pos = _key_pos(j, idx_row, n_kept, BLOCK_N, SPARSE)  # read before the wait, which hides its latency
         mbarrier.wait(kv_free.index(u % STAGES), ((u // STAGES) & 1) ^ 1)
-        _load_k(k_desc, k_bufs, k_ready, j, k_row, N_BLOCKS, STAGES)
-        _load_v(v_desc, v_bufs, v_ready, j, v_row, b, h_kv, N_BLOCKS, BLOCK_N, STAGES, 1)
+        _load_k(k_desc, k_bufs, k_ready, j, pos, k_row, N_BLOCKS, STAGES)
+        _load_v(v_desc, v_bufs, v_ready, j, pos, v_row, b, h_kv, N_BLOCKS, STAGES, 1)
 
 
 @gluon.jit
 def _attn_fwd_sm90_pingpong(
-    q_desc, k_desc, v_desc, QS, KS, VS, O,
+    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_IDX, O,
     stride_ob, stride_oh, stride_os, stride_od,
-    H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
+    H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, NQB, NKB,
+    STAGES: gl.constexpr, SPARSE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """FP8 P·V; 128 query rows per CTA: two consumer warpgroups (the default partition and worker 0) of 64
     rows each, and a producer warp (worker 1) that loads Q and the K/V ring.
@@ -405,6 +460,7 @@ def _attn_fwd_sm90_pingpong(
     st_layout: gl.constexpr = _store_layout(4, DP)
 
     pid_m, off_bh, b, h, h_kv, off_kv = _program(H, H_KV)
+    N_BLOCKS, idx_row, n_kept = _key_tiles(KB_CNT, KB_IDX, pid_m, off_bh, SK, N_BLOCKS, NQB, NKB, BLOCK_N, SPARSE)
 
     q_bufs = gl.allocate_shared_memory(gl.int8, [2, BLOCK_M, DP], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, DP], k_desc.layout)
@@ -431,15 +487,15 @@ def _attn_fwd_sm90_pingpong(
     gl.warp_specialize([
         (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs0, turn0, turn1,
                         QS, KS, VS, O, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, off_kv,
-                        SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS,
-                        0, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout)),
+                        SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, idx_row, n_kept,
+                        0, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, SPARSE)),
         (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs1, turn1, turn0,
                         QS, KS, VS, O, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, off_kv,
-                        SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS,
-                        1, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout)),
+                        SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, idx_row, n_kept,
+                        1, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, SPARSE)),
         (_pp_producer, (q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free,
-                        pid_m, off_bh, b, h_kv, off_kv * SK_PAD, off_kv * DP, SQ_PAD, N_BLOCKS,
-                        BLOCK_M, BLOCK_N, STAGES)),
+                        pid_m, off_bh, b, h_kv, off_kv * SK_PAD, off_kv * DP, SQ_PAD, N_BLOCKS, idx_row, n_kept,
+                        BLOCK_M, BLOCK_N, STAGES, SPARSE)),
     ], [4, 1], [240, 24])
 
 
@@ -499,7 +555,7 @@ compile_failure: str | None = None
 
 
 def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int,
-           runner: Runner = EAGER) -> bool:
+           blocks=None, runner: Runner = EAGER) -> bool:
     """Run the sm_90 kernel on quantized Q/K (and V, FP8) from ``quantize.quantize_qkv``.
 
     q8 (B, H, Sq_pad, DP) int8; k8 (B, H_kv, Sk_pad, DP) int8; v: the FP8 Vᵀ (B, H_kv, DP, Sk_pad) or the
@@ -511,7 +567,8 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
     """
     global compile_failure
     try:
-        _launch(q8, qs, k8, ks, v, vs, ob, pv=pv, block_n=block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D, runner=runner)
+        _launch(q8, qs, k8, ks, v, vs, ob, pv=pv, block_n=block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D, blocks=blocks,
+                runner=runner)
     except Exception as exc:  # noqa: BLE001 - a compiler error of any kind; the portable kernel computes the same
         compile_failure = (f"the sm_90 Gluon kernel failed to compile with Triton {triton.__version__} "
                            f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})")
@@ -522,7 +579,7 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
 
 
 def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int,
-            runner: Runner) -> None:
+            blocks, runner: Runner) -> None:
     B, _, sq_pad, dp = q8.shape
     sk_pad = k8.shape[2]
     plan = _plan(dp, pv)
@@ -535,7 +592,11 @@ def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: in
     else:
         v_desc = _desc(v, [1, 1, block_n, dp], _GL_DTYPES[v.dtype])
         fn, options = _attn_fwd_sm90, {}
+    assert plan.rows == SPARSE_BLOCK  # a CTA's rows are one block of a block mask
+    counts, idx = blocks if blocks is not None else (qs, qs)
     runner.launch(fn, grid, (
-        q_desc, k_desc, v_desc, qs, ks, vs, ob, *ob.stride(),
-        H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n), plan.stages,  # STAGES; num_warps below
+        q_desc, k_desc, v_desc, qs, ks, vs, counts, idx, ob, *ob.stride(),
+        H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
+        triton.cdiv(Sq, SPARSE_BLOCK), triton.cdiv(Sk, SPARSE_BLOCK),
+        plan.stages, blocks is not None,  # STAGES, SPARSE; num_warps below
     ), dict(num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION, **options))

@@ -23,6 +23,7 @@ def _quantized_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
+    block_mask: Optional[torch.Tensor],
     q_amax: Optional[torch.Tensor],
     k_amax: Optional[torch.Tensor],
     v_amax: Optional[torch.Tensor],
@@ -37,7 +38,7 @@ def _quantized_attention(
     """INT8 Q·Kᵀ attention on validated inputs; ``backend`` is a ``Backend`` value, ``pv`` a ``PV`` value."""
     kwargs = dict(
         layout=layout, pv=PV(pv), sm_scale=sm_scale, smooth_k=smooth_k, qk_balance=qk_balance,
-        attn_mask=attn_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
+        attn_mask=attn_mask, block_mask=block_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
     )
     if backend == Backend.TRITON.value:
         from .attention import triton_attention  # imports triton lazily: CPU-only installs never need it
@@ -50,7 +51,7 @@ quantized_attention = torch.library.custom_op("diffusion_int8::quantized_attenti
 
 
 @quantized_attention.register_fake
-def _(q, k, v, attn_mask, q_amax, k_amax, v_amax, k_mean, layout, pv, sm_scale, smooth_k, qk_balance, backend):
+def _(q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, layout, pv, sm_scale, smooth_k, qk_balance, backend):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

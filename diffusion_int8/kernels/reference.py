@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LOG2E, P_FLOOR, PV, padded_head_dim
+from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, padded_head_dim
 from .layout import Q_SAMPLE_EVERY, balance_applies, padded_len, static_range, stats_block, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
 
 
@@ -195,6 +195,7 @@ def emulate_attention(
     smooth_k: bool = True,
     qk_balance: bool = False,
     attn_mask: torch.Tensor | None = None,
+    block_mask: torch.Tensor | None = None,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
@@ -236,6 +237,11 @@ def emulate_attention(
     mask = None
     if attn_mask is not None:
         mask = attn_mask.expand(B, H, Sq, Sk)
+    keep = None
+    if block_mask is not None:  # per query row, which SPARSE_BLOCK-key blocks it attends to
+        if SPARSE_BLOCK % block_n:
+            raise ValueError(f"a block mask needs key tiles that divide {SPARSE_BLOCK}, got block_n={block_n}")
+        keep = block_mask.expand(B, H, -(-Sq // SPARSE_BLOCK), -1).repeat_interleave(SPARSE_BLOCK, dim=2)[:, :, :Sq]
     p_shift = FP8_P_SHIFT if pv is PV.FP8 else 0.0  # FP8: P·2^8 through the exponent, cancels in acc / l
     m_i = torch.full((B, H, Sq), -math.inf, device=q.device)
     l_i = torch.zeros((B, H, Sq), device=q.device)
@@ -253,9 +259,12 @@ def emulate_attention(
                 s = s.masked_fill(~mblk, -math.inf)
             else:
                 s = s + mblk.float() * LOG2E
+        if keep is not None:
+            # a skipped block is never loaded: for its rows the step changes nothing (p = 0, alpha = 1), as here
+            s = s.masked_fill(~keep[..., start // SPARSE_BLOCK, None], -math.inf)
         # -- online softmax --
         m_new = torch.maximum(m_i, s.amax(-1))
-        m_safe = torch.where(m_new == -math.inf, 0.0, m_new) if mask is not None else m_new
+        m_safe = torch.where(m_new == -math.inf, 0.0, m_new) if mask is not None or keep is not None else m_new
         p = torch.exp2(s - (m_safe - p_shift)[..., None])
         alpha = torch.exp2(m_i - m_safe)
         l_i = l_i * alpha + p.sum(-1)
