@@ -584,13 +584,13 @@ def test_sparsity_levels_are_collected_as_directly_computed(monkeypatch):
         st = stats[layer]
         for tau in LEVELS:
             mask = predict_block_mask(q, k, tau, sm_scale=scale, min_similarity=None)
-            errs = output_errors(sparse_sdpa(q, k, v, mask, scale, 128), exact)
+            errs = output_errors(sparse_sdpa(q, k, v, mask, scale), exact)
             torch.testing.assert_close(st[f"sparse.rel_l1@{tau}"][:, step], errs["rel_l1"].mean(0))
             torch.testing.assert_close(st[f"sparse.kept@{tau}"][:, step], mask.float().mean((-1, -2)).mean(0))
             # and the exact sparse attention is attention restricted to the kept tokens
             token_mask = mask.repeat_interleave(128, 2).repeat_interleave(128, 3)[..., :q.shape[2], :k.shape[2]]
             ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=token_mask, scale=scale)
-            torch.testing.assert_close(sparse_sdpa(q, k, v, mask, scale, 128), ref)
+            torch.testing.assert_close(sparse_sdpa(q, k, v, mask, scale), ref)
     for st in stats.values():
         assert (st["sparse.kept@0.5"] <= st["sparse.kept@0.9"]).all() and (st["sparse.kept@0.5"] < 1).any()
         assert (st["sparse.rel_l1@0.5"] > 0).any()

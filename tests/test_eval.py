@@ -325,3 +325,38 @@ def test_cpu_timings_are_not_called_speed_and_gpu_ratios_have_one_wording(tmp_pa
     assert "1.25× faster than stock" in (gpu / "report.html").read_text()
     # a GPU run that forces the emulation is no speed measurement either
     assert R.timing("cuda", "emulation")["speed"] is False and R.timing("cuda", "triton")["speed"] is True
+
+
+def test_sparse_schedule_reports_skipped_blocks_per_step(tmp_path, monkeypatch, capsys):
+    """A schedule with a sparsity level below the noise level 0.5 only: its variant reports the fraction of blocks
+    skipped per step (none at the dense steps) and overall, in the three reports and on the terminal; dense
+    variants report none skipped and the tables gain no column for them."""
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+    from diffusion_int8 import PrecisionSchedule, Rule, evaluate
+    from diffusion_int8.cli.eval import _print_summary
+    from diffusion_int8.embedded import load_pipeline
+    from diffusion_int8.eval.run import write_report
+
+    pipe = load_pipeline(device="cpu")  # 256 tokens: two blocks of queries and of keys
+    schedule = PrecisionSchedule(rules=(Rule("int8", max_noise=0.5, tau=0.5),), default="int8", name="half")
+    report = evaluate(pipe, class_labels=["red circle", "blue ring"], steps=4, modes=["int8"], schedule=schedule,
+                      progress=False)
+    dense, sparse = report["variants"]["int8"]["sparsity"], report["variants"]["schedule:half"]["sparsity"]
+    assert dense["overall"] == 0 and dense["per_step"] == [0.0] * 4
+    noise = [float(t) / 1000 for t in pipe.scheduler.timesteps]
+    assert sparse["steps"] == [0, 1, 2, 3] and 0 < sparse["overall"] < 1
+    assert [x > 0 for x in sparse["per_step"]] == [n <= 0.5 for n in noise] and any(n > 0.5 for n in noise)
+    assert sparse["overall"] == pytest.approx(sum(sparse["per_step"]) / 4)  # every step has the same pairs
+    write_report(report, tmp_path)
+    _print_summary(report, tmp_path)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["variants"]["schedule:half"]["sparsity"] == sparse and "blocks" not in data["baseline"]["speed"]
+    md = (tmp_path / "report.md").read_text()
+    shown = " ".join(f"{x:.0%}" for x in sparse["per_step"])
+    assert "| blocks skipped |" in md and f"- `schedule:half`: {shown}" in md and "`int8`:" not in md
+    assert f"| {sparse['overall']:.1%} |" in md
+    page = (tmp_path / "report.html").read_text()
+    assert "<h2>Block sparsity</h2>" in page and shown in page
+    check_html_in_chromium(tmp_path / "report.html")
+    out = capsys.readouterr().out
+    assert f"{sparse['overall']:.1%} of attention blocks skipped" in out and f"blocks skipped per step {shown}" in out

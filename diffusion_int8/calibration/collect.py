@@ -13,7 +13,6 @@ from typing import Sequence
 import torch
 
 from ..kernels import Mode
-from ..kernels.config import SPARSE_BLOCK
 from ..kernels.sparsity import check_tau
 from ..routing import int8_sdpa
 from .stats import QUANTIZED_MODES, input_stats, output_errors, sparse_key, sparse_sdpa
@@ -73,7 +72,7 @@ class Collector:
             errs = {"rel_l1": q.new_zeros(B, H), "cos": q.new_ones(B, H)}
             kept = q.new_ones(B, H)
         else:
-            errs = output_errors(sparse_sdpa(q, k, v, mask, scale, SPARSE_BLOCK), exact)
+            errs = output_errors(sparse_sdpa(q, k, v, mask, scale), exact)
             kept = mask.float().mean((-1, -2))
         return {sparse_key("sparse.rel_l1", tau): errs["rel_l1"], sparse_key("sparse.cos", tau): errs["cos"],
                 sparse_key("sparse.kept", tau): kept}

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import Mode
+from ..kernels.api import expand_block_mask
 from ..testing import cosine, rel_l1
 
 
@@ -52,19 +53,17 @@ def output_errors(out: torch.Tensor, exact: torch.Tensor) -> dict[str, torch.Ten
     return {"rel_l1": rel_l1(out, exact, start_dim=2).float(), "cos": cosine(out, exact, start_dim=2).float()}
 
 
-def sparse_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, scale: float | None,
-                block: int) -> torch.Tensor:
+def sparse_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
+                scale: float | None) -> torch.Tensor:
     """Exact attention (SDPA, BHSD, any float dtype) over the (query block, key block) pairs ``block_mask`` keeps,
-    bool broadcastable to (B, H, nQB, nKB) of ``block`` tokens: what a block-sparse kernel computes, without its
-    quantization. One batch element at a time: the expanded mask is (H, Sq, Sk)."""
+    bool broadcastable to (B, H, nQB, nKB): what a block-sparse kernel computes, without its quantization (the
+    predictor keeps at least one key block per query block, so no row is left without keys). One batch element
+    at a time: the expanded mask is (H, Sq, Sk)."""
     B, H, Sq, _ = q.shape
-    Sk = k.shape[2]
     mask = block_mask.expand(B, H, -1, -1)
-    out = []
-    for b in range(B):
-        tokens = mask[b].repeat_interleave(block, 1)[:, :Sq].repeat_interleave(block, 2)[:, :, :Sk]
-        out.append(F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], attn_mask=tokens[None],
-                                                  scale=scale, enable_gqa=k.shape[1] != H))
+    out = [F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], scale=scale, enable_gqa=k.shape[1] != H,
+                                          attn_mask=expand_block_mask(mask[b:b + 1], Sq, k.shape[2]))
+           for b in range(B)]
     return torch.cat(out)
 
 
