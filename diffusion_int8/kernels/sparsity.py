@@ -92,9 +92,20 @@ def _pool(x: torch.Tensor, smooth: bool) -> tuple[torch.Tensor, torch.Tensor, to
     it (B, H, nB) and the token count (nB,), all float32. ``smooth``: x less its token mean (softmax over keys
     ignores it; it is K's channel bias, which would make every block look alike)."""
     S = x.shape[2]
-    xf = x.float()
     count = (S - torch.arange(cdiv(S, SPARSE_BLOCK), device=x.device, dtype=torch.float32) * SPARSE_BLOCK).clamp(
         max=SPARSE_BLOCK)
+    if x.is_cuda:  # one pass over x per pooling in a Triton kernel, instead of float32 copies
+        from .pool import block_sums
+
+        sums, units = block_sums(x)
+        mean = sums / count[:, None]
+        if smooth:
+            token_mean = sums.sum(2) / S
+            mean = mean - token_mean[:, :, None]
+            units = block_sums(x, token_mean)[1]
+        sim = (units * mean).sum(-1) / (count * torch.linalg.vector_norm(mean, dim=-1)).clamp_min(_TINY)
+        return mean, sim, count
+    xf = x.float()
     mean = _block_sums(xf) / count[:, None]
     if smooth:
         token_mean = (mean * count[:, None]).sum(2, keepdim=True) / S
