@@ -14,6 +14,11 @@ attention speedup a 1.15x or 1.3x step would need by Amdahl's law (inf: none is 
 With ``--calibrated``, a further ``int8`` row runs with static ranges and K means from a calibration
 recorded on the same Euler trajectory (in-sample: the best case for its deviation), so no statistics
 pass runs.
+
+A variant ``<mode> sparse=F`` runs block-sparse attention skipping the fraction F of each query block's key
+blocks in every INT8 call: the processor runs its predictor (``enable(..., sparsity=0.9)``), whose cost stays in
+the time, but random weights have no attention structure to predict, so the benchmark replaces the predicted mask
+by a fixed one skipping exactly F (drawn once per shape).
 """
 
 from __future__ import annotations
@@ -103,6 +108,41 @@ def _models():
         return m, x, torch.bfloat16, "8 of 42 blocks"
 
     return dict(flux=flux, wan=wan, sdxl=sdxl, dit=dit, pixart=pixart, sd35=sd35, cogvideox=cogvideox)
+
+
+def _enable(model, variant: str):
+    """Install the processor for a variant name: '<mode>', '<mode> forced' or '<mode> sparse=F'."""
+    import diffusion_int8
+
+    mode, *opts = variant.split()
+    kw = dict(speed_gate="forced" not in opts)
+    skip = next((float(o.split("=")[1]) for o in opts if o.startswith("sparse=")), None)
+    if skip is not None:
+        kw["sparsity"] = 0.9
+    handle = diffusion_int8.enable(model, mode, **kw)
+    if skip is not None:
+        _fix_sparsity(handle, skip)
+    return handle
+
+
+def _fix_sparsity(handle, skip: float) -> None:
+    """Every INT8 call of ``handle``'s processors keeps round((1 - skip) · blocks) key blocks per query block, at
+    random (fixed per shape), after running the predictor as usual."""
+    masks = {}
+    for name in handle.originals:
+        proc = handle.model.get_submodule(name).processor
+        predict = proc.block_mask_for
+
+        def fixed(query, key, attn_mask, scale, tau, predict=predict):
+            mask = predict(query, key, attn_mask, scale, tau)
+            if mask is None:
+                return None
+            if mask.shape not in masks:
+                nkb = mask.shape[-1]
+                order = torch.rand(mask.shape, generator=torch.Generator().manual_seed(0)).argsort(-1)
+                masks[mask.shape] = (order < max(1, round((1 - skip) * nkb))).to(mask.device)
+            return masks[mask.shape]
+        proc.block_mask_for = fixed
 
 
 def _cast(x, dtype):
@@ -243,8 +283,9 @@ def main():
                     help="timing rounds; the variants take turns (reversed every other round) and each row is the "
                          "median of its rounds' medians, so the host's drift reaches every variant alike")
     ap.add_argument("--variants", default="stock,int8_fp16v,int8,int8_fp16v forced,int8 forced",
-                    help="comma-separated: stock, a mode (speed gate on, the default of enable), or '<mode> forced' "
-                         "(speed_gate=False: INT8 for every call)")
+                    help="comma-separated: stock, a mode (speed gate on, the default of enable), '<mode> forced' "
+                         "(speed_gate=False: INT8 for every call) or '<mode> sparse=F' (block-sparse, F of the blocks "
+                         "skipped in every INT8 call)")
     args = ap.parse_args()
     builders = _models()
     results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -265,7 +306,7 @@ def main():
                 cal = _calibrate(model, x, max(args.denoise_steps, 3))
                 handle = diffusion_int8.enable(model, "int8", calibration=cal)
             else:
-                handle = diffusion_int8.enable(model, mode.split()[0], speed_gate=not mode.endswith(" forced"))
+                handle = _enable(model, mode)
             torch.cuda.reset_peak_memory_stats()
             ms, out = _time(model, x, args.steps, args.graph, args.compile)
             peak = torch.cuda.max_memory_allocated() / 2**30
@@ -297,7 +338,7 @@ def main():
                 if mode == "int8+calibration":
                     handle = diffusion_int8.enable(model, "int8", calibration=cal)
                 elif mode != "stock":
-                    handle = diffusion_int8.enable(model, mode.split()[0], speed_gate=not mode.endswith(" forced"))
+                    handle = _enable(model, mode)
                 rows[mode].setdefault("ms_rounds", [rows[mode]["ms"]]).append(
                     _time(model, x, args.steps, args.graph, args.compile)[0])
                 if handle is not None:
