@@ -1,0 +1,87 @@
+"""Does a model admit block sparsity? The predictor's masks against an oracle's, on the long shipped model.
+
+    python benchmarks/sparse_quality.py --levels 0.99,0.95,0.9,0.8 --out bench_out/sparse_quality.json
+
+For each level τ, the images of ``enable(pipe, "int8", sparsity=τ)`` (INT8 forced) against FP16 from the same
+seeds: PSNR and the fraction of blocks skipped, with the masks of ``kernels.sparsity.predict_block_mask`` and with
+an oracle's: the true block mass of the call (exact attention in float32), the smallest set of key blocks per
+query block holding τ of it. Where the oracle loses as much quality as the predictor at the same fraction
+skipped, the model's attention, not the predictor, sets the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+import diffusion_int8
+import diffusion_int8.processor as P
+from diffusion_int8.embedded import load_pipeline
+from diffusion_int8.eval.metrics import psnr
+from diffusion_int8.kernels.config import SPARSE_BLOCK
+
+
+def oracle_mask(self, query, key, attn_mask, scale, tau):
+    """``Int8DiffusionProcessor.block_mask_for`` from the call's true attention (BHSD query and key)."""
+    if tau is None or tau >= 1:
+        return None
+    p = ((query.float() @ key.float().transpose(-1, -2)) * (scale or query.shape[-1] ** -0.5)).softmax(-1)
+    B, H, Sq, Sk = p.shape
+    nq, nk = -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)
+    p = F.pad(p, (0, nk * SPARSE_BLOCK - Sk, 0, nq * SPARSE_BLOCK - Sq))
+    mass = p.view(B, H, nq, SPARSE_BLOCK, nk, SPARSE_BLOCK).sum((3, 5)) / SPARSE_BLOCK
+    ordered, order = mass.sort(-1, descending=True)
+    keep = ~((ordered.cumsum(-1) - ordered) >= tau)
+    return torch.empty_like(keep).scatter_(-1, order, keep)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--levels", default="0.99,0.95,0.9,0.8")
+    ap.add_argument("--classes", type=int, default=16, help="images: class i seeded with i")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    pipe = load_pipeline(variant="long", device=args.device)
+    labels = [i % len(pipe.labels) for i in range(args.classes)]
+
+    def generate():
+        gens = [torch.Generator(args.device).manual_seed(i) for i in range(len(labels))]
+        return pipe(class_labels=labels, num_inference_steps=args.steps, generator=gens, output_type="pt").images
+
+    ref = generate()
+    rows = []
+    handle = diffusion_int8.enable(pipe, "int8", speed_gate=False)
+    p = psnr(generate(), ref)
+    handle.disable()
+    rows.append(dict(masks="dense", tau=1.0, psnr_mean=p.mean().item(), psnr_min=p.min().item(), skipped=0.0))
+    predictor = P.Int8DiffusionProcessor.block_mask_for
+    try:
+        for masks, fn in (("predictor", predictor), ("oracle", oracle_mask)):
+            P.Int8DiffusionProcessor.block_mask_for = fn
+            for tau in map(float, args.levels.split(",")):
+                handle = diffusion_int8.enable(pipe, "int8", sparsity=tau, speed_gate=False, record=True)
+                p = psnr(generate(), ref)
+                skipped = handle.state.skipped_blocks()["overall"]
+                handle.disable()
+                rows.append(dict(masks=masks, tau=tau, psnr_mean=p.mean().item(), psnr_min=p.min().item(),
+                                 skipped=skipped))
+    finally:
+        P.Int8DiffusionProcessor.block_mask_for = predictor
+    print("| masks | τ | PSNR mean (min) dB | skipped |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['masks']} | {r['tau']} | {r['psnr_mean']:.2f} ({r['psnr_min']:.2f}) | {r['skipped']:.1%} |")
+    if args.out:
+        meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                "date": time.strftime("%Y-%m-%d"), "classes": args.classes, "steps": args.steps}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
