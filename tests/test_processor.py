@@ -460,3 +460,27 @@ def test_joint_attention_always_keeps_the_text_key_blocks(monkeypatch, family, f
     for c in joint:
         keep = c["keep_kv_blocks"]
         assert keep.dtype == torch.bool and int(keep.sum()) == 1 and bool(keep[0] if first else keep[-1])
+
+
+def test_sparse_processors_compile_without_graph_breaks(kernel_calls):
+    """The predictor and the always-kept text blocks trace whole (dynamo only, backend "eager")."""
+    model, x = long_dit()
+    x = {**x, "timestep": torch.tensor([500, 500])}
+    handle = enable(model, mode="int8", sparsity=0.5, speed_gate=False)
+    with torch.no_grad():
+        eager = run(model, x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(**x, return_dict=False)[0]
+    handle.disable()
+    assert all(c["block_mask"] is not None for c in kernel_calls)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    model, x = build("flux")
+    g = torch.Generator().manual_seed(2)
+    x = {**x, "hidden_states": torch.randn(1, 300, 16, generator=g), "img_ids": torch.randn(300, 3, generator=g)}
+    handle = enable(model, mode="int8", sparsity=0.5, speed_gate=False)
+    with torch.no_grad():
+        eager = run(model, x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(**x, return_dict=False)[0]
+    handle.disable()
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
