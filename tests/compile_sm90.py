@@ -22,6 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from diffusion_int8.kernels import attention as A  # noqa: E402
 from diffusion_int8.kernels import hopper as Hp  # noqa: E402
+from diffusion_int8.kernels import pool as Pool  # noqa: E402
 from diffusion_int8.kernels import quantize as Qz  # noqa: E402
 from diffusion_int8.kernels.config import FP_FUSION, PV, padded_head_dim, tile_config  # noqa: E402
 
@@ -76,8 +77,15 @@ def attention_variant(D, pv, mask, dt="fp16", sparse=False):
         divisible=("SQ_PAD", "SK_PAD", "N_FULL"))
 
 
-def block_list_variant():
+def sparse_variants() -> int:
+    """The block lists and the predictor's pooling and selection."""
     compile_kernel(A._block_list_kernel, dict(MASK="*u8", CNT="*i32", IDX="*i32"), set(), dict(NKB_P2=256))
+    for mu in (False, True):
+        compile_kernel(Pool._pool_kernel, dict(X="*fp16", MU="*fp32", SUM="*fp32", UNIT="*fp32"), set(),
+                       dict(HAS_MU=mu, BLOCK=128, DP=128))
+    ptrs = dict(LOGITS="*fp32", LOG_COUNT="*fp32", SIM_Q="*fp32", SIM_K="*fp32", KEEP="*u8", MASK="*i8")
+    compile_kernel(Pool._select_kernel, ptrs, {"tau", "min_sim"}, dict(GUARD=True, HAS_KEEP=True, NKB_P2=256))
+    return 4
 
 
 def hopper_variant(pv, dt="fp16", sparse=False):
@@ -118,11 +126,11 @@ def main(everything: bool) -> int:
     n_quant = sum(quantize_variant(*args) for args in quant)
     for args in attn:
         attention_variant(*args)
-    block_list_variant()
+    n_sparse = sparse_variants()
     hopper = [(PV.FP8,), (PV.FP16,), (PV.FP16, "bf16"), (PV.FP8, "fp16", True), (PV.FP16, "fp16", True)]
     for args in hopper:
         hopper_variant(*args)
-    print(f"compiled {n_quant + len(attn) + 1 + len(hopper)} kernels for {TARGET} with Triton {triton.__version__}")
+    print(f"compiled {n_quant + len(attn) + n_sparse + len(hopper)} kernels for {TARGET} with Triton {triton.__version__}")
     return 0
 
 

@@ -167,3 +167,35 @@ def test_traces_whole_without_host_synchronization():
     compiled = torch.compile(lambda q, k, keep: predict_block_mask(q, k, 0.9, keep_kv_blocks=keep),
                              backend="eager", fullgraph=True)
     assert torch.equal(compiled(q, k, keep), predict_block_mask(q, k, 0.9, keep_kv_blocks=keep))
+
+
+def test_gpu_passes_match_the_torch_predictor(kdev):
+    # the Triton pooling and selection (what a GPU runs) against the PyTorch code the CPU runs, in the interpreter
+    # on CPU and on the GPU: the same masks, ties at a threshold aside (none in random scores)
+    from diffusion_int8.kernels import pool, sparsity
+
+    q, k, _ = realistic_qkv(2, 4, 700, 1000, 72, H_kv=2, device=kdev)
+    qc, kc = q.cpu(), k.cpu()
+    for x, xc, smooth in ((q, qc, False), (k, kc, True)):
+        mean, sim, count = sparsity._pool(xc, smooth)
+        sums, units = pool.block_sums(x)
+        if smooth:
+            mu = sums.sum(2) / x.shape[2]
+            torch.testing.assert_close((sums / count.to(kdev)[:, None] - mu[:, :, None]).cpu(), mean, atol=1e-4, rtol=1e-4)
+            units = pool.block_sums(x, mu)[1]
+        else:
+            torch.testing.assert_close((sums / count.to(kdev)[:, None]).cpu(), mean, atol=1e-4, rtol=1e-4)
+        got = (units.cpu() * mean).sum(-1) / (count * mean.norm(dim=-1)).clamp_min(1e-30)
+        torch.testing.assert_close(got, sim, atol=1e-4, rtol=1e-4)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 6, 8, generator=g) * 3
+    log_count = torch.rand(8, generator=g).log()
+    sim_q, sim_k = torch.rand(2, 4, 6, generator=g), torch.rand(2, 2, 8, generator=g)
+    keep = torch.zeros(8, dtype=torch.bool)
+    keep[-1] = True
+    for tau, guard, kp in ((0.5, None, None), (0.9, 0.3, keep), (0.99, 0.6, None), (1e-6, None, keep)):
+        want = sparsity.select_blocks_torch(logits, log_count, tau, sim_q, sim_k, guard, kp)
+        got = pool.select_blocks(*(t.to(kdev) for t in (logits, log_count)), tau, sim_q.to(kdev), sim_k.to(kdev),
+                                 guard, None if kp is None else kp.to(kdev))
+        assert torch.equal(got.cpu(), want), (tau, guard)
+        assert 0 < want.sum() < want.numel() or tau >= 0.99

@@ -71,19 +71,33 @@ def predict_block_mask(
     pk, sim_k, count_k = _pool(kb, smooth=True)
     # -- pooled scores per K/V head: its G query heads' blocks as G·nQB rows --
     G = Hq // Hkv
-    logits = (pq.view(B, Hkv, G * nqb, D) @ pk.transpose(-1, -2)) * scale + count_k.log()
-    p = torch.softmax(logits.view(B, Hq, nqb, nkb), dim=-1)
-    # -- smallest set of key blocks reaching tau: a block is kept while the mass before it is short of tau --
-    p_sorted, order = p.sort(dim=-1, descending=True, stable=True)
+    logits = (pq.view(B, Hkv, G * nqb, D) @ pk.transpose(-1, -2)).mul_(scale).view(B, Hq, nqb, nkb)
+    if q.is_cuda:  # one launch instead of some fifteen
+        from .pool import select_blocks
+
+        return select_blocks(logits, count_k.log(), tau, sim_q, sim_k, min_similarity, keep_kv_blocks)
+    return select_blocks_torch(logits, count_k.log(), tau, sim_q, sim_k, min_similarity, keep_kv_blocks)
+
+
+def select_blocks_torch(logits: torch.Tensor, log_count: torch.Tensor, tau: float, sim_q: torch.Tensor | None,
+                        sim_k: torch.Tensor | None, min_similarity: float | None,
+                        keep: torch.Tensor | None) -> torch.Tensor:
+    """The mask from pooled scores (``pool.select_blocks``'s arguments; its twin on the GPU): per query block, the
+    softmax over key blocks; sorted by mass, a block is in the kept set while the mass before it is short of tau,
+    and every block with at least the set's smallest mass is kept (ties at the threshold included); then the rows of
+    dissimilar query blocks, the columns of dissimilar key blocks and ``keep``."""
+    p = torch.softmax(logits + log_count, dim=-1)
+    p_sorted = p.sort(dim=-1, descending=True).values
     before = p_sorted.cumsum(-1) - p_sorted
-    keep_sorted = ~(before >= tau)  # NaN scores keep their blocks: NaN is never hidden
-    mask = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    smallest = torch.where(before < tau, p_sorted, torch.inf).amin(-1, keepdim=True)
+    mask = (p >= smallest) | p.isnan()  # NaN scores keep their blocks: NaN is never hidden
     if min_similarity is not None:
+        G = logits.shape[1] // sim_k.shape[1]
         dense_rows = (sim_q < min_similarity)[..., None]  # (B, Hq, nQB, 1)
         dense_cols = (sim_k < min_similarity).repeat_interleave(G, dim=1)[:, :, None, :]  # (B, Hq, 1, nKB)
         mask = mask | dense_rows | dense_cols
-    if keep_kv_blocks is not None:
-        mask = mask | keep_kv_blocks
+    if keep is not None:
+        mask = mask | keep
     return mask
 
 
