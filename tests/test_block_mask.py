@@ -50,7 +50,11 @@ def test_kernel_matches_emulation_and_float64(kdev, pv, D):
         mask = _random_mask(B, H, Sq, Sk, 0.5, kdev)
         kw = dict(layout=layout, pv=pv, block_mask=mask)
         out = run_kernel(q, k, v, **kw)  # written into a NaN-poisoned output
-        check(out, R.emulate_attention(q, k, v, **kw), _sparse_ref(q, k, v, mask, layout), pv, q.dtype)
+        # against float64, INT8 P (one scale per row and block) read cos 0.99880 / rel L1 0.057 on one CI draw at
+        # D = 64, the kernel equal to the emulation: a bound of the format on these inputs, looser than the dense
+        # tests'. The kernel-against-emulation comparison in check() is the strict one.
+        bounds = (0.998, 0.065) if pv is PV.INT8 else None
+        check(out, R.emulate_attention(q, k, v, **kw), _sparse_ref(q, k, v, mask, layout), pv, q.dtype, bounds)
 
 
 @pytest.mark.parametrize("pv", list(PV))
