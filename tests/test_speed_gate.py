@@ -133,6 +133,57 @@ def test_processor_sends_gated_calls_to_sdpa_and_counts_them(tmp_path):
     assert handle.state.int8_calls == 2
 
 
+@pytest.mark.parametrize("family", ["dit", "flux"])
+def test_gated_shapes_go_straight_to_the_stock_processor(family, tmp_path):
+    # once every attention call of a module's input shape was gated, later calls of that shape skip the routing (the
+    # stock processor runs as is), still counted; where INT8 pays, calls are routed and run INT8
+    model, x = build(family)
+    with torch.no_grad():
+        stock = model(**x, return_dict=False)[0]
+    head_dim = 16 if family == "flux" else 32
+
+    def run(speedup, calls):
+        path = tmp_path / f"{speedup}.json"
+        table(keys=(8, 1 << 16), rows=(8, 1 << 20), speedup=((speedup,) * 2,) * 2, head_dim=head_dim).save(path)
+        handle = enable(model, "int8", speed_gate=path)
+        procs = [m.processor for m in model.modules() if hasattr(m, "set_processor")]
+        outs, reached = [], []
+        with torch.no_grad():
+            for _ in range(calls):
+                for p in procs:
+                    p._routed_hit = False  # set when a call reaches the routed attention
+                before = handle.state.gated_calls
+                outs.append(model(**x, return_dict=False)[0])
+                reached.append(all(p._routed_hit for p in procs))
+                assert handle.state.gated_calls - before == (2 if speedup < 1 else 0)  # 2 layers (or blocks)
+        handle.disable()
+        return outs, reached, handle.state, procs
+
+    outs, reached, state, procs = run(0.7, 4)  # INT8 slower than SDPA: every call gated
+    assert reached == [True, True, False, False]  # routed twice (the first call checks the route), then stock
+    assert state.int8_calls == 0 and all(torch.equal(o, stock) for o in outs)
+    outs, reached, state, procs = run(1.5, 3)
+    assert all(reached) and state.int8_calls == 6 and not torch.equal(outs[-1], stock)
+    assert not any(p._stock_shapes for p in procs)
+
+
+def test_a_shared_processor_caches_each_module_apart():
+    # one processor set on modules of the same input width but other head dims: the gate judges each module
+    from diffusers.models.attention_processor import Attention
+    from diffusion_int8 import Int8DiffusionProcessor
+
+    proc = Int8DiffusionProcessor("int8", speed_gate=table(keys=(8, 4096), rows=(8, 1 << 16), speedup=((1.5, 1.5), (1.5, 1.5)), head_dim=16))
+    narrow = Attention(query_dim=32, heads=2, dim_head=16, processor=proc)  # head dim 16: the table says INT8 pays
+    wide = Attention(query_dim=32, heads=1, dim_head=128, processor=proc)  # head dim 128: no grid, gated
+    x = torch.randn(1, 64, 32)
+    with torch.no_grad():
+        for _ in range(3):
+            wide(x)
+        gated = proc.state.gated_calls
+        narrow(x), narrow(x)
+    assert gated == 3 and proc.state.gated_calls == 3 and proc.state.int8_calls == 2
+
+
 def test_gate_without_table_on_cpu_does_not_gate():
     q = torch.randn(1, 2, 8, 16, dtype=torch.float16)
     assert SpeedGate().pays(Mode.INT8, q, q)
