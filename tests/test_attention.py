@@ -106,13 +106,18 @@ def test_sm90_kernel_against_portable(kdev, pv):
     cases = [(1, 2, 2, 1, 129, "BHSD", torch.float16), (1, 2, 1, 100, 60, "BHSD", torch.bfloat16),
              (2, 4, 2, 333, 1537, "BSHD", torch.bfloat16),
              (1, 3, 1, 4224, 4200, "BSHD", torch.float16), (2, 2, 2, 2000, 17550, "BHSD", torch.float16)]
+    # The float64 bounds of the two smallest outputs (one query row; 100 x 60) are their own: a few rows give one
+    # unlucky per-token Q scale (20x outlier channels) the whole cosine. Over 600 draws the emulation's worst there
+    # was cos 0.99884 / rel L1 0.0354 with 16-bit P·V and 0.99848 / 0.0494 with FP8 P (1% of draws past BOUNDS).
+    tiny = {PV.FP16: (0.998, 0.045), PV.FP8: (0.997, 0.06), PV.INT8: (0.997, 0.06)}[pv]
     for B, H, H_kv, Sq, Sk, layout, dtype in cases:
         q, k, v = realistic_qkv(B, H, Sq, Sk, 128, H_kv=H_kv, dtype=dtype, layout=layout, device=kdev)
         assert hopper.supports(q, to_bhsd(v, layout), pv, 128, False)
         kw = dict(layout=layout, pv=pv)
         emu, ref = R.emulate_attention(q, k, v, **kw), R.attention_ref(q, k, v, layout=layout)
-        check(run_kernel(q, k, v, **kw), emu, ref, pv, dtype)
-        check(run_kernel(q, k, v, sm90=False, **kw), emu, ref, pv, dtype)
+        bounds = tiny if Sq * Sk <= 6000 else None
+        check(run_kernel(q, k, v, **kw), emu, ref, pv, dtype, bounds)
+        check(run_kernel(q, k, v, sm90=False, **kw), emu, ref, pv, dtype, bounds)
 
 
 def test_strided_inputs_without_copy(kdev):
