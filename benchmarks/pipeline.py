@@ -284,8 +284,8 @@ def main():
     ap.add_argument("--compile", action="store_true",
                     help="time torch.compile(model) (default mode) of each variant, enabled before compiling")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="timing rounds; the variants take turns (reversed every other round) and each row is the "
-                         "median of its rounds' medians, so the host's drift reaches every variant alike")
+                    help="timing rounds; the variants take turns (reversed every other round); each row's time is the "
+                         "median of its rounds' medians and its speed-up the median of its rounds' ratios to stock")
     ap.add_argument("--variants", default="stock,int8_fp16v,int8,int8_fp16v forced,int8 forced",
                     help="comma-separated: stock, a mode (speed gate on, the default of enable), '<mode> forced' "
                          "(speed_gate=False: INT8 for every call) or '<mode> sparse=F' (block-sparse, F of the blocks "
@@ -351,10 +351,12 @@ def main():
                     handle.disable()
         for mode in variants:
             row = rows[mode]
-            row["ms"] = statistics.median(row.get("ms_rounds", [row["ms"]]))
-            row["host_ms"] = statistics.median(row.get("host_ms_rounds", [row["host_ms"]]))
-            row["speedup"] = rows["stock"]["ms"] / row["ms"]
-            row["host_speedup"] = rows["stock"]["host_ms"] / row["host_ms"]
+            # speed-ups are the median of each round's ratio to stock's time in the same round (the two ran next to
+            # each other), which the host's drift between rounds moves far less than a ratio of the medians
+            for key in ("ms", "host_ms"):
+                runs, base = row.get(f"{key}_rounds", [row[key]]), rows["stock"].get(f"{key}_rounds", [rows["stock"][key]])
+                row[key] = statistics.median(runs)
+                row["speedup" if key == "ms" else "host_speedup"] = statistics.median(b / r for b, r in zip(base, runs))
             p, pf = ("—", "—") if mode == "stock" else (
                 f"{row['psnr']:.1f}", "—" if row["psnr_final"] is None else f"{row['psnr_final']:.1f}")
             print(f"| {name} | {note} | {mode} | {row['ms']:.1f} | {row['speedup']:.2f}x | {row['host_ms']:.1f} | "
