@@ -24,7 +24,8 @@ from .kernels.config import SPARSE_BLOCK
 from .kernels.layout import cdiv
 from .kernels.sparsity import check_tau, predict_block_mask
 from .models import call_params, stock_processor_for, text_position
-from .routing import RouteToInt8, attention_dispatch, int8_core, keeps_stock, kernel_takes, other_backend, routed
+from .routing import (RouteToInt8, attention_dispatch, int8_core, keeps_stock, kernel_takes, other_backend, routed,
+                      ulysses_only)
 from .schedule import PrecisionSchedule
 from .speed_gate import CrossoverTable, SpeedGate
 
@@ -172,6 +173,31 @@ class Int8DiffusionProcessor:
         self._text: tuple[int, str | None] = (0, None)  # text tokens of the current call and where they are
         self._keep: dict = {}  # (keys, text tokens, where, device) -> always-kept key blocks
         self._stock_shapes: dict = {}  # (module, mode, input shapes, dtype, device) -> gated calls, none INT8
+        self._parallel = None  # a context-parallel config diffusers gave this processor, for inferred stock ones
+
+    # diffusers' enable_parallelism and set_attention_backend set these on every module's processor: they belong
+    # to the stock processor this one runs, whose dispatcher call carries them (unset, a context-parallel model
+    # would attend over each device's share of the tokens alone)
+    @property
+    def _parallel_config(self):
+        return self._parallel if self.inner is None else getattr(self.inner, "_parallel_config", None)
+
+    @_parallel_config.setter
+    def _parallel_config(self, config):
+        self._parallel = config
+        for inner in [self.inner] if self.inner is not None else list(self._inferred.values()):
+            if hasattr(inner, "_parallel_config"):
+                inner._parallel_config = config
+
+    @property
+    def _attention_backend(self):
+        return getattr(self.inner, "_attention_backend", None)
+
+    @_attention_backend.setter
+    def _attention_backend(self, backend):
+        for inner in [self.inner] if self.inner is not None else list(self._inferred.values()):
+            if hasattr(inner, "_attention_backend"):
+                inner._attention_backend = backend
 
     def current_mode(self) -> Mode:
         if self.schedule is None:
@@ -201,6 +227,8 @@ class Int8DiffusionProcessor:
             if inner is None:
                 with_context = (args[0] if args else kwargs.get("encoder_hidden_states")) is not None
                 inner = self._inferred[attn] = stock_processor_for(attn, with_context)
+                if self._parallel is not None and hasattr(inner, "_parallel_config"):
+                    inner._parallel_config = self._parallel
         params, var_kw = call_params(type(inner))
         if not var_kw:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
@@ -335,10 +363,31 @@ class Int8DiffusionProcessor:
     def _dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
         """What the stock processor's ``dispatch_attention_fn`` call runs: (B, S, H, D) in and out, as the
-        dispatcher's. Calls for another backend than the native one, or split across devices, go to it."""
-        if attention_kwargs or keeps_stock(backend, parallel_config):
+        dispatcher's. Calls for another backend than the native one go to it; under diffusers' Ulysses context
+        parallelism each device attends over all tokens of its share of the heads, here (other splits run stock)."""
+        if attention_kwargs or keeps_stock(backend, None):
             return attention_dispatch().dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             attention_kwargs, backend=backend, parallel_config=parallel_config)
+        if parallel_config is not None:
+            if not ulysses_only(parallel_config):
+                return attention_dispatch().dispatch_attention_fn(
+                    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
+                    backend=backend, parallel_config=parallel_config)
+            dispatch = attention_dispatch()
+            return dispatch._templated_context_parallel_attention(
+                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False,
+                forward_op=self._local_attention, backward_op=dispatch._native_attention_backward_op,
+                _parallel_config=parallel_config)
+        out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
+                              dropout_p, is_causal, scale, enable_gqa)
+        return out.transpose(1, 2)
+
+    def _local_attention(self, ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
+        """The forward op diffusers' context-parallel templates call on each device's share, (B, S, H, D) in and
+        out (inference: nothing is saved for a backward pass)."""
+        if return_lse:
+            raise ValueError("diffusion_int8 runs Ulysses context parallelism only (no log-sum-exp for ring attention)")
         out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
                               dropout_p, is_causal, scale, enable_gqa)
         return out.transpose(1, 2)

@@ -65,6 +65,13 @@ def keeps_stock(backend, parallel_config) -> bool:
     return backend != "native"
 
 
+def ulysses_only(parallel_config) -> bool:
+    """Whether diffusers' ``parallel_config`` splits attention by Ulysses alone (heads exchanged by all-to-all, each
+    device attending over every token), which the INT8 op runs; ring attention needs the op's log-sum-exp."""
+    cp = getattr(parallel_config, "context_parallel_config", None)
+    return cp is not None and cp.ring_degree == 1 and cp.ulysses_degree > 1
+
+
 def other_backend(inner) -> bool:
     """``keeps_stock`` for a stock processor's settings; processors without the dispatcher have none."""
     if not hasattr(inner, "_attention_backend") and getattr(inner, "_parallel_config", None) is None:

@@ -1,0 +1,137 @@
+"""Denoiser steps under diffusers' Ulysses context parallelism, stock against INT8, each against one GPU.
+
+    torchrun --nproc_per_node 2 benchmarks/context_parallel.py --models wan,cogvideox --out bench_out/cp.json
+    torchrun --nproc_per_node 2 benchmarks/context_parallel.py --tiny     # CPU processes on gloo, the tiny Wan
+
+Every process builds the same random-weight model (``pipeline.py``'s full-size configs, seeded) and first runs it
+whole on its own GPU: the one-GPU step time and output of stock and of ``enable(model, "int8")``. Then the model is
+split with ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))`` and the same two variants run over all
+the GPUs, taking turns over ``--rounds``. The table gives each variant's median step time, its speed-up over
+stock on one GPU and over stock split the same way, and its output's relative L2 error against the one-GPU
+output of the same variant (Ulysses attends over every token, so the split changes only the order of sums).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _build(name: str, tiny: bool, device: torch.device):
+    torch.manual_seed(0)
+    if tiny:
+        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+        from tiny_models import build
+
+        model, x = build(name)
+        x["encoder_hidden_states"] = x["encoder_hidden_states"][:, :6]  # text tokens split over the devices too
+        return model, x, torch.float32
+    sys.path.insert(0, HERE)
+    from pipeline import _cast, _models
+
+    with torch.device(device):
+        model, x, dtype, _ = _models()[name]()
+    return model.to(dtype).eval(), _cast(x, dtype), dtype
+
+
+def _step_ms(model, x, steps: int, device: torch.device) -> tuple[float, torch.Tensor]:
+    """Median wall ms of ``steps`` denoiser calls after two warm-up calls (every process in step, then synchronized)."""
+    times = []
+    with torch.no_grad():
+        for i in range(steps + 2):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+            out = model(**x, return_dict=False)[0]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:
+                times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), out.float()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="wan", help="comma-separated, from pipeline.py's builders (Ulysses needs "
+                                                    "the heads divisible by the number of processes)")
+    ap.add_argument("--steps", type=int, default=5, help="timed denoiser calls per variant and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="the tiny Wan on CPU processes (gloo): checks the script")
+    ap.add_argument("--out", default="bench_out/context_parallel.json")
+    args = ap.parse_args()
+
+    import diffusion_int8
+    from diffusers import ContextParallelConfig
+
+    if args.tiny:
+        os.environ.setdefault("DIFFUSION_INT8_BACKEND", "emulation")
+        # diffusers gives each rank the device rank % torch.accelerator.device_count(), 0 on a CPU machine
+        torch.accelerator.device_count = lambda: 1
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    else:
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        torch.cuda.set_device(device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {"meta": {"device": "cpu" if args.tiny else torch.cuda.get_device_name(device), "processes": world,
+                        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}}
+    lines = [f"| model | variant | step ms | × stock, 1 GPU | × stock, {world} GPUs | rel L2 vs 1 GPU | INT8 / gated calls |",
+             "|---|---|---|---|---|---|---|"]
+    for name in args.models.split(","):
+        model, x, _ = _build("wan" if args.tiny else name, args.tiny, device)
+        one = {}
+        for variant in ("stock", "int8"):
+            handle = diffusion_int8.enable(model, "int8") if variant == "int8" else None
+            one[variant] = _step_ms(model, x, args.steps, device)
+            if handle is not None:
+                handle.disable()
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        split = {v: [] for v in one}
+        outs, calls = {}, "—"
+        for r in range(args.rounds):
+            for variant in (("stock", "int8") if r % 2 == 0 else ("int8", "stock")):
+                handle = diffusion_int8.enable(model, "int8") if variant == "int8" else None
+                ms, outs[variant] = _step_ms(model, x, args.steps, device)
+                split[variant].append(ms)
+                if handle is not None:
+                    handle.disable()
+                    calls = f"{handle.state.int8_calls} / {handle.state.gated_calls}"
+        rows = {}
+        for variant in one:
+            ref_ms, ref = one[variant]
+            err = ((outs[variant] - ref).norm() / ref.norm()).item()
+            rows[f"{variant}, 1 GPU"] = {"ms": ref_ms}
+            rows[f"{variant}, {world} GPUs"] = {"ms": statistics.median(split[variant]), "ms_rounds": split[variant],
+                                                "rel_l2_vs_one_gpu": err}
+        for label, row in rows.items():
+            split_row = label.endswith("GPUs")
+            row["vs_stock_one_gpu"] = one["stock"][0] / row["ms"]
+            row["vs_stock_split"] = rows[f"stock, {world} GPUs"]["ms"] / row["ms"] if split_row else None
+            lines.append(f"| {name} | {label} | {row['ms']:.1f} | {row['vs_stock_one_gpu']:.2f}× | "
+                         + (f"{row['vs_stock_split']:.2f}× | {row['rel_l2_vs_one_gpu']:.1e} | " if split_row else "— | — | ")
+                         + (calls if label.startswith("int8") and split_row else "—") + " |")
+        results[name] = rows
+        del model, x
+    if rank == 0:
+        print("\n".join(lines))
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.out}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

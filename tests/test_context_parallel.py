@@ -1,0 +1,105 @@
+"""The processor under diffusers' context parallelism: two CPU processes on gloo, the tiny Wan model.
+
+Ulysses exchanges heads by all-to-all, so each device attends over every token of its share of the heads: the INT8
+op's output there is the single-process output bit for bit. Ring attention passes K/V blocks around and needs the
+op's log-sum-exp, which it does not give: those calls stay on diffusers' own backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(600)
+
+CASES = [  # (mode, when enable() runs relative to enable_parallelism, the split)
+    ("fp16", "before", "ulysses"),
+    ("int8", "before", "ulysses"),
+    ("int8", "after", "ulysses"),
+    ("fp16", "shared processor", "ulysses"),
+    ("int8", "before", "ring"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out_path: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DIFFUSION_INT8_BACKEND="emulation")
+    # diffusers picks each rank's device as rank % torch.accelerator.device_count(), which is 0 on a CPU machine
+    torch.accelerator.device_count = lambda: 1
+    sys.path.insert(0, os.path.dirname(__file__))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from diffusers import ContextParallelConfig
+    from tiny_models import build
+
+    import diffusion_int8
+    from diffusion_int8 import Int8DiffusionProcessor
+
+    def fresh():
+        model, x = build("wan")
+        x["encoder_hidden_states"] = x["encoder_hidden_states"][:, :6]  # the text tokens split over 2 devices too
+        return model, x
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    model, x = fresh()
+    with torch.no_grad():
+        stock = model(**x, return_dict=False)[0]
+        handle = diffusion_int8.enable(model, "int8")
+        int8 = model(**x, return_dict=False)[0]
+        handle.disable()
+    results = []
+    for mode, when, split in CASES:
+        model, x = fresh()
+        handle = None
+        if when == "before":
+            handle = diffusion_int8.enable(model, mode)
+        elif when == "shared processor":
+            model.set_attn_processor(Int8DiffusionProcessor(mode))
+        config = ContextParallelConfig(ulysses_degree=2) if split == "ulysses" else ContextParallelConfig(ring_degree=2)
+        model.enable_parallelism(config=config)
+        if when == "after":
+            handle = diffusion_int8.enable(model, mode)
+        try:
+            with torch.no_grad():
+                out = model(**x, return_dict=False)[0]
+            results.append({"vs_stock": rel(out, stock), "vs_int8": rel(out, int8),
+                            "int8_calls": handle.state.int8_calls if handle else None})
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which asserts on it
+            results.append({"error": f"{type(exc).__name__}: {exc}"})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"int8_vs_stock": rel(int8, stock), "cases": results}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_processor_under_context_parallelism(tmp_path):
+    import torch.multiprocessing as mp
+
+    out_path = str(tmp_path / "results.json")
+    mp.spawn(_worker, args=(_free_port(), out_path), nprocs=2)
+    with open(out_path) as f:
+        got = json.load(f)
+    assert got["int8_vs_stock"] > 1e-4  # INT8 is measurably not stock here, so "equal" below says something
+    (fp16_before, int8_before, int8_after, shared, ring) = got["cases"]
+    # the stock processor under the split gives the single-process result, whether enable() ran first or not
+    # (unforwarded, each device would attend over its own tokens alone)
+    assert fp16_before["vs_stock"] < 1e-6 and shared["vs_stock"] < 1e-6
+    # Ulysses: the INT8 self-attention ran on each device's heads, and equals the single-process INT8 output
+    for case in (int8_before, int8_after):
+        assert case["int8_calls"] > 0 and case["vs_int8"] < 1e-6
+    # ring: diffusers' native backend has no log-sum-exp; the calls go to it, which says so
+    assert "return_lse" in ring.get("error", ""), ring
