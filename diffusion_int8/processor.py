@@ -8,6 +8,7 @@ decides whether INT8 pays for the call's shape, and a calibration gives static r
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 import weakref
@@ -20,12 +21,13 @@ import torch.nn.functional as F
 
 from .calibration.file import Calibration
 from .kernels import Mode
+from .kernels.api import exact_lse
 from .kernels.config import SPARSE_BLOCK
 from .kernels.layout import cdiv
 from .kernels.sparsity import check_tau, predict_block_mask
 from .models import call_params, stock_processor_for, text_position
-from .routing import (RouteToInt8, attention_dispatch, int8_core, keeps_stock, kernel_takes, other_backend, routed,
-                      ulysses_only)
+from .routing import (RouteToInt8, attention_dispatch, context_split, int8_core, keeps_stock, kernel_takes, other_backend,
+                      routed)
 from .schedule import PrecisionSchedule
 from .speed_gate import CrossoverTable, SpeedGate
 
@@ -174,6 +176,8 @@ class Int8DiffusionProcessor:
         self._keep: dict = {}  # (keys, text tokens, where, device) -> always-kept key blocks
         self._stock_shapes: dict = {}  # (module, mode, input shapes, dtype, device) -> gated calls, none INT8
         self._parallel = None  # a context-parallel config diffusers gave this processor, for inferred stock ones
+        # ring attention on diffusers' native backend, which has none: every call runs here, INT8 or exact
+        self._ring = context_split(getattr(inner, "_parallel_config", None)) == "ring"
 
     # diffusers' enable_parallelism and set_attention_backend set these on every module's processor: they belong
     # to the stock processor this one runs, whose dispatcher call carries them (unset, a context-parallel model
@@ -185,6 +189,7 @@ class Int8DiffusionProcessor:
     @_parallel_config.setter
     def _parallel_config(self, config):
         self._parallel = config
+        self._ring = context_split(config) == "ring"
         for inner in [self.inner] if self.inner is not None else list(self._inferred.values()):
             if hasattr(inner, "_parallel_config"):
                 inner._parallel_config = config
@@ -236,7 +241,7 @@ class Int8DiffusionProcessor:
         tracing = self.state.trace is not None
         if tracing:
             self.state.trace.append((self.state.step, self.state.timestep, self.name, mode.value))
-        if mode is Mode.FP16 and self.observer is None and not tracing:  # with a trace, its blocks are counted
+        if mode is Mode.FP16 and self.observer is None and not tracing and not self._ring:  # a trace counts blocks
             return inner(attn, hidden_states, *args, **kwargs)
         context = args[0] if args else kwargs.get("encoder_hidden_states")
         self._text = (context.shape[-2], text_position(inner)) if isinstance(context, torch.Tensor) else (0, None)
@@ -252,7 +257,7 @@ class Int8DiffusionProcessor:
         # stock processor: the gate's decision is a function of the call's shape, mode and device, so this is what
         # the routed copy would run, without its host time (image models at 1-4K tokens, every call gated)
         key = None
-        if self.gate is not None and self.observer is None and not tracing:
+        if self.gate is not None and self.observer is None and not tracing and not self._ring:
             key = (id(attn), mode, hidden_states.shape, hidden_states.dtype, hidden_states.get_device(),
                    _shape_of(context), _shape_of(args[1] if len(args) > 1 else kwargs.get("attention_mask")))
             gated = self._stock_shapes.get(key)
@@ -363,34 +368,65 @@ class Int8DiffusionProcessor:
     def _dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
         """What the stock processor's ``dispatch_attention_fn`` call runs: (B, S, H, D) in and out, as the
-        dispatcher's. Calls for another backend than the native one go to it; under diffusers' Ulysses context
-        parallelism each device attends over all tokens of its share of the heads, here (other splits run stock)."""
-        if attention_kwargs or keeps_stock(backend, None):
-            return attention_dispatch().dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                            attention_kwargs, backend=backend, parallel_config=parallel_config)
-        if parallel_config is not None:
-            if not ulysses_only(parallel_config):
-                return attention_dispatch().dispatch_attention_fn(
-                    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
-                    backend=backend, parallel_config=parallel_config)
-            dispatch = attention_dispatch()
-            return dispatch._templated_context_parallel_attention(
-                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False,
-                forward_op=self._local_attention, backward_op=dispatch._native_attention_backward_op,
-                _parallel_config=parallel_config)
+        dispatcher's. Calls for another backend than the native one go to it. Under diffusers' context parallelism
+        the INT8 op runs each device's share: all tokens of its heads (Ulysses), or its queries against each K/V
+        block passed around, merged through the op's log-sum-exp (ring); ring calls that would not run INT8, and
+        both splits at once, run diffusers' own attention."""
+        dispatch = attention_dispatch()
+        split = context_split(parallel_config)
+        if attention_kwargs or keeps_stock(backend, None) or (parallel_config is not None and split is None):
+            return dispatch.dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                                  attention_kwargs, backend=backend, parallel_config=parallel_config)
+        if split == "ulysses":
+            forward = self._local_attention
+        elif split == "ring":
+            # diffusers' native backend has no ring attention of its own: calls that do not run INT8 run SDPA
+            # with an exact log-sum-exp here
+            mode = self._ring_mode(query.transpose(1, 2), key.transpose(1, 2), attn_mask, dropout_p, is_causal)
+            forward = functools.partial(self._ring_block, mode)
+        else:
+            out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
+                                  dropout_p, is_causal, scale, enable_gqa)
+            return out.transpose(1, 2)
+        return dispatch._templated_context_parallel_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False, forward_op=forward,
+            backward_op=dispatch._native_attention_backward_op, _parallel_config=parallel_config)
+
+    def _ring_mode(self, query, key, attn_mask, dropout_p, is_causal) -> Mode:
+        """The mode a ring-split call (BHSD: this device's queries, one K/V block) runs: the schedule's INT8 mode
+        where the kernel takes the call and the gate lets it, else ``fp16``; counted as ``_attention`` counts."""
+        mode = self.current_mode()
+        if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal):
+            return Mode.FP16
+        counting = not torch.compiler.is_compiling()
+        if self.gate is not None and not self.gate.pays(mode, query, key):
+            if counting:
+                self.state.gated_calls += 1
+            return Mode.FP16
+        if counting:
+            self.state.int8_calls += 1
+        return mode
+
+    def _local_attention(self, ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
+        """The forward op diffusers' Ulysses template calls on each device's heads, (B, S, H, D) in and out
+        (inference: nothing is saved for a backward pass)."""
         out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
                               dropout_p, is_causal, scale, enable_gqa)
         return out.transpose(1, 2)
 
-    def _local_attention(self, ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                         enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
-        """The forward op diffusers' context-parallel templates call on each device's share, (B, S, H, D) in and
-        out (inference: nothing is saved for a backward pass)."""
-        if return_lse:
-            raise ValueError("diffusion_int8 runs Ulysses context parallelism only (no log-sum-exp for ring attention)")
-        out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
-                              dropout_p, is_causal, scale, enable_gqa)
-        return out.transpose(1, 2)
+    def _ring_block(self, mode: Mode, ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                    scale=None, enable_gqa=False, return_lse=True, _save_ctx=True, _parallel_config=None):
+        """The forward op diffusers' ring template calls for each K/V block, in ``mode`` (``_ring_mode``'s): the
+        output (B, S, H, D) and log-sum-exp (B, S, H), which the template merges (inference: nothing is saved)."""
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        if mode is Mode.FP16:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
+            lse = exact_lse(q, k, attn_mask, scale=scale)
+        else:
+            out, lse = int8_core(mode, q, k, v, attn_mask, scale, self._static_ranges(q.device),
+                                 qk_balance=self.qk_balance, return_lse=True)
+        return out.transpose(1, 2), lse.transpose(1, 2)
 
 
 def skipped_fractions(totals: dict[int, tuple[float, int]]) -> dict | None:

@@ -65,11 +65,14 @@ def keeps_stock(backend, parallel_config) -> bool:
     return backend != "native"
 
 
-def ulysses_only(parallel_config) -> bool:
-    """Whether diffusers' ``parallel_config`` splits attention by Ulysses alone (heads exchanged by all-to-all, each
-    device attending over every token), which the INT8 op runs; ring attention needs the op's log-sum-exp."""
+def context_split(parallel_config) -> str | None:
+    """How diffusers' ``parallel_config`` splits attention: ``"ulysses"`` (heads exchanged by all-to-all, each device
+    attending over every token of its heads), ``"ring"`` (K/V blocks passed around, partial results merged through
+    their log-sum-exp), or None for none or both at once (which runs diffusers' own attention)."""
     cp = getattr(parallel_config, "context_parallel_config", None)
-    return cp is not None and cp.ring_degree == 1 and cp.ulysses_degree > 1
+    if cp is None or (cp.ring_degree > 1) == (cp.ulysses_degree > 1):
+        return None
+    return "ring" if cp.ring_degree > 1 else "ulysses"
 
 
 def other_backend(inner) -> bool:
@@ -118,8 +121,10 @@ def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 _NO_RANGES = StaticRanges()
 
 
-def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_mask=None, qk_balance=False):
-    """``int8_sdpa`` for a call ``kernel_takes`` (the processor has checked it already)."""
+def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_mask=None, qk_balance=False,
+              return_lse=False):
+    """``int8_sdpa`` for a call ``kernel_takes`` (the processor has checked it already); with ``return_lse``, also
+    ``int8_attention``'s log-sum-exp."""
     dtype = query.dtype
     if dtype not in (torch.float16, torch.bfloat16):  # fp32 models: the kernel computes in fp16
         query, key, value = (t.to(torch.float16) for t in (query, key, value))
@@ -128,8 +133,8 @@ def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_
     r = ranges if ranges is not None else _NO_RANGES
     out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,
                          qk_balance=qk_balance, q_amax=r.q_amax, k_amax=r.k_amax, v_amax=r.v_amax, k_mean=r.k_mean,
-                         block_mask=block_mask)
-    return out.to(dtype)
+                         block_mask=block_mask, return_lse=return_lse)
+    return (out[0].to(dtype), out[1]) if return_lse else out.to(dtype)
 
 
 def kernel_takes(query, key, attn_mask=None, dropout_p=0.0, is_causal=False) -> bool:

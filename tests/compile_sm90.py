@@ -69,11 +69,11 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
 
 def attention_variant(D, pv, mask, dt="fp16", sparse=False):
     ptrs = dict(Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V=_PV_PTR[pv] or "*" + dt, VS="*fp32",
-                MASK_PTR={0: "*fp32", 1: "*u8", 2: "*" + dt}[mask], KB_CNT="*i32", KB_IDX="*i32", O="*" + dt)
+                MASK_PTR={0: "*fp32", 1: "*u8", 2: "*" + dt}[mask], KB_CNT="*i32", KB_IDX="*i32", O="*" + dt, LSE="*fp32")
     cfg = tile_config(D, pv)
     compile_kernel(A._attn_fwd_kernel, ptrs, set(), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=pv.code, MASK=mask,
-        V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups, SPARSE=sparse, ABLATE=0),
+        V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups, SPARSE=sparse, ABLATE=0, RETURN_LSE=False),
         divisible=("SQ_PAD", "SK_PAD", "N_FULL"))
 
 

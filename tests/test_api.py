@@ -70,15 +70,15 @@ def test_opcheck_cpu(kdev):
     backend = config.select_backend(q.device).value
     mask = torch.rand(1, 1, 40, 72, device=kdev) > 0.3
     mask[..., 0] = True
-    args = (q, k, v, mask, None, None, None, None, None, "BHSD", "fp8", 0.125, True, True, backend)
+    args = (q, k, v, mask, None, None, None, None, None, "BHSD", "fp8", 0.125, True, True, backend, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     blocks = torch.tensor([True, False], device=kdev).view(1, 2, 1, 1)  # head 1 skips its one block: zeros
-    args = (q, k, v, None, blocks, None, None, None, None, "BHSD", "fp16", 0.125, True, False, backend)
+    args = (q, k, v, None, blocks, None, None, None, None, "BHSD", "fp16", 0.125, True, False, backend, True)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     # every static input given: no statistics pass
     static = (q.float().abs().amax((2, 3)), torch.full((1, 2), 3.0, device=kdev), v.float().abs().amax(2),
               k.float().mean(2))
-    args = (q, k, v, None, None, *static, "BHSD", "fp8", 0.125, True, True, backend)
+    args = (q, k, v, None, None, *static, "BHSD", "fp8", 0.125, True, True, backend, True)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
 
 
@@ -195,3 +195,33 @@ def test_empty_batch_and_sequences_give_zeros_in_both_backends(backend, monkeypa
         for mode in ("int8", "int8_fp16v"):
             out = diffusion_int8.int8_attention(q, k, v, mode=mode)
             assert out.shape == q.shape and out.dtype == q.dtype and not out.any()
+
+
+def test_return_lse_in_every_mode(monkeypatch):
+    # int8_attention(return_lse=True) gives (out, lse (B, H, Sq) float32) in either layout: fp16's log-sum-exp is
+    # exact against float64 (with a mask that leaves a row no key: -inf), the INT8 modes' the emulation's; the same
+    # output as without it; and traced, the custom op carries it
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = realistic_qkv(2, 4, 50, 70, 32, H_kv=2, layout="BSHD")
+    mask = torch.rand(2, 1, 50, 70) > 0.2
+    mask[1, :, 7] = False
+    ref, ref_lse = R.attention_ref(q, k, v, layout="BSHD", attn_mask=mask, return_lse=True)
+    for mode in ("fp16", "int8_fp16v", "int8"):
+        out, lse = int8_attention(q, k, v, mode=mode, layout="BSHD", attn_mask=mask, return_lse=True)
+        assert torch.equal(out, int8_attention(q, k, v, mode=mode, layout="BSHD", attn_mask=mask))
+        assert lse.shape == (2, 4, 50) and lse.dtype == torch.float32
+        assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)) and torch.isinf(lse[1, :, 7]).all()
+        keys = torch.isfinite(ref_lse)
+        if mode == "fp16":
+            torch.testing.assert_close(lse[keys], ref_lse[keys].float(), atol=1e-4, rtol=1e-5)
+        else:
+            pv = {"int8_fp16v": config.PV.FP16, "int8": config.PV.FP8}[mode]
+            emu, emu_lse = R.emulate_attention(q, k, v, layout="BSHD", pv=pv, attn_mask=mask, sm_scale=32**-0.5,
+                                               return_lse=True)
+            assert torch.equal(out, emu) and torch.equal(lse, emu_lse)
+    graph = make_fx(lambda q, k, v: int8_attention(q, k, v, mode="int8", layout="BSHD", return_lse=True))(q, k, v)
+    assert any("diffusion_int8.quantized_attention" in str(n.target) for n in graph.graph.nodes)
+    empty = int8_attention(q[:, :0], k, v, mode="int8", layout="BSHD", return_lse=True)
+    assert empty[0].shape == (2, 0, 4, 32) and empty[1].shape == (2, 4, 0)

@@ -17,6 +17,14 @@ from diffusion_int8.testing import cos_l1, realistic_qkv
 
 # Accuracy required against float64 attention: (min cosine, max relative L1).
 BOUNDS = {PV.FP16: (0.9995, 0.02), PV.FP8: (0.999, 0.04), PV.INT8: (0.999, 0.04)}
+# Outputs of a few rows (Sq · Sk <= 6000) leave one unlucky per-token Q scale (20x outlier channels) the whole
+# cosine: over 600 draws of one query row over 129 keys and of 100 x 60 (D = 128), the emulation's worst was cos
+# 0.99884 / rel L1 0.0354 with 16-bit P·V and 0.99848 / 0.0494 with FP8 P (1% of draws past BOUNDS).
+TINY_BOUNDS = {PV.FP16: (0.998, 0.045), PV.FP8: (0.997, 0.06), PV.INT8: (0.997, 0.06)}
+
+
+def bounds_for(pv, Sq, Sk):
+    return TINY_BOUNDS[pv] if Sq * Sk <= 6000 else None
 
 
 def run_kernel(q, k, v, **kw):
@@ -106,18 +114,13 @@ def test_sm90_kernel_against_portable(kdev, pv):
     cases = [(1, 2, 2, 1, 129, "BHSD", torch.float16), (1, 2, 1, 100, 60, "BHSD", torch.bfloat16),
              (2, 4, 2, 333, 1537, "BSHD", torch.bfloat16),
              (1, 3, 1, 4224, 4200, "BSHD", torch.float16), (2, 2, 2, 2000, 17550, "BHSD", torch.float16)]
-    # The float64 bounds of the two smallest outputs (one query row; 100 x 60) are their own: a few rows give one
-    # unlucky per-token Q scale (20x outlier channels) the whole cosine. Over 600 draws the emulation's worst there
-    # was cos 0.99884 / rel L1 0.0354 with 16-bit P·V and 0.99848 / 0.0494 with FP8 P (1% of draws past BOUNDS).
-    tiny = {PV.FP16: (0.998, 0.045), PV.FP8: (0.997, 0.06), PV.INT8: (0.997, 0.06)}[pv]
     for B, H, H_kv, Sq, Sk, layout, dtype in cases:
         q, k, v = realistic_qkv(B, H, Sq, Sk, 128, H_kv=H_kv, dtype=dtype, layout=layout, device=kdev)
         assert hopper.supports(q, to_bhsd(v, layout), pv, 128, False)
         kw = dict(layout=layout, pv=pv)
         emu, ref = R.emulate_attention(q, k, v, **kw), R.attention_ref(q, k, v, layout=layout)
-        bounds = tiny if Sq * Sk <= 6000 else None
-        check(run_kernel(q, k, v, **kw), emu, ref, pv, dtype, bounds)
-        check(run_kernel(q, k, v, sm90=False, **kw), emu, ref, pv, dtype, bounds)
+        check(run_kernel(q, k, v, **kw), emu, ref, pv, dtype, bounds_for(pv, Sq, Sk))
+        check(run_kernel(q, k, v, sm90=False, **kw), emu, ref, pv, dtype, bounds_for(pv, Sq, Sk))
 
 
 def test_strided_inputs_without_copy(kdev):
@@ -374,3 +377,44 @@ def test_invalid_static_range_gives_nan_in_kernel_and_emulation(kdev, which):
         for out in (run_kernel(q, k, v, **kw), R.emulate_attention(q, k, v, **kw)):
             assert torch.isnan(out[:, 1]).all(), (which, bad)
             assert torch.isfinite(out[:, [0, 2]]).all(), (which, bad)
+
+
+@pytest.mark.parametrize("pv", list(PV))
+def test_log_sum_exp(kdev, pv):
+    # each query row's log-sum-exp, what ring attention merges partial results with: the kernel's equals the
+    # emulation's, rows without keys give -inf, and two halves of the keys merged through it are as accurate
+    # against float64 as one call over all keys (the per-row error the quantization leaves in it, up to 0.6 at a
+    # 20x outlier, is common to both halves)
+    from diffusion_int8.kernels.attention import triton_attention
+
+    cases = [(1, 2, 2, 1, 129, 64, "BHSD"), (2, 4, 2, 113, 300, 64, "BSHD"), (2, 2, 2, 90, 150, 40, "BHSD")]
+    if kdev != "cpu":
+        cases += [(1, 2, 1, 200, 4224, 128, "BHSD"), (2, 3, 3, 333, 1537, 128, "BSHD")]  # D = 128: not the Gluon kernel
+    for B, H, H_kv, Sq, Sk, D, layout in cases:
+        q, k, v = realistic_qkv(B, H, Sq, Sk, D, H_kv=H_kv, layout=layout, device=kdev)
+        mask = None
+        if Sq == 90:  # a key-padding mask that leaves batch 1 no key: its rows are 0 with a log-sum-exp of -inf
+            mask = (torch.rand(B, 1, 1, Sk, device=kdev) > 0.3)
+            mask[0, ..., 0], mask[1] = True, False
+        kw = dict(layout=layout, pv=pv, attn_mask=mask, sm_scale=D**-0.5)
+        out = torch.full(q.shape, math.nan, dtype=q.dtype, device=kdev)
+        res, lse = triton_attention(q, k, v, out=out, return_lse=True, **kw)
+        assert res is out
+        emu, emu_lse = R.emulate_attention(q, k, v, return_lse=True, **kw)
+        ref, ref_lse = R.attention_ref(q, k, v, layout=layout, attn_mask=mask, return_lse=True)
+        check(out, emu, ref, pv, q.dtype, bounds_for(pv, Sq, Sk))
+        assert lse.shape == (B, H, Sq) and lse.dtype == torch.float32
+        keys = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), keys) and (lse[~keys] == -math.inf).all()
+        torch.testing.assert_close(lse[keys], emu_lse[keys], atol=1e-4, rtol=1e-5)
+        assert (lse - ref_lse)[keys].abs().median() < 0.05
+        if mask is None:  # ring attention's merge of two halves of the keys
+            h = Sk // 2
+            (o1, l1), (o2, l2) = (triton_attention(q, *(t[:, sl] if layout == "BSHD" else t[:, :, sl] for t in (k, v)),
+                                                   return_lse=True, **kw) for sl in (slice(0, h), slice(h, Sk)))
+            w = torch.sigmoid(l2 - l1)[..., None]
+            w = w if layout == "BHSD" else w.transpose(1, 2)
+            merged = (o1.float() * (1 - w) + o2.float() * w).to(q.dtype)
+            min_cos, max_l1 = bounds_for(pv, Sq, Sk) or BOUNDS[pv]
+            cos, l1 = cos_l1(merged, ref)
+            assert cos >= min_cos and l1 <= max_l1, f"merged halves {pv}: cos {cos:.6f}, rel L1 {l1:.4f}"

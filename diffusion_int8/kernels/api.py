@@ -35,7 +35,8 @@ def int8_attention(
     v_amax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
     check_finite: bool = False,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention with Q·Kᵀ on INT8 tensor cores.
 
     Args:
@@ -78,14 +79,21 @@ def int8_attention(
             is off by default; then a NaN/Inf in a row of Q makes that output row NaN, and one in K or V
             makes the rows that attend to its quantization block NaN. Non-finite values are never
             silently replaced.
+        return_lse: also return each query row's log-sum-exp of its scaled (and masked) logits, as the INT8
+            modes computed them (their quantized scores): what ring attention merges partial results with. It
+            comes from the portable Triton kernel (the sm_90 Gluon kernels do not write it). Mode ``fp16`` computes
+            it exactly, with one more Q·Kᵀ in float32.
 
     Returns:
-        Attention output shaped like ``q`` (contiguous in ``layout``), in ``q``'s dtype.
+        Attention output shaped like ``q`` (contiguous in ``layout``), in ``q``'s dtype; with ``return_lse``, the
+        pair (output, log-sum-exp) where the log-sum-exp is float32 (B, Hq, Sq) in natural-log units, -inf for a
+        row without keys (in either layout, as ``torch.nn.functional.scaled_dot_product_attention``'s kernels
+        give it).
     """
     try:  # the call's signature; one seen before skips every check and selection below (the hot path)
         plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
-            mode, layout, scale, smooth_k, qk_balance, os.environ.get(ENV_BACKEND), os.environ.get(ENV_PV8),
+            mode, layout, scale, smooth_k, qk_balance, return_lse, os.environ.get(ENV_BACKEND), os.environ.get(ENV_PV8),
             signature(q), signature(k), signature(v), signature(attn_mask), signature(block_mask),
             signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean))
         call = _CALLS.get(key)
@@ -106,11 +114,17 @@ def int8_attention(
     if call.mode is Mode.FP16:
         qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
         if block_mask is not None:
-            return _sdpa_block_sparse(qb, kb, vb, attn_mask, block_mask, call, layout)
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=call.scale, enable_gqa=call.gqa)
-        return out if layout == "BHSD" else out.transpose(1, 2)
+            out = _sdpa_block_sparse(qb, kb, vb, attn_mask, block_mask, call, layout)
+        else:
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=call.scale, enable_gqa=call.gqa)
+            out = out if layout == "BHSD" else out.transpose(1, 2)
+        return (out, exact_lse(qb, kb, attn_mask, block_mask, call.scale)) if return_lse else out
     if call.empty:  # no batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        if not return_lse:
+            return out
+        B, H, Sq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "BHSD" else (q.shape[0], q.shape[2], q.shape[1])
+        return out, torch.full((B, H, Sq), float("-inf"), device=q.device)
     if key is not None and call.backend is Backend.TRITON and not _dispatch_mode():
         # plain eager tensors: straight to the launch plan of this signature (the custom op's dispatch layers do
         # nothing here but cost host time)
@@ -118,11 +132,12 @@ def int8_attention(
 
         return triton_attention(q, k, v, layout=layout, pv=call.pv, sm_scale=call.scale, smooth_k=smooth_k,
                                 qk_balance=qk_balance, attn_mask=attn_mask, block_mask=block_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
-                                key=key)
-    return dispatch(
+                                return_lse=return_lse, key=key)
+    out, lse = dispatch(
         q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, layout, call.pv.value, call.scale, smooth_k,
-        bool(qk_balance), call.backend.value,
+        bool(qk_balance), call.backend.value, bool(return_lse),
     )
+    return (out, lse) if return_lse else out
 
 
 class _Call(NamedTuple):
@@ -293,6 +308,28 @@ def _sdpa_block_sparse(qb, kb, vb, attn_mask, block_mask, call: _Call, layout: s
     row_empty = ~block_mask.any(-1, keepdim=True).repeat_interleave(SPARSE_BLOCK, dim=-2)[..., :Sq, :]
     out = out.masked_fill(row_empty, 0.0)
     return out if layout == "BHSD" else out.transpose(1, 2)
+
+
+def exact_lse(qb, kb, attn_mask=None, block_mask=None, scale: float | None = None) -> torch.Tensor:
+    """The exact log-sum-exp of attention's scaled, masked logits (mode fp16's): float32 (B, H, Sq) from BHSD ``qb``
+    (B, H, Sq, D) and ``kb`` (B, Hkv, Sk, D) of any float dtype, -inf for rows without keys; in query chunks of at
+    most 2^26 scores, so its memory stays bounded."""
+    scale = qb.shape[-1] ** -0.5 if scale is None else scale
+    B, H, Sq, _ = qb.shape
+    Sk = kb.shape[2]
+    kb = kb.repeat_interleave(H // kb.shape[1], dim=1).float()
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=qb.device)
+    step = max(1, (1 << 26) // max(B * H * Sk, 1))
+    for i in range(0, Sq, step):
+        s = (qb[:, :, i : i + step].float() @ kb.transpose(-1, -2)) * scale
+        if attn_mask is not None:
+            m = attn_mask.expand(B, H, Sq, Sk)[:, :, i : i + step]
+            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
+        if block_mask is not None:
+            keep = expand_block_mask(block_mask, Sq, Sk).expand(B, H, Sq, Sk)[:, :, i : i + step]
+            s = s.masked_fill(~keep, float("-inf"))
+        lse[:, :, i : i + step] = torch.logsumexp(s, dim=-1)
+    return lse
 
 
 def _check_range_values(q_amax, k_amax, v_amax, k_mean) -> None:

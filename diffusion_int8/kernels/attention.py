@@ -15,9 +15,10 @@ import triton
 import triton.language as tl
 
 from . import quantize as tq
-from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, TESTED_TRITON, Kernel, tile_config
+from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, TESTED_TRITON, Kernel, tile_config
 from .launch import EAGER, Runner, plan_or_run, signature
 from .layout import cdiv, padded_len, rows_16b_aligned, to_bhsd
+from .reference import smoothing_offset
 from .tl_helpers import rdiv, round_to_int8
 
 try:  # the sm_90 Gluon kernels; a Triton whose Gluon API they do not cover runs the portable kernel
@@ -30,6 +31,7 @@ except Exception as exc:  # ImportError, or AttributeError where a Gluon name th
 
 # Compiled kernels may only read globals that are constexpr.
 _LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
 _INT8_MAX = tl.constexpr(INT8_MAX)
 _P_FLOOR = tl.constexpr(P_FLOOR)
 _FP8_P_SHIFT = tl.constexpr(FP8_P_SHIFT)
@@ -139,14 +141,14 @@ def _attn_block(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q8, QS, K8, KS, V, VS, MASK_PTR, KB_CNT, KB_IDX, O,
+    Q8, QS, K8, KS, V, VS, MASK_PTR, KB_CNT, KB_IDX, O, LSE,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_os, stride_od,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_FULL, NQB, NKB,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
     PV: tl.constexpr, MASK: tl.constexpr, V_ALIGN8: tl.constexpr, K_GROUPS: tl.constexpr, SPARSE: tl.constexpr,
-    ABLATE: tl.constexpr,
+    ABLATE: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(DP >= 32)
@@ -249,6 +251,9 @@ def _attn_fwd_kernel(
     o_ptrs = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
               + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
+    if RETURN_LSE:  # natural log; l carries P's 2^P_SHIFT, and m is -inf exactly where l is 0
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe) - P_SHIFT) * _LN2)
+        tl.store(LSE + off_bh.to(tl.int64) * SQ + offs_m, lse, mask=offs_m < SQ)
 
 
 @triton.jit
@@ -295,13 +300,15 @@ def triton_attention(
     v_amax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    return_lse: bool = False,
     sm90: bool = True,
     key: tuple | None = None,
     _ablate: int = 0,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
 
-    Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype). Three launches
+    Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype), and with ``return_lse``
+    each query row's log-sum-exp (``reference.emulate_attention``'s; from the portable kernel). Three launches
     (statistics, Q/K/V quantization, attention; two when nothing is measured, or when both sequences are
     short and the statistics and the quantization run in one) and no host synchronization. On sm_90 the attention launch is the Gluon kernel of ``hopper`` where
     it applies (``sm90=False`` forces the portable Triton kernel, for comparisons). The first call of each
@@ -310,13 +317,17 @@ def triton_attention(
     ``_ablate``: the portable kernel's ablation switches (``ABLATE_*``), for ``benchmarks/ablate.py`` only.
     """
     if key is not None and out is None:
-        key = (*key, sm90, _ablate)  # out is allocated below, so its signature follows from q's
+        key = (*key, return_lse, sm90, _ablate)  # out is allocated below, so its signature follows from q's
     else:
-        key = (layout, pv, sm_scale, smooth_k, qk_balance, sm90, _ablate,
+        key = (layout, pv, sm_scale, smooth_k, qk_balance, return_lse, sm90, _ablate,
                *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out)))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    inputs = [q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out]
+    lse = None
+    if return_lse:
+        B, H, Sq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "BHSD" else (q.shape[0], q.shape[2], q.shape[1])
+        lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    inputs = [q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out, lse]
 
     def record(runner):
         qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
@@ -327,11 +338,15 @@ def triton_attention(
             qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, qk_balance=qk_balance, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
             runner=runner,
         )
-        attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, blocks=blocks, sm90=sm90,
+        attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, blocks=blocks, lse=lse, sm90=sm90,
                runner=runner, _ablate=_ablate)
 
     plan_or_run(_PLANS, key, inputs, record)
-    return out
+    if lse is None:
+        return out
+    # the kernel's log-sum-exp is of the smoothed scores; what smoothing took off each row goes back on
+    offset = smoothing_offset(to_bhsd(q, layout), to_bhsd(k, layout), sm_scale, smooth_k, k_mean)
+    return out, lse if offset is None else lse.add_(offset)
 
 
 # Launch plans by call signature (launch.Plan): compiled kernels and argument templates, no tensors
@@ -346,6 +361,7 @@ def attend(
     pv: PV,
     attn_mask: torch.Tensor | None = None,
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lse: torch.Tensor | None = None,
     sm90: bool = True,
     runner: Runner = EAGER,
     _ablate: int = 0,
@@ -357,6 +373,7 @@ def attend(
     quantized: what ``quantize_qkv`` returns; vb: the caller's V viewed
     (B, H_kv, Sk, D), read in place for fp16 P·V; ob: the output viewed (B, H, Sq, D), written in place.
     blocks: a block mask as ``block_lists`` gives it (None: dense).
+    lse: where to write each query row's log-sum-exp, float32 (B, H, Sq) contiguous (the portable kernel runs).
     ``_ablate``: as ``triton_attention``'s; nonzero runs the portable kernel.
     """
     q8, qs, k8, ks, vk, vs = quantized
@@ -365,7 +382,7 @@ def attend(
     cfg = tile_config(D, pv)
     if pv is PV.FP16:
         vk, vs = vb, qs  # V read in place; vs unused
-    if sm90 and not _ablate and call_kernel(ob, vb, pv, q8.shape[-1], attn_mask is not None) is Kernel.SM90_GLUON:
+    if sm90 and not _ablate and lse is None and call_kernel(ob, vb, pv, q8.shape[-1], attn_mask is not None) is Kernel.SM90_GLUON:
         if hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D,
                          blocks=blocks, runner=runner):
             return
@@ -382,13 +399,13 @@ def attend(
 
     counts, idx = blocks if blocks is not None else (qs, qs)
     runner.launch(_attn_fwd_kernel, (triton.cdiv(Sq, cfg.block_m), B * H), (
-        q8, qs, k8, ks, vk, vs, mask, counts, idx, ob,
+        q8, qs, k8, ks, vk, vs, mask, counts, idx, ob, lse if lse is not None else qs,
         *vb.stride(), *mstride, *ob.stride(),
         H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
         cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK),
-        # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS, SPARSE, ABLATE
+        # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS, SPARSE, ABLATE, RETURN_LSE
         cfg.block_m, cfg.block_n, q8.shape[-1], pv.code, mask_kind,
-        pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, blocks is not None, _ablate,
+        pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, blocks is not None, _ablate, lse is not None,
     ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION))
 
 

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453  # the log-sum-exp comes back in natural-log units, as SDPA's
 INT8_MAX = 127.0
 # FP8 P·V: P is scaled by 2**FP8_P_SHIFT (through the softmax exponent's offset) before the e4m3
 # cast, moving probabilities down to 2**-14 into e4m3's normal range; the row sum carries the same

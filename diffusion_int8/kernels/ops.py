@@ -34,28 +34,36 @@ def _quantized_attention(
     smooth_k: bool,
     qk_balance: bool,
     backend: str,
-) -> torch.Tensor:
-    """INT8 Q·Kᵀ attention on validated inputs; ``backend`` is a ``Backend`` value, ``pv`` a ``PV`` value."""
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT8 Q·Kᵀ attention on validated inputs; ``backend`` is a ``Backend`` value, ``pv`` a ``PV`` value.
+    Returns the output and, with ``return_lse``, each query row's log-sum-exp (float32 (B, H, Sq); else empty)."""
     kwargs = dict(
         layout=layout, pv=PV(pv), sm_scale=sm_scale, smooth_k=smooth_k, qk_balance=qk_balance,
         attn_mask=attn_mask, block_mask=block_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
+        return_lse=return_lse,
     )
     if backend == Backend.TRITON.value:
         from .attention import triton_attention  # imports triton lazily: CPU-only installs never need it
 
-        return triton_attention(q, k, v, **kwargs)
-    return emulate_attention(q, k, v, **kwargs)
+        res = triton_attention(q, k, v, **kwargs)
+    else:
+        res = emulate_attention(q, k, v, **kwargs)
+    return res if return_lse else (res, q.new_empty(0, dtype=torch.float32))
 
 
 quantized_attention = torch.library.custom_op("diffusion_int8::quantized_attention", mutates_args=())(_quantized_attention)
 
 
 @quantized_attention.register_fake
-def _(q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, layout, pv, sm_scale, smooth_k, qk_balance, backend):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+def _(q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, layout, pv, sm_scale, smooth_k, qk_balance, backend,
+      return_lse):
+    B, H, Sq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "BHSD" else (q.shape[0], q.shape[2], q.shape[1])
+    lse = q.new_empty((B, H, Sq) if return_lse else (0,), dtype=torch.float32)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
 
 
-def dispatch(q: torch.Tensor, *args):
+def dispatch(q: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantized_attention(q, *args)``: the op when something may be tracing, the implementation otherwise."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or is_fake(q):
         return quantized_attention(q, *args)

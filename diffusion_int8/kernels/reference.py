@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, padded_head_dim
+from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, padded_head_dim
 from .layout import Q_SAMPLE_EVERY, balance_applies, padded_len, static_range, stats_block, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
 
 
@@ -129,6 +129,21 @@ def token_mean(k: torch.Tensor) -> torch.Tensor:
     return k.mean(dim=2, dtype=torch.float32)
 
 
+def smoothing_offset(q: torch.Tensor, k: torch.Tensor, sm_scale: float, smooth_k: bool = True,
+                     k_mean: torch.Tensor | None = None) -> torch.Tensor | None:
+    """What subtracting K's mean (``quantize_k``) took off each query row's logits: ``sm_scale · q·mean``, float32
+    (B, Hq, Sq) from BHSD ``q`` (B, Hq, Sq, D) and ``k`` (B, Hkv, Sk, D); None without smoothing. Softmax does
+    not see it; a log-sum-exp does, and one computed on smoothed scores adds it back (each ring-attention chunk
+    has its own mean)."""
+    if not smooth_k:
+        return None
+    B, H, _, D = q.shape
+    H_kv = k.shape[1]
+    mean = token_mean(k) if k_mean is None else k_mean.float().expand(B, H_kv, D)
+    mean = mean.index_select(1, _gqa_index(H, H_kv, q.device))
+    return (q.float() @ mean[..., None]).squeeze(-1) * sm_scale
+
+
 def quantize_k(
     k: torch.Tensor,
     block_n: int,
@@ -202,11 +217,14 @@ def emulate_attention(
     k_mean: torch.Tensor | None = None,
     block_n: int | None = None,
     k_groups: int | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What the Triton kernel computes, in PyTorch. Same arguments as the kernel wrapper; ``block_n`` and
     ``k_groups`` override the tile table's (for studies of K's quantization).
 
-    Returns a contiguous tensor shaped like ``q``, in ``q``'s dtype.
+    Returns a contiguous tensor shaped like ``q``, in ``q``'s dtype; with ``return_lse`` also the log-sum-exp of
+    each query row's scaled logits as the kernel computed them, K's smoothing added back (``smoothing_offset``;
+    natural log, float32, (B, H, Sq); -inf for a row without keys).
     """
     from .config import tile_config
 
@@ -283,7 +301,13 @@ def emulate_attention(
     if pv is not PV.FP16:
         out = out * vs[:, :, None, :]
     out = out[..., :D].to(q.dtype)
-    return (out if layout == "BHSD" else out.transpose(1, 2)).contiguous()
+    out = (out if layout == "BHSD" else out.transpose(1, 2)).contiguous()
+    if not return_lse:
+        return out
+    # l carries P's 2^p_shift; m is -inf exactly where l is 0. The scores were of the smoothed K.
+    lse = torch.where(l_i == 0, -math.inf, (m_i + torch.log2(torch.where(l_i == 0, 1.0, l_i)) - p_shift) * LN2)
+    offset = smoothing_offset(qb, kb, sm_scale, smooth_k, k_mean)
+    return out, lse if offset is None else lse + offset
 
 
 def attention_ref(
@@ -295,10 +319,12 @@ def attention_ref(
     attn_mask: torch.Tensor | None = None,
     sm_scale: float | None = None,
     dtype: torch.dtype = torch.float64,
-) -> torch.Tensor:
-    """Attention computed in ``dtype`` (float64 by default); returned in ``dtype`` and ``layout``.
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention computed in ``dtype`` (float64 by default); returned in ``dtype`` and ``layout``, with
+    ``return_lse`` also each row's log-sum-exp of the scaled logits, (B, H, Sq) in ``dtype``.
 
-    Rows whose keys are all masked give 0, as the kernel does.
+    Rows whose keys are all masked give 0 (and a log-sum-exp of -inf), as the kernel does.
     """
     qb, kb, vb = (to_bhsd(t, layout).to(dtype) for t in (q, k, v))
     H, H_kv = qb.shape[1], kb.shape[1]
@@ -315,4 +341,7 @@ def attention_ref(
     p = torch.exp(s - torch.where(m == -math.inf, 0.0, m))
     l = p.sum(-1, keepdim=True)
     out = (p @ vb) / torch.where(l == 0, 1.0, l)
-    return out if layout == "BHSD" else out.transpose(1, 2)
+    out = out if layout == "BHSD" else out.transpose(1, 2)
+    if not return_lse:
+        return out
+    return out, torch.where(l == 0, -math.inf, m + torch.log(torch.where(l == 0, 1.0, l))).squeeze(-1)
