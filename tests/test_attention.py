@@ -383,8 +383,8 @@ def test_invalid_static_range_gives_nan_in_kernel_and_emulation(kdev, which):
 def test_log_sum_exp(kdev, pv):
     # each query row's log-sum-exp, what ring attention merges partial results with: the kernel's equals the
     # emulation's, rows without keys give -inf, and two halves of the keys merged through it are as accurate
-    # against float64 as one call over all keys (the per-row error the quantization leaves in it, up to 0.6 at a
-    # 20x outlier, is common to both halves)
+    # against float64 as one call over all keys (the per-row error the quantization leaves in it is common to
+    # both halves)
     from diffusion_int8.kernels.attention import triton_attention
 
     cases = [(1, 2, 2, 1, 129, 64, "BHSD"), (2, 4, 2, 113, 300, 64, "BSHD"), (2, 2, 2, 90, 150, 40, "BHSD")]
@@ -407,7 +407,10 @@ def test_log_sum_exp(kdev, pv):
         keys = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse), keys) and (lse[~keys] == -math.inf).all()
         torch.testing.assert_close(lse[keys], emu_lse[keys], atol=1e-4, rtol=1e-5)
-        assert (lse - ref_lse)[keys].abs().median() < 0.05
+        # within the quantized scores' error of float64: over 12 draws the median relative error reached 0.004 with
+        # one query row and 0.0012 beyond (the largest single rows are off by up to 0.6 at a 20x outlier)
+        rel = ((lse - ref_lse)[keys].abs() / ref_lse[keys].abs().clamp_min(1)).median()
+        assert rel < (0.02 if bounds_for(pv, Sq, Sk) else 0.005), f"log-sum-exp off float64 by {rel:.4f} (median, relative)"
         if mask is None:  # ring attention's merge of two halves of the keys
             h = Sk // 2
             (o1, l1), (o2, l2) = (triton_attention(q, *(t[:, sl] if layout == "BSHD" else t[:, :, sl] for t in (k, v)),
