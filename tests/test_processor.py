@@ -484,3 +484,20 @@ def test_sparse_processors_compile_without_graph_breaks(kernel_calls):
         compiled = torch.compile(model, fullgraph=True, backend="eager")(**x, return_dict=False)[0]
     handle.disable()
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_set_attention_backend_reaches_the_wrapped_processor():
+    # diffusers' set_attention_backend sets the backend on whatever processor a module holds: after enable() it
+    # reaches the stock processor wrapped, whose calls then go to that backend (stock); back on native, INT8 runs
+    model, x = build("wan")
+    with torch.no_grad():
+        model.set_attention_backend("_native_math")
+        stock_math = model(**x, return_dict=False)[0]
+        model.set_attention_backend("native")
+        handle = enable(model, "int8")
+        model.set_attention_backend("_native_math")
+        assert torch.equal(model(**x, return_dict=False)[0], stock_math) and handle.state.int8_calls == 0
+        model.set_attention_backend("native")
+        out = model(**x, return_dict=False)[0]
+    assert handle.state.int8_calls == 2 and not torch.equal(out, stock_math)
+    handle.disable()
