@@ -1,14 +1,17 @@
-"""Denoiser steps under diffusers' Ulysses context parallelism, stock against INT8, each against one GPU.
+"""Denoiser steps under diffusers' context parallelism, stock against INT8, each against one GPU.
 
     torchrun --nproc_per_node 2 benchmarks/context_parallel.py --models wan,cogvideox --out bench_out/cp.json
+    torchrun --nproc_per_node 2 benchmarks/context_parallel.py --split ring     # ring attention instead of Ulysses
     torchrun --nproc_per_node 2 benchmarks/context_parallel.py --tiny     # CPU processes on gloo, the tiny Wan
 
 Every process builds the same random-weight model (``pipeline.py``'s full-size configs, seeded) and first runs it
 whole on its own GPU: the one-GPU step time and output of stock and of ``enable(model, "int8")``. Then the model is
-split with ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))`` and the same two variants run over all
-the GPUs, taking turns over ``--rounds``. The table gives each variant's median step time, its speed-up over
-stock on one GPU and over stock split the same way, and its output's relative L2 error against the one-GPU
-output of the same variant (Ulysses attends over every token, so the split changes only the order of sums).
+split with ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))`` (or ``ring_degree=N``) and the same
+two variants run over all the GPUs, taking turns over ``--rounds``. The table gives each variant's median step
+time, its speed-up over stock on one GPU and over stock split the same way, and its output's relative L2 error
+against the one-GPU output of the same variant (Ulysses attends over every token, so the split changes only the
+order of sums; ring quantizes each K/V block on its own). Stock under ring needs a backend with ring attention:
+the stock rows then run diffusers' ``_native_cudnn`` (with ``--tiny``, the processor's exact ring in mode fp16).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def main() -> None:
                                                     "the heads divisible by the number of processes)")
     ap.add_argument("--steps", type=int, default=5, help="timed denoiser calls per variant and round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--split", choices=("ulysses", "ring"), default="ulysses")
     ap.add_argument("--tiny", action="store_true", help="the tiny Wan on CPU processes (gloo): checks the script")
     ap.add_argument("--out", default="bench_out/context_parallel.json")
     args = ap.parse_args()
@@ -97,17 +101,29 @@ def main() -> None:
             one[variant] = _step_ms(model, x, args.steps, device)
             if handle is not None:
                 handle.disable()
-        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        ring = args.split == "ring"
+        model.enable_parallelism(config=ContextParallelConfig(ring_degree=world) if ring else
+                                 ContextParallelConfig(ulysses_degree=world))
         split = {v: [] for v in one}
         outs, calls = {}, "—"
         for r in range(args.rounds):
             for variant in (("stock", "int8") if r % 2 == 0 else ("int8", "stock")):
-                handle = diffusion_int8.enable(model, "int8") if variant == "int8" else None
+                handle = stock_ring = None
+                if variant == "int8":
+                    handle = diffusion_int8.enable(model, "int8")
+                elif ring and args.tiny:  # no CPU backend has ring attention: the processor's exact ring stands in
+                    stock_ring = diffusion_int8.enable(model, "fp16")
+                elif ring:  # diffusers' native backend has no ring attention
+                    model.set_attention_backend("_native_cudnn")
                 ms, outs[variant] = _step_ms(model, x, args.steps, device)
                 split[variant].append(ms)
                 if handle is not None:
                     handle.disable()
                     calls = f"{handle.state.int8_calls} / {handle.state.gated_calls}"
+                elif stock_ring is not None:
+                    stock_ring.disable()
+                elif ring:
+                    model.set_attention_backend("native")
         rows = {}
         for variant in one:
             ref_ms, ref = one[variant]

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from .calibration.file import Calibration
-from .kernels import Mode
-from .kernels.api import exact_lse
+from .kernels import Mode, StaticRanges
+from .kernels.api import sdpa_with_lse
 from .kernels.config import SPARSE_BLOCK
 from .kernels.layout import cdiv
 from .kernels.sparsity import check_tau, predict_block_mask
@@ -174,8 +174,13 @@ class Int8DiffusionProcessor:
         self._ranges: tuple = (None, None, None)  # (timestep, device, ranges) of the last call
         self._text: tuple[int, str | None] = (0, None)  # text tokens of the current call and where they are
         self._keep: dict = {}  # (keys, text tokens, where, device) -> always-kept key blocks
-        self._stock_shapes: dict = {}  # (module, mode, input shapes, dtype, device) -> gated calls, none INT8
+        # module -> {(mode, input shapes, dtype, device): gated calls} for inputs whose every attention call was gated
+        self._stock_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # attention calls of this processor that ran INT8, were gated, or went to another backend: what one
+        # routed call did, for the stock fast path (the shared Int8State counts every processor's)
+        self._outcomes = [0, 0, 0]
         self._parallel = None  # a context-parallel config diffusers gave this processor, for inferred stock ones
+        self._backend = None  # likewise an attention backend (set_attention_backend)
         # ring attention on diffusers' native backend, which has none: every call runs here, INT8 or exact
         self._ring = context_split(getattr(inner, "_parallel_config", None)) == "ring"
 
@@ -190,16 +195,19 @@ class Int8DiffusionProcessor:
     def _parallel_config(self, config):
         self._parallel = config
         self._ring = context_split(config) == "ring"
+        self._stock_shapes.clear()
         for inner in [self.inner] if self.inner is not None else list(self._inferred.values()):
             if hasattr(inner, "_parallel_config"):
                 inner._parallel_config = config
 
     @property
     def _attention_backend(self):
-        return getattr(self.inner, "_attention_backend", None)
+        return self._backend if self.inner is None else getattr(self.inner, "_attention_backend", None)
 
     @_attention_backend.setter
     def _attention_backend(self, backend):
+        self._backend = backend
+        self._stock_shapes.clear()
         for inner in [self.inner] if self.inner is not None else list(self._inferred.values()):
             if hasattr(inner, "_attention_backend"):
                 inner._attention_backend = backend
@@ -234,6 +242,8 @@ class Int8DiffusionProcessor:
                 inner = self._inferred[attn] = stock_processor_for(attn, with_context)
                 if self._parallel is not None and hasattr(inner, "_parallel_config"):
                     inner._parallel_config = self._parallel
+                if self._backend is not None and hasattr(inner, "_attention_backend"):
+                    inner._attention_backend = self._backend
         params, var_kw = call_params(type(inner))
         if not var_kw:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
@@ -253,23 +263,29 @@ class Int8DiffusionProcessor:
                 return inner(attn, hidden_states, *args, **kwargs)
             with RouteToInt8(self._attention):
                 return inner(attn, hidden_states, *args, **kwargs)
-        # Inputs of a shape whose every attention call the speed gate sent to SDPA last time go straight to the
-        # stock processor: the gate's decision is a function of the call's shape, mode and device, so this is what
-        # the routed copy would run, without its host time (image models at 1-4K tokens, every call gated)
-        key = None
+        # Inputs whose every attention call the speed gate sent to SDPA last time go straight to the stock
+        # processor: the gate decides by the call's mode, shapes, dtype and device, which follow from the module
+        # and its inputs' shapes, so this is what the routed copy would run, without its host time (image models
+        # at 1-4K tokens, every call gated). A backend change clears what was learnt.
+        key = shapes = None
         if self.gate is not None and self.observer is None and not tracing and not self._ring:
-            key = (id(attn), mode, hidden_states.shape, hidden_states.dtype, hidden_states.get_device(),
-                   _shape_of(context), _shape_of(args[1] if len(args) > 1 else kwargs.get("attention_mask")))
-            gated = self._stock_shapes.get(key)
+            shapes = self._stock_shapes.get(attn)
+            key = (mode, hidden_states.shape, hidden_states.dtype, hidden_states.get_device(),
+                   tuple(a.shape if isinstance(a, torch.Tensor) else None for a in args),
+                   tuple((k, v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
+            gated = None if shapes is None else shapes.get(key)
             if gated is not None:
                 self.state.gated_calls += gated
                 return inner(attn, hidden_states, *args, **kwargs)
-        int8_before, gated_before = self.state.int8_calls, self.state.gated_calls
+        before = tuple(self._outcomes)
         call = self._routed_calls.get(type(inner))
         if call is not None:
             out = call(inner, attn, hidden_states, *args, **kwargs)
-            if key is not None and self.state.int8_calls == int8_before and len(self._stock_shapes) < 256:
-                self._stock_shapes[key] = self.state.gated_calls - gated_before
+            int8, gated, other = (a - b for a, b in zip(self._outcomes, before))
+            if key is not None and gated > 0 and int8 == 0 and other == 0:
+                shapes = self._stock_shapes.setdefault(attn, {})
+                if len(shapes) < 64:
+                    shapes[key] = gated
             return out
         # first call of this processor type: check that the routed copy reaches the INT8 path; where it
         # cannot (attention reached another way), route through a torch-function mode instead
@@ -302,7 +318,7 @@ class Int8DiffusionProcessor:
         return ranges
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False):
+                   enable_gqa=False, share: tuple[int, int] | None = None):
         """What the stock processor's ``F.scaled_dot_product_attention`` call runs: this call's mode, shown to
         the observer first."""
         if not torch.compiler.is_compiling():
@@ -327,6 +343,7 @@ class Int8DiffusionProcessor:
         if self.gate is not None and not self.gate.pays(mode, query, key):
             if counting:
                 self.state.gated_calls += 1
+                self._outcomes[1] += 1
             if blocks:
                 pairs = _block_pairs(query, key)
                 self.state.count_blocks(pairs, pairs)
@@ -334,12 +351,16 @@ class Int8DiffusionProcessor:
                 query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
         if counting:
             self.state.int8_calls += 1
+            self._outcomes[0] += 1
         block_mask = self.block_mask_for(query, key, attn_mask, scale, self.current_tau())
         if blocks:
             total = _block_pairs(query, key)
             self.state.count_blocks(total if block_mask is None else block_mask.sum(), total)
-        return int8_core(mode, query, key, value, attn_mask, scale, self._static_ranges(query.device),
-                         block_mask=block_mask, qk_balance=self.qk_balance)
+        ranges = self._static_ranges(query.device)
+        if ranges is not None and share is not None:
+            ranges = heads_share(ranges, *share)
+        return int8_core(mode, query, key, value, attn_mask, scale, ranges, block_mask=block_mask,
+                         qk_balance=self.qk_balance)
 
     def block_mask_for(self, query, key, attn_mask, scale, tau: float | None) -> torch.Tensor | None:
         """The block mask this processor predicts for an INT8 call (BHSD inputs) at level ``tau`` (bool (B, H, nQB,
@@ -370,19 +391,26 @@ class Int8DiffusionProcessor:
         """What the stock processor's ``dispatch_attention_fn`` call runs: (B, S, H, D) in and out, as the
         dispatcher's. Calls for another backend than the native one go to it. Under diffusers' context parallelism
         the INT8 op runs each device's share: all tokens of its heads (Ulysses), or its queries against each K/V
-        block passed around, merged through the op's log-sum-exp (ring); ring calls that would not run INT8, and
-        both splits at once, run diffusers' own attention."""
+        block passed around, merged through the op's log-sum-exp (ring); masked ring calls (diffusers passes every
+        block the local mask) and both splits at once run diffusers' own attention."""
         dispatch = attention_dispatch()
         split = context_split(parallel_config)
-        if attention_kwargs or keeps_stock(backend, None) or (parallel_config is not None and split is None):
+        if split is not None and self.observer is not None:
+            raise ValueError("diffusion_int8: an observer (calibration) sees one device's share of a context-parallel "
+                             "model; calibrate on one device, with batches sharded by accelerate launch")
+        if (attention_kwargs or keeps_stock(backend, None) or (parallel_config is not None and split is None)
+                or (split == "ring" and attn_mask is not None)):
+            if not torch.compiler.is_compiling():
+                self._outcomes[2] += 1
             return dispatch.dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                                   attention_kwargs, backend=backend, parallel_config=parallel_config)
         if split == "ulysses":
-            forward = self._local_attention
+            cp = parallel_config.context_parallel_config
+            forward = functools.partial(self._local_attention, (cp._ulysses_local_rank, cp.ulysses_degree))
         elif split == "ring":
             # diffusers' native backend has no ring attention of its own: calls that do not run INT8 run SDPA
-            # with an exact log-sum-exp here
-            mode = self._ring_mode(query.transpose(1, 2), key.transpose(1, 2), attn_mask, dropout_p, is_causal)
+            # with its log-sum-exp here
+            mode = self._ring_mode(query.transpose(1, 2), key.transpose(1, 2), dropout_p, is_causal)
             forward = functools.partial(self._ring_block, mode)
         else:
             out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
@@ -392,11 +420,12 @@ class Int8DiffusionProcessor:
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False, forward_op=forward,
             backward_op=dispatch._native_attention_backward_op, _parallel_config=parallel_config)
 
-    def _ring_mode(self, query, key, attn_mask, dropout_p, is_causal) -> Mode:
-        """The mode a ring-split call (BHSD: this device's queries, one K/V block) runs: the schedule's INT8 mode
-        where the kernel takes the call and the gate lets it, else ``fp16``; counted as ``_attention`` counts."""
+    def _ring_mode(self, query, key, dropout_p, is_causal) -> Mode:
+        """The mode an unmasked ring-split call (BHSD: this device's queries, one K/V block) runs: the schedule's
+        INT8 mode where the kernel takes the call and the gate lets it, else ``fp16``; counted as ``_attention``
+        counts."""
         mode = self.current_mode()
-        if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal):
+        if mode is Mode.FP16 or not kernel_takes(query, key, None, dropout_p, is_causal):
             return Mode.FP16
         counting = not torch.compiler.is_compiling()
         if self.gate is not None and not self.gate.pays(mode, query, key):
@@ -407,12 +436,14 @@ class Int8DiffusionProcessor:
             self.state.int8_calls += 1
         return mode
 
-    def _local_attention(self, ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                         enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
+    def _local_attention(self, share: tuple[int, int], ctx, query, key, value, attn_mask=None, dropout_p=0.0,
+                         is_causal=False, scale=None, enable_gqa=False, return_lse=False, _save_ctx=True,
+                         _parallel_config=None):
         """The forward op diffusers' Ulysses template calls on each device's heads, (B, S, H, D) in and out
-        (inference: nothing is saved for a backward pass)."""
+        (inference: nothing is saved for a backward pass). ``share``: (this device's rank, devices): its heads are
+        that block of the module's, which the calibration's per-head ranges are sliced to."""
         out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
-                              dropout_p, is_causal, scale, enable_gqa)
+                              dropout_p, is_causal, scale, enable_gqa, share=share)
         return out.transpose(1, 2)
 
     def _ring_block(self, mode: Mode, ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -421,10 +452,9 @@ class Int8DiffusionProcessor:
         output (B, S, H, D) and log-sum-exp (B, S, H), which the template merges (inference: nothing is saved)."""
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         if mode is Mode.FP16:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
-            lse = exact_lse(q, k, attn_mask, scale=scale)
+            out, lse = sdpa_with_lse(q, k, v, scale=scale)
         else:
-            out, lse = int8_core(mode, q, k, v, attn_mask, scale, self._static_ranges(q.device),
+            out, lse = int8_core(mode, q, k, v, None, scale, self._static_ranges(q.device),
                                  qk_balance=self.qk_balance, return_lse=True)
         return out.transpose(1, 2), lse.transpose(1, 2)
 
@@ -450,8 +480,16 @@ def check_sparsity(sparsity, schedule) -> float | None:
     return sparsity
 
 
-def _shape_of(x) -> tuple | None:
-    return x.shape if isinstance(x, torch.Tensor) else None
+def heads_share(ranges: StaticRanges, rank: int, devices: int) -> StaticRanges:
+    """A module's per-head static ranges cut to the heads device ``rank`` of ``devices`` holds under Ulysses (the
+    rank-th of ``devices`` equal blocks of heads, as diffusers' all-to-all deals them)."""
+    def cut(t):
+        if t is None or t.shape[1] == 1:  # absent, or one value for every head
+            return t
+        n = t.shape[1] // devices
+        return t[:, rank * n:(rank + 1) * n]
+
+    return StaticRanges(*(cut(t) for t in ranges))
 
 
 def _block_pairs(query: torch.Tensor, key: torch.Tensor) -> int:

@@ -225,3 +225,25 @@ def test_return_lse_in_every_mode(monkeypatch):
     assert any("diffusion_int8.quantized_attention" in str(n.target) for n in graph.graph.nodes)
     empty = int8_attention(q[:, :0], k, v, mode="int8", layout="BSHD", return_lse=True)
     assert empty[0].shape == (2, 0, 4, 32) and empty[1].shape == (2, 4, 0)
+
+
+def test_sdpa_with_lse(kdev):
+    # exact attention with its log-sum-exp (mode fp16's, and the processor's exact ring blocks): on a GPU unmasked
+    # 16-bit calls come from one flash-attention kernel, the rest from SDPA and a float32 Q·Kᵀ; both against float64
+    from diffusion_int8.kernels.api import exact_lse, sdpa_with_lse
+
+    for dtype, H_kv, masked in ((torch.float16, 4, False), (torch.bfloat16, 4, False), (torch.float16, 2, True)):
+        q, k, v = realistic_qkv(2, 4, 300, 517, 64, H_kv=H_kv, dtype=dtype, device=kdev)
+        mask = None
+        if masked:
+            mask = torch.rand(2, 1, 1, 517, device=kdev) > 0.3
+            mask[1] = False  # batch 1 has no key: zeros, and -inf
+        out, lse = sdpa_with_lse(q, k, v, mask, scale=0.1)
+        ref, ref_lse = R.attention_ref(q, k, v, attn_mask=mask, sm_scale=0.1, return_lse=True)
+        keys = torch.isfinite(ref_lse)
+        assert lse.dtype == torch.float32 and torch.equal(torch.isfinite(lse), keys)
+        torch.testing.assert_close(lse[keys], ref_lse[keys].float(), atol=2e-4, rtol=1e-5)
+        torch.testing.assert_close(lse[keys], exact_lse(q, k, mask, scale=0.1)[keys], atol=2e-4, rtol=1e-5)
+        rows = keys[..., None].expand_as(out)
+        torch.testing.assert_close(out[rows].double(), ref[rows], atol=2e-2 if dtype == torch.bfloat16 else 2e-3,
+                                   rtol=0)

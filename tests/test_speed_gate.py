@@ -167,6 +167,25 @@ def test_gated_shapes_go_straight_to_the_stock_processor(family, tmp_path):
     assert not any(p._stock_shapes for p in procs)
 
 
+def test_calls_sent_to_another_backend_are_not_learnt_as_gated(tmp_path):
+    # under diffusers' attention_backend(...) the calls go to that backend without reaching the gate: nothing is
+    # learnt from them, so back on the native backend the same inputs run INT8 where it pays
+    from diffusers.models.attention_dispatch import attention_backend
+
+    model, x = build("flux")
+    path = tmp_path / "t.json"
+    table(keys=(8, 1 << 16), rows=(8, 1 << 20), speedup=((1.5, 1.5), (1.5, 1.5)), head_dim=16).save(path)
+    handle = enable(model, "int8", speed_gate=path)
+    with torch.no_grad():
+        with attention_backend("_native_math"):
+            for _ in range(3):
+                model(**x, return_dict=False)
+        assert handle.state.int8_calls == 0 and handle.state.gated_calls == 0
+        model(**x, return_dict=False)
+    assert handle.state.int8_calls == 2
+    handle.disable()
+
+
 def test_a_shared_processor_caches_each_module_apart():
     # one processor set on modules of the same input width but other head dims: the gate judges each module
     from diffusers.models.attention_processor import Attention

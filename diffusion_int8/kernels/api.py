@@ -115,10 +115,12 @@ def int8_attention(
         qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
         if block_mask is not None:
             out = _sdpa_block_sparse(qb, kb, vb, attn_mask, block_mask, call, layout)
-        else:
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=call.scale, enable_gqa=call.gqa)
-            out = out if layout == "BHSD" else out.transpose(1, 2)
-        return (out, exact_lse(qb, kb, attn_mask, block_mask, call.scale)) if return_lse else out
+            return (out, exact_lse(qb, kb, attn_mask, block_mask, call.scale)) if return_lse else out
+        if return_lse:
+            out, lse = sdpa_with_lse(qb, kb, vb, attn_mask, call.scale)
+            return (out if layout == "BHSD" else out.transpose(1, 2)), lse
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=call.scale, enable_gqa=call.gqa)
+        return out if layout == "BHSD" else out.transpose(1, 2)
     if call.empty:  # no batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         if not return_lse:
@@ -310,10 +312,28 @@ def _sdpa_block_sparse(qb, kb, vb, attn_mask, block_mask, call: _Call, layout: s
     return out if layout == "BHSD" else out.transpose(1, 2)
 
 
+def sdpa_with_lse(qb, kb, vb, attn_mask=None, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention and its log-sum-exp from BHSD views: SDPA's output (B, H, Sq, D) and float32 (B, H, Sq).
+    On a GPU, unmasked 16-bit calls with as many K/V heads as query heads take both from one flash-attention
+    kernel (``aten._scaled_dot_product_flash_attention``); other calls run SDPA and ``exact_lse``."""
+    if (qb.is_cuda and attn_mask is None and qb.dtype in _DTYPES and qb.shape[1] == kb.shape[1]
+            and qb.shape[-1] <= MAX_HEAD_DIM and qb.shape[-1] % 8 == 0):
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qb, kb, vb, 0.0, False, False,
+                                                                        scale=scale)[:2]
+            return out, lse
+        except RuntimeError:  # a shape or GPU flash attention does not take: the general path below
+            pass
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=scale,
+                                         enable_gqa=qb.shape[1] != kb.shape[1])
+    return out, exact_lse(qb, kb, attn_mask, scale=scale)
+
+
 def exact_lse(qb, kb, attn_mask=None, block_mask=None, scale: float | None = None) -> torch.Tensor:
     """The exact log-sum-exp of attention's scaled, masked logits (mode fp16's): float32 (B, H, Sq) from BHSD ``qb``
-    (B, H, Sq, D) and ``kb`` (B, Hkv, Sk, D) of any float dtype, -inf for rows without keys; in query chunks of at
-    most 2^26 scores, so its memory stays bounded."""
+    (B, H, Sq, D) and ``kb`` (B, Hkv, Sk, D) of any float dtype, -inf for rows without keys; in float32 Q·Kᵀ chunks
+    of about 2^26 scores (at least one query row each), so its memory stays bounded (a ``block_mask`` is expanded
+    to the element mask it stands for)."""
     scale = qb.shape[-1] ** -0.5 if scale is None else scale
     B, H, Sq, _ = qb.shape
     Sk = kb.shape[2]
