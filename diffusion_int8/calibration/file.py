@@ -140,7 +140,7 @@ class Calibration:
 
     # ----------------------------------------------------------------------------------------- file
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         path = Path(path)
         if path.is_dir():
@@ -151,7 +151,9 @@ class Calibration:
         for name, st in self.layers.items():
             for key, t in st.items():
                 tensors[f"{name}::{key}"] = t.contiguous()
-        save_file(tensors, str(path), metadata={_META_KEY: json.dumps(self.meta), _SHA_KEY: tensors_sha256(tensors)})
+        # serialized here and written with open(), so the file gets the mode any other file of the user's gets
+        # (safetensors' save_file makes it owner-only)
+        path.write_bytes(save(tensors, metadata={_META_KEY: json.dumps(self.meta), _SHA_KEY: tensors_sha256(tensors)}))
         return path
 
     @classmethod

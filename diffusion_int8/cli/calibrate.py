@@ -6,8 +6,8 @@
 
 Writes to ``--out``: ``calibration.safetensors``, ``schedule.json`` (the cheapest mode per step within
 ``--budget`` and, with ``--sparsity-levels``, the sparsest level within ``--sparsity-budget``),
-``summary.md``/``summary.json`` and the plots ``ranges.png``/``errors.png``, all at once
-(``outputs.output_set``): an interrupted run leaves the previous outputs or none.
+``summary.md``/``summary.json`` and the plots ``ranges.png``/``errors.png``, all at once: an interrupted run
+leaves the previous outputs or none.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ calibrate (exact attention, recording ranges and per-precision errors) → a sch
 measured errors → eval (FP16 against each INT8 mode, the schedule and calibrated static ranges, same
 seeds). On a machine without a GPU the INT8 modes run the kernel's PyTorch emulation.
 
-``--out`` receives ``calibration/`` and eval's reports and images as one set (``outputs.output_set``):
-an interrupted demo leaves the previous outputs or none.
+``--out`` receives ``calibration/`` and eval's reports and images as one set: an interrupted demo leaves the
+previous outputs or none.
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ def lpips_model(weights: str | Path | None = None, device: torch.device | str = 
         import torchvision
     except Exception as e:  # noqa: BLE001 - any import failure means unavailable
         return Unavailable(f"LPIPS needs the `lpips` package and a torchvision matching your torch "
-                           f"({type(e).__name__}: {e}); pip install lpips torchvision")
+                           f"({type(e).__name__}: {e}); install a torchvision built for your torch, then "
+                           f"pip install 'diffusion-int8[metrics]'")
     path = _weights(weights, ALEXNET_FILE, "LPIPS needs torchvision's AlexNet weights", "--lpips-weights")
     if isinstance(path, Unavailable):
         return path
