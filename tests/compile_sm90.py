@@ -88,7 +88,7 @@ def sparse_variants() -> int:
     return 4
 
 
-def hopper_variant(pv, dt="fp16", sparse=False):
+def hopper_variant(pv, dt="fp16", sparse=False, lse=False):
     """A Gluon sm_90 kernel, with its tensor descriptors typed as the launcher builds them."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -103,13 +103,13 @@ def hopper_variant(pv, dt="fp16", sparse=False):
 
     if pv is PV.FP8:
         fn, v_desc = Hp._attn_fwd_sm90_pingpong, desc("fp8e4nv", [dp, block_n], gl.float8e4nv)
-        constexprs, options = dict(STAGES=plan.stages, SPARSE=sparse, num_warps=plan.num_warps), dict(maxnreg=Hp._PINGPONG_MAXNREG)
+        constexprs, options = dict(STAGES=plan.stages, SPARSE=sparse, RETURN_LSE=lse, num_warps=plan.num_warps), dict(maxnreg=Hp._PINGPONG_MAXNREG)
     else:
         fn, v_desc = Hp._attn_fwd_sm90, desc(dt, [1, 1, block_n, dp], gl_v)
-        constexprs, options = dict(STAGES=plan.stages, SPARSE=sparse, num_warps=plan.num_warps), {}
+        constexprs, options = dict(STAGES=plan.stages, SPARSE=sparse, RETURN_LSE=lse, num_warps=plan.num_warps), {}
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(q_desc=desc("i8", [plan.block_m, dp], gl.int8), k_desc=desc("i8", [block_n, dp], gl.int8),
-               v_desc=v_desc, QS="*fp32", KS="*fp32", VS="*fp32", KB_CNT="*i32", KB_IDX="*i32", O="*" + dt)
+               v_desc=v_desc, QS="*fp32", KS="*fp32", VS="*fp32", KB_CNT="*i32", KB_IDX="*i32", O="*" + dt, LSE="*fp32")
     sig.update({n: "constexpr" for n in constexprs})
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=TARGET, options=dict(num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION, **options))
@@ -127,7 +127,8 @@ def main(everything: bool) -> int:
     for args in attn:
         attention_variant(*args)
     n_sparse = sparse_variants()
-    hopper = [(PV.FP8,), (PV.FP16,), (PV.FP16, "bf16"), (PV.FP8, "fp16", True), (PV.FP16, "fp16", True)]
+    hopper = [(PV.FP8,), (PV.FP16,), (PV.FP16, "bf16"), (PV.FP8, "fp16", True), (PV.FP16, "fp16", True),
+              (PV.FP8, "bf16", True, True), (PV.FP16, "fp16", False, True)]
     for args in hopper:
         hopper_variant(*args)
     print(f"compiled {n_quant + len(attn) + n_sparse + len(hopper)} kernels for {TARGET} with Triton {triton.__version__}")

@@ -308,7 +308,7 @@ def triton_attention(
     """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
 
     Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype), and with ``return_lse``
-    each query row's log-sum-exp (``reference.emulate_attention``'s; from the portable kernel). Three launches
+    each query row's log-sum-exp (``reference.emulate_attention``'s). Three launches
     (statistics, Q/K/V quantization, attention; two when nothing is measured, or when both sequences are
     short and the statistics and the quantization run in one) and no host synchronization. On sm_90 the attention launch is the Gluon kernel of ``hopper`` where
     it applies (``sm90=False`` forces the portable Triton kernel, for comparisons). The first call of each
@@ -373,7 +373,7 @@ def attend(
     quantized: what ``quantize_qkv`` returns; vb: the caller's V viewed
     (B, H_kv, Sk, D), read in place for fp16 P·V; ob: the output viewed (B, H, Sq, D), written in place.
     blocks: a block mask as ``block_lists`` gives it (None: dense).
-    lse: where to write each query row's log-sum-exp, float32 (B, H, Sq) contiguous (the portable kernel runs).
+    lse: where to write each query row's log-sum-exp, float32 (B, H, Sq) contiguous, or None.
     ``_ablate``: as ``triton_attention``'s; nonzero runs the portable kernel.
     """
     q8, qs, k8, ks, vk, vs = quantized
@@ -382,9 +382,9 @@ def attend(
     cfg = tile_config(D, pv)
     if pv is PV.FP16:
         vk, vs = vb, qs  # V read in place; vs unused
-    if sm90 and not _ablate and lse is None and call_kernel(ob, vb, pv, q8.shape[-1], attn_mask is not None) is Kernel.SM90_GLUON:
+    if sm90 and not _ablate and call_kernel(ob, vb, pv, q8.shape[-1], attn_mask is not None) is Kernel.SM90_GLUON:
         if hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D,
-                         blocks=blocks, runner=runner):
+                         blocks=blocks, lse=lse, runner=runner):
             return
 
     if attn_mask is None:

@@ -32,12 +32,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .config import FP8_P_SHIFT, FP_FUSION, PV, SPARSE_BLOCK, TESTED_TRITON
+from .config import FP8_P_SHIFT, FP_FUSION, LN2, PV, SPARSE_BLOCK, TESTED_TRITON
 from .launch import EAGER, Runner
 from .layout import rows_16b_aligned
 
 # FP8 P·V: P is scaled by 2^P_SHIFT into e4m3's normal range through the exponent's offset
 _P_SHIFT = gl.constexpr(FP8_P_SHIFT)
+_LN2 = gl.constexpr(LN2)
 _SPARSE_BLOCK = gl.constexpr(SPARSE_BLOCK)
 # 12 warps (two consumer warpgroups, the producer's) at 168 registers fill the 64K register file; the
 # partitions then re-split it as 240 / 240 / 24 per thread (setmaxnreg)
@@ -194,11 +195,20 @@ def _softmax(qk, qs, ks, m_i, l_i, start_n, SK, BLOCK_N: gl.constexpr, P_SHIFT: 
 
 
 @gluon.jit
-def _epilogue(acc, l_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, b, h, off_kv, SQ, D, n_kept,
-              BLOCK_M: gl.constexpr, DP: gl.constexpr, PV: gl.constexpr, o_layout: gl.constexpr,
-              st_layout: gl.constexpr, SPARSE: gl.constexpr):
+def _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv, SQ, D,
+              n_kept, BLOCK_M: gl.constexpr, DP: gl.constexpr, PV: gl.constexpr, o_layout: gl.constexpr,
+              st_layout: gl.constexpr, SPARSE: gl.constexpr, RETURN_LSE: gl.constexpr):
     """Normalize rows row0.. (l >= 1 after the first block: no masks here), apply V's channel scales, store.
-    With a block mask, rows whose block keeps no key block are 0 (their one step ran on a stand-in tile)."""
+    With a block mask, rows whose block keeps no key block are 0 (their one step ran on a stand-in tile).
+    RETURN_LSE: also each row's log-sum-exp of its (smoothed) scores at ``LSE``, float32 (B, H, SQ), natural
+    log, as the portable kernel writes it (-inf for rows without keys)."""
+    if RETURN_LSE:
+        P_SHIFT: gl.constexpr = _P_SHIFT if PV == 1 else 0.0
+        lse = (m_i + gl.log2(l_i) - P_SHIFT) * _LN2
+        if SPARSE:
+            lse = gl.where(gl.full_like(lse, n_kept) > 0, lse, float("-inf"))
+        lse_rows = row0 + gl.arange(0, BLOCK_M, layout=l_i.type.layout)
+        gl.store(LSE + (b * H + h).to(gl.int64) * SQ + lse_rows, lse, mask=lse_rows < SQ)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = acc * gl.div_rn(gl.full_like(l_o, 1.0), l_o)[:, None]
     out = gl.convert_layout(out, st_layout)
@@ -242,10 +252,10 @@ def _step(acc, m_i, l_i, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_de
 
 @gluon.jit
 def _attn_fwd_sm90(
-    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_IDX, O,
+    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_IDX, O, LSE,
     stride_ob, stride_oh, stride_os, stride_od,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, NQB, NKB,
-    STAGES: gl.constexpr, SPARSE: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, SPARSE: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """16-bit P·V (accumulated inside the MMA); one warpgroup per CTA, which also issues its TMA loads."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -315,8 +325,8 @@ def _attn_fwd_sm90(
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
 
-    _epilogue(acc, l_i, pid_m * BLOCK_M, O, stride_ob, stride_oh, stride_os, stride_od, VS, b, h, off_kv, SQ, D,
-              n_kept, BLOCK_M, DP, PV, o_layout, _store_layout(num_warps, DP), SPARSE)
+    _epilogue(acc, l_i, m_i, pid_m * BLOCK_M, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv,
+              SQ, D, n_kept, BLOCK_M, DP, PV, o_layout, _store_layout(num_warps, DP), SPARSE, RETURN_LSE)
 
 
 # ---- FP8 P·V: two consumer warpgroups in ping-pong and a producer warp ----
@@ -363,11 +373,11 @@ def _pp_step(acc, m_i, l_i, alpha_prev, ks_j, pos_next, j, q_smem, k_bufs, k_rea
 
 @gluon.jit
 def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs, my_turn, other_turn,
-                 QS, KS, VS, O, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, off_kv,
+                 QS, KS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H, off_kv,
                  SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, idx_row, n_kept,
                  cid: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr,
                  STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, st_layout: gl.constexpr,
-                 SPARSE: gl.constexpr):
+                 SPARSE: gl.constexpr, RETURN_LSE: gl.constexpr):
     """Consumer ``cid``: query rows [cid·64, cid·64 + 64) of the CTA's 128, one round per key block + 1."""
     q_smem = q_bufs.index(cid)
     row0 = pid_m * (2 * BLOCK_M) + cid * BLOCK_M
@@ -410,8 +420,8 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bu
     mbarrier.arrive(other_turn, count=1)
     pv = warpgroup_mma_wait(0, deps=[pv_tok])
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
-    _epilogue(acc, l_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, b, h, off_kv, SQ, D, n_kept,
-              BLOCK_M, DP, 1, o_layout, st_layout, SPARSE)
+    _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv, SQ, D,
+              n_kept, BLOCK_M, DP, 1, o_layout, st_layout, SPARSE, RETURN_LSE)
 
 
 @gluon.jit
@@ -436,10 +446,10 @@ def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, v_bufs
 
 @gluon.jit
 def _attn_fwd_sm90_pingpong(
-    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_IDX, O,
+    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_IDX, O, LSE,
     stride_ob, stride_oh, stride_os, stride_od,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, NQB, NKB,
-    STAGES: gl.constexpr, SPARSE: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, SPARSE: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """FP8 P·V; 128 query rows per CTA: two consumer warpgroups (the default partition and worker 0) of 64
     rows each, and a producer warp (worker 1) that loads Q and the K/V ring.
@@ -486,13 +496,13 @@ def _attn_fwd_sm90_pingpong(
 
     gl.warp_specialize([
         (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs0, turn0, turn1,
-                        QS, KS, VS, O, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, off_kv,
-                        SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, idx_row, n_kept,
-                        0, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, SPARSE)),
+                        QS, KS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
+                        off_kv, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, idx_row, n_kept,
+                        0, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, SPARSE, RETURN_LSE)),
         (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs1, turn1, turn0,
-                        QS, KS, VS, O, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, off_kv,
-                        SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, idx_row, n_kept,
-                        1, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, SPARSE)),
+                        QS, KS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
+                        off_kv, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, idx_row, n_kept,
+                        1, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, SPARSE, RETURN_LSE)),
         (_pp_producer, (q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free,
                         pid_m, off_bh, b, h_kv, off_kv * SK_PAD, off_kv * DP, SQ_PAD, N_BLOCKS, idx_row, n_kept,
                         BLOCK_M, BLOCK_N, STAGES, SPARSE)),
@@ -555,11 +565,12 @@ compile_failure: str | None = None
 
 
 def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int,
-           blocks=None, runner: Runner = EAGER) -> bool:
+           blocks=None, lse=None, runner: Runner = EAGER) -> bool:
     """Run the sm_90 kernel on quantized Q/K (and V, FP8) from ``quantize.quantize_qkv``.
 
     q8 (B, H, Sq_pad, DP) int8; k8 (B, H_kv, Sk_pad, DP) int8; v: the FP8 Vᵀ (B, H_kv, DP, Sk_pad) or the
-    caller's 16-bit V viewed (B, H_kv, Sk, D); ob: the output viewed (B, H, Sq, D).
+    caller's 16-bit V viewed (B, H_kv, Sk, D); ob: the output viewed (B, H, Sq, D); lse: where to write each query
+    row's log-sum-exp, float32 (B, H, Sq) contiguous, or None.
 
     Returns False, having written nothing, when the kernel cannot be built with this Triton (its Gluon
     compiler rejects it at the first call): then one warning says why, ``compile_failure`` keeps the
@@ -568,7 +579,7 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
     global compile_failure
     try:
         _launch(q8, qs, k8, ks, v, vs, ob, pv=pv, block_n=block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D, blocks=blocks,
-                runner=runner)
+                lse=lse, runner=runner)
     except Exception as exc:  # noqa: BLE001 - a compiler error of any kind; the portable kernel computes the same
         compile_failure = (f"the sm_90 Gluon kernel failed to compile with Triton {triton.__version__} "
                            f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})")
@@ -579,7 +590,7 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
 
 
 def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int,
-            blocks, runner: Runner) -> None:
+            blocks, lse, runner: Runner) -> None:
     B, _, sq_pad, dp = q8.shape
     sk_pad = k8.shape[2]
     plan = _plan(dp, pv)
@@ -595,8 +606,8 @@ def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: in
     assert plan.rows == SPARSE_BLOCK  # a CTA's rows are one block of a block mask
     counts, idx = blocks if blocks is not None else (qs, qs)
     runner.launch(fn, grid, (
-        q_desc, k_desc, v_desc, qs, ks, vs, counts, idx, ob, *ob.stride(),
+        q_desc, k_desc, v_desc, qs, ks, vs, counts, idx, ob, lse if lse is not None else qs, *ob.stride(),
         H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
         triton.cdiv(Sq, SPARSE_BLOCK), triton.cdiv(Sk, SPARSE_BLOCK),
-        plan.stages, blocks is not None,  # STAGES, SPARSE; num_warps below
+        plan.stages, blocks is not None, lse is not None,  # STAGES, SPARSE, RETURN_LSE; num_warps below
     ), dict(num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION, **options))

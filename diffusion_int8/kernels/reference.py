@@ -140,8 +140,14 @@ def smoothing_offset(q: torch.Tensor, k: torch.Tensor, sm_scale: float, smooth_k
     B, H, _, D = q.shape
     H_kv = k.shape[1]
     mean = token_mean(k) if k_mean is None else k_mean.float().expand(B, H_kv, D)
-    mean = mean.index_select(1, _gqa_index(H, H_kv, q.device))
-    return (q.float() @ mean[..., None]).squeeze(-1) * sm_scale
+    # the mean in Q's 16-bit type, products summed in float32: on a GPU one batched GEMV per batch element reads Q
+    # in place (a float32 copy of Q cost as much as the rest of the log-sum-exp)
+    mean = mean.index_select(1, _gqa_index(H, H_kv, q.device)).to(q.dtype)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out = torch.stack([torch.bmm(q[b], mean[b, :, :, None], out_dtype=torch.float32) for b in range(B)])
+    else:
+        out = q.float() @ mean.float()[..., None]
+    return out.squeeze(-1) * sm_scale
 
 
 def quantize_k(
