@@ -80,9 +80,10 @@ def int8_attention(
             makes the rows that attend to its quantization block NaN. Non-finite values are never
             silently replaced.
         return_lse: also return each query row's log-sum-exp of its scaled (and masked) logits, as the INT8
-            modes computed them (their quantized scores): what ring attention merges partial results with. It
-            comes from the portable Triton kernel (the sm_90 Gluon kernels do not write it). Mode ``fp16`` computes
-            it exactly, with one more Q·Kᵀ in float32.
+            modes computed them (their quantized scores, K's smoothing added back): what ring attention merges
+            partial results with. Every kernel writes it in its epilogue; adding the smoothing back reads K and Q
+            once more (0.1 ms at Flux's shape on an H100). Mode ``fp16`` computes it exactly (flash attention's on
+            a GPU, else a float32 Q·Kᵀ).
 
     Returns:
         Attention output shaped like ``q`` (contiguous in ``layout``), in ``q``'s dtype; with ``return_lse``, the
