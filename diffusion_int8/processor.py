@@ -195,10 +195,7 @@ class Int8DiffusionProcessor:
     def _parallel_config(self, config):
         self._parallel = config
         self._ring = context_split(config) == "ring"
-        self._stock_shapes.clear()
-        for inner in [self.inner] if self.inner is not None else list(self._inferred.values()):
-            if hasattr(inner, "_parallel_config"):
-                inner._parallel_config = config
+        self._set_on_stock("_parallel_config", config)
 
     @property
     def _attention_backend(self):
@@ -207,10 +204,15 @@ class Int8DiffusionProcessor:
     @_attention_backend.setter
     def _attention_backend(self, backend):
         self._backend = backend
+        self._set_on_stock("_attention_backend", backend)
+
+    def _set_on_stock(self, name: str, value) -> None:
+        """Set ``name`` on the stock processor(s) this one runs, where they have it; what the fast path learnt
+        under the old setting is forgotten."""
         self._stock_shapes.clear()
         for inner in [self.inner] if self.inner is not None else list(self._inferred.values()):
-            if hasattr(inner, "_attention_backend"):
-                inner._attention_backend = backend
+            if hasattr(inner, name):
+                setattr(inner, name, value)
 
     def current_mode(self) -> Mode:
         if self.schedule is None:
