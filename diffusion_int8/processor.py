@@ -259,8 +259,8 @@ class Int8DiffusionProcessor:
         self._text = (context.shape[-2], text_position(inner)) if isinstance(context, torch.Tensor) else (0, None)
         if torch.compiler.is_compiling():
             # dynamo cannot trace a function whose globals differ from its module's; a torch-function mode
-            # costs nothing in a compiled graph (it is traced away). As in eager, another attention backend
-            # or a context-parallel split keeps the stock processor.
+            # costs nothing in a compiled graph (it is traced away). Another attention backend or a
+            # context-parallel split keeps the stock processor here (for ring, diffusers needs a backend that has it).
             if other_backend(inner):
                 return inner(attn, hidden_states, *args, **kwargs)
             with RouteToInt8(self._attention):
@@ -484,7 +484,11 @@ def check_sparsity(sparsity, schedule) -> float | None:
 
 def heads_share(ranges: StaticRanges, rank: int, devices: int) -> StaticRanges:
     """A module's per-head static ranges cut to the heads device ``rank`` of ``devices`` holds under Ulysses (the
-    rank-th of ``devices`` equal blocks of heads, as diffusers' all-to-all deals them)."""
+    rank-th of ``devices`` equal blocks of heads, as diffusers' all-to-all deals them). Where the heads do not
+    divide evenly (diffusers' ``ulysses_anything`` pads them), no static ranges: the call measures its own."""
+    if any(t is not None and t.shape[1] % devices for t in ranges):
+        return StaticRanges()
+
     def cut(t):
         if t is None or t.shape[1] == 1:  # absent, or one value for every head
             return t

@@ -247,3 +247,5 @@ def test_sdpa_with_lse(kdev):
         rows = keys[..., None].expand_as(out)
         torch.testing.assert_close(out[rows].double(), ref[rows], atol=2e-2 if dtype == torch.bfloat16 else 2e-3,
                                    rtol=0)
+    q, k, v = realistic_qkv(1, 2, 5, 3, 64, device=kdev)
+    assert (sdpa_with_lse(q, k[:, :, :0], v[:, :, :0])[1] == -math.inf).all()  # no keys (flash's own says +inf)

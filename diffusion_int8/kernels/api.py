@@ -318,7 +318,7 @@ def sdpa_with_lse(qb, kb, vb, attn_mask=None, scale: float | None = None) -> tup
     On a GPU, unmasked 16-bit calls with as many K/V heads as query heads take both from one flash-attention
     kernel (``aten._scaled_dot_product_flash_attention``); other calls run SDPA and ``exact_lse``."""
     if (qb.is_cuda and attn_mask is None and qb.dtype in _DTYPES and qb.shape[1] == kb.shape[1]
-            and qb.shape[-1] <= MAX_HEAD_DIM and qb.shape[-1] % 8 == 0):
+            and qb.shape[-1] <= MAX_HEAD_DIM and qb.shape[-1] % 8 == 0 and qb.shape[2] > 0 and kb.shape[2] > 0):
         try:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qb, kb, vb, 0.0, False, False,
                                                                         scale=scale)[:2]

@@ -140,14 +140,17 @@ def smoothing_offset(q: torch.Tensor, k: torch.Tensor, sm_scale: float, smooth_k
     B, H, _, D = q.shape
     H_kv = k.shape[1]
     mean = token_mean(k) if k_mean is None else k_mean.float().expand(B, H_kv, D)
-    # the mean in Q's 16-bit type, products summed in float32: on a GPU one batched GEMV per batch element reads Q
-    # in place (a float32 copy of Q cost as much as the rest of the log-sum-exp)
-    mean = mean.index_select(1, _gqa_index(H, H_kv, q.device)).to(q.dtype)
+    # the mean as two of Q's 16-bit numbers (high and low parts: 16 bits of mantissa in bf16), products summed in
+    # float32: on a GPU one batched GEMV per batch element reads Q in place (a float32 copy of Q cost as much as
+    # the rest of the log-sum-exp)
+    mean = mean.index_select(1, _gqa_index(H, H_kv, q.device))
+    hi = mean.to(q.dtype)
+    parts = torch.stack([hi, (mean - hi.float()).to(q.dtype)], dim=-1)  # (B, H, D, 2)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out = torch.stack([torch.bmm(q[b], mean[b, :, :, None], out_dtype=torch.float32) for b in range(B)])
+        out = torch.stack([torch.bmm(q[b], parts[b], out_dtype=torch.float32) for b in range(B)])
     else:
-        out = q.float() @ mean.float()[..., None]
-    return out.squeeze(-1) * sm_scale
+        out = q.float() @ parts.float()
+    return out.sum(-1) * sm_scale
 
 
 def quantize_k(
