@@ -82,7 +82,7 @@ def int8_attention(
         return_lse: also return each query row's log-sum-exp of its scaled (and masked) logits, as the INT8
             modes computed them (their quantized scores, K's smoothing added back): what ring attention merges
             partial results with. Every kernel writes it in its epilogue; adding the smoothing back reads K and Q
-            once more (0.1 ms at Flux's shape on an H100). Mode ``fp16`` computes it exactly (flash attention's on
+            once more (0.13 ms at Flux's shape on an H100). Mode ``fp16`` computes it exactly (flash attention's on
             a GPU, else a float32 Q·Kᵀ).
 
     Returns:
