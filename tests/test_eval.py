@@ -67,6 +67,8 @@ def test_fid_and_kid():
 
 
 def test_offline_weights_are_reported_not_invented(tmp_path, monkeypatch):
+    import torchmetrics  # noqa: F401 - imported before torchvision is faked below (it looks torchvision up on import)
+
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty"))
     # with the packages importable (faked here) the message names the weights and how to give them
     monkeypatch.setitem(sys.modules, "lpips", types.ModuleType("lpips"))
