@@ -145,7 +145,8 @@ def inception_model(weights: str | Path | None = None, device: torch.device | st
         from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
     except Exception as e:  # noqa: BLE001
         return Unavailable(f"FID/KID need torch-fidelity and a torchvision matching your torch "
-                           f"({type(e).__name__}: {e}); pip install torch-fidelity torchvision")
+                           f"({type(e).__name__}: {e}); install a torchvision built for your torch, then "
+                           f"pip install 'diffusion-int8[metrics]'")
     path = _weights(weights, INCEPTION_FILE, "FID/KID need torch-fidelity's Inception weights", "--fid-weights")
     if isinstance(path, Unavailable):
         return path
