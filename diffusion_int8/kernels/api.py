@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch
 from .config import (ENV_BACKEND, ENV_PV8, MAX_HEAD_DIM, PV, SPARSE_BLOCK, Backend, Kernel, Mode, padded_head_dim,
                      pv_for_mode, select_backend)
 from .launch import signature
+from .layout import to_bhsd
 from .ops import dispatch
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -126,7 +127,7 @@ def int8_attention(
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         if not return_lse:
             return out
-        B, H, Sq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "BHSD" else (q.shape[0], q.shape[2], q.shape[1])
+        B, H, Sq = to_bhsd(q, layout).shape[:3]
         return out, torch.full((B, H, Sq), float("-inf"), device=q.device)
     if key is not None and call.backend is Backend.TRITON and not _dispatch_mode():
         # plain eager tensors: straight to the launch plan of this signature (the custom op's dispatch layers do

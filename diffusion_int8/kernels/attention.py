@@ -325,7 +325,7 @@ def triton_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = None
     if return_lse:
-        B, H, Sq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "BHSD" else (q.shape[0], q.shape[2], q.shape[1])
+        B, H, Sq = to_bhsd(q, layout).shape[:3]
         lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     inputs = [q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out, lse]
 

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .config import PV, Backend
+from .layout import to_bhsd
 from .reference import emulate_attention
 
 
@@ -58,7 +59,7 @@ quantized_attention = torch.library.custom_op("diffusion_int8::quantized_attenti
 @quantized_attention.register_fake
 def _(q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, layout, pv, sm_scale, smooth_k, qk_balance, backend,
       return_lse):
-    B, H, Sq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "BHSD" else (q.shape[0], q.shape[2], q.shape[1])
+    B, H, Sq = to_bhsd(q, layout).shape[:3]
     lse = q.new_empty((B, H, Sq) if return_lse else (0,), dtype=torch.float32)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
 
