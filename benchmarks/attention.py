@@ -39,7 +39,13 @@ SHAPES = {  # name: (B, H, N, D), from ../shared/ANCHORS.md
     "dit": (4, 16, 1024, 72),
     "sd15": (2, 8, 4096, 40),
     "short": (8, 16, 1024, 64),
+    "wan": (1, 12, 32760, 128),
+    "sd35": (2, 38, 4429, 64),
 }
+# The speed targets at long sequences: the whole call replayed from a CUDA graph against cuDNN replayed the same
+# way (int8, int8_fp16v), and the attention kernel alone in TOPS by head dim (from 4K tokens on)
+TARGETS = {"flux": (1.35, 1.15), "long": (1.5, 1.15), "wan": (1.5, 1.15), "cogvideox": (1.45, 1.25), "sd35": (1.3, None)}
+KERNEL_TOPS = {128: 900, 64: 620}
 
 
 def bench(fn) -> float:
@@ -246,8 +252,28 @@ def print_shape(name, res):
         if "ms_rounds" in r and len(r["ms_rounds"]) == 2:  # mean of two rounds, ± half their difference
             ms += f" ±{abs(r['ms_rounds'][0] - r['ms_rounds'][1]) / 2 / r['ms']:.0%}"
         print(f"| {label:44s} | {ms} | {r['tflops']:.0f} | {r['vs_cudnn']:.2f} | {r['vs_flash']:.2f} | {acc} |")
+    print_targets(name, res)
     for pv, best in res.get("sweep", {}).items():
         print(f"  best tiles {pv}: " + "; ".join(f"{t['cfg']} {t['ms']:.3f}ms" for t in best[:3]))
+
+
+def print_targets(name, res):
+    """The shape's speed targets beside what this run measured."""
+    rows, D, N = res["rows"], res["shape"]["D"], res["shape"]["N"]
+    checks = []
+    for label, target in zip(("[graph] int8 (fp8 P·V)", "[graph] int8_fp16v"), TARGETS.get(name, (None, None))):
+        if target is not None and "vs_cudnn" in rows.get(label, {}):
+            checks.append((f"{label} vs cuDNN", f"≥ {target:.2f}×", f"{rows[label]['vs_cudnn']:.2f}×",
+                           rows[label]["vs_cudnn"] >= target))
+    alone = rows.get("[graph] int8 (fp8 P·V), attention kernel alone", {})
+    if N >= 4096 and D in KERNEL_TOPS and "tflops" in alone:
+        checks.append(("int8 attention kernel alone", f"≥ {KERNEL_TOPS[D]} TOPS", f"{alone['tflops']:.0f} TOPS",
+                       alone["tflops"] >= KERNEL_TOPS[D]))
+    if checks:
+        print(f"\n| {name}: target | wanted | measured | met |\n|---|---|---|---|")
+        for what, want, got, met in checks:
+            print(f"| {what} | {want} | {got} | {'yes' if met else 'no'} |")
+    res["targets"] = [dict(zip(("what", "wanted", "measured", "met"), c)) for c in checks]
 
 
 if __name__ == "__main__":
