@@ -7,7 +7,9 @@ Inputs are ``testing.realistic_qkv`` (K channel bias, sink token) with ``--gain`
 ``separate`` gives Q and K outlier channels of their own (each channel ``gain`` times larger), ``shared`` the
 same channels in both (each sqrt(gain), so their product is ``gain`` times larger), and ``shared, both ×gain``
 the extreme of each ``gain`` times larger in the same channels (products ``gain``² larger). Every cell is the
-worst cosine against float64 attention over the seeds. On the GPU the last rows time the whole call at Flux's
+worst cosine against float64 attention over the seeds. ``--static`` adds static per-head ranges (a calibration's
+kind, here the maxima of the same inputs) with and without a given balance (``Calibration.ranges(...,
+balance=True)``'s, from the channel maxima). On the GPU the last rows time the whole call at Flux's
 and SDXL's shapes with and without the balance, replayed from CUDA graphs in one run (``--timing-only``
 skips the accuracy grid).
 """
@@ -23,14 +25,28 @@ import time
 import torch
 
 from diffusion_int8 import int8_attention
-from diffusion_int8.kernels.reference import attention_ref
+from diffusion_int8.kernels.reference import attention_ref, balance_from_ranges, token_mean
 from diffusion_int8.testing import cosine, graph_ms, realistic_qkv
 
 KINDS = {"separate": dict(outliers="separate"), "shared": dict(outliers="shared"),
          "shared, both ×gain": dict(outliers="shared", square=True)}
 
 
-def worst_cos(device, D, S, n, kind, gain, mode, balance, seeds):
+def static_inputs(q, k, v, balance):
+    """Static ranges as a calibration gives them, here the maxima of the inputs themselves: per head for Q and K,
+    per channel for V, K's token mean; with ``balance``, the balance of the channel maxima and ranges of the
+    balanced Q and K (what ``Calibration.ranges(..., balance=True)`` makes of recorded maxima)."""
+    mean = token_mean(k)
+    qf, kf = q.float(), k.float() - mean[:, :, None]
+    static = dict(v_amax=v.float().abs().amax(2), k_mean=mean)
+    if balance:
+        bal = balance_from_ranges(qf.abs().amax(2), kf.abs().amax(2))
+        qf, kf = qf / bal[:, :, None], kf * bal[:, :, None]
+        static["qk_balance"] = bal
+    return dict(static, q_amax=qf.abs().amax((2, 3)), k_amax=kf.abs().amax((2, 3)))
+
+
+def worst_cos(device, D, S, n, kind, gain, mode, balance, seeds, static=False):
     opts = dict(KINDS[kind])
     square = opts.pop("square", False)
     worst = 1.0
@@ -38,7 +54,8 @@ def worst_cos(device, D, S, n, kind, gain, mode, balance, seeds):
         q, k, v = realistic_qkv(1, 2, S, S, D, device=device, seed=seed * 1000 + D + S + n,
                                 outlier_gain=gain**2 if square else gain, n_outliers=n, **opts)
         ref = attention_ref(q, k, v)
-        out = int8_attention(q, k, v, mode=mode, qk_balance=balance)
+        kw = static_inputs(q, k, v, balance) if static else dict(qk_balance=balance)
+        out = int8_attention(q, k, v, mode=mode, **kw)
         worst = min(worst, cosine(out, ref).item())
     return worst
 
@@ -52,6 +69,7 @@ def main():
     ap.add_argument("--gain", type=float, default=20.0)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--timing-only", action="store_true", help="only the timing rows (GPU)")
+    ap.add_argument("--static", action="store_true", help="also static ranges, with and without a given balance")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -62,9 +80,10 @@ def main():
                              [int(s) for s in args.lengths.split(",")], [int(n) for n in args.outliers.split(",")])
     for kind, D, S, n in [] if args.timing_only else grid:
         row = dict(kind=kind, D=D, S=S, n=n)
-        for mode, balance in itertools.product(("int8_fp16v", "int8"), (False, True)):
-            row[f"{mode}{'' if balance else ', no balance'}"] = worst_cos(dev, D, S, n, kind, args.gain, mode, balance,
-                                                                           args.seeds)
+        for static, mode, balance in itertools.product((False, True) if args.static else (False,),
+                                                       ("int8_fp16v", "int8"), (False, True)):
+            label = f"{mode}{', static' if static else ''}{'' if balance else ', no balance'}"
+            row[label] = worst_cos(dev, D, S, n, kind, args.gain, mode, balance, args.seeds, static)
         rows.append(row)
         print(row, flush=True)
     if rows:

@@ -132,6 +132,8 @@ class Int8DiffusionProcessor:
             blocks holding the text tokens are always kept.
         qk_balance: ``int8_attention``'s Q·Kᵀ channel balance, for models whose Q and K carry outlier channels
             of their own (see its docstring; applies with measured ranges and at least 1,024 queries per head).
+            With a calibration, the balance is the calibration's static one (``Calibration.ranges(...,
+            balance=True)``), which files from ``calibrate`` since schema 4 hold; older files warn and run without.
     """
 
     def __init__(
@@ -166,6 +168,8 @@ class Int8DiffusionProcessor:
         calibration = as_calibration(calibration)
         if calibration is not None and name not in calibration.layers:
             raise ValueError(f"the calibration has no layer {name!r}: pass the module's name (enable() does)")
+        if calibration is not None and qk_balance and not calibration.has_channel_ranges():
+            _warn_no_channel_ranges(calibration.meta.get("schema_version"))
         self.calibration = calibration
         self.observer = observer
         self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -315,7 +319,8 @@ class Int8DiffusionProcessor:
             return None
         t, dev, ranges = self._ranges
         if t != self.state.timestep or dev != device:
-            ranges = self.calibration.ranges(self.name, self.state.timestep, device)
+            ranges = self.calibration.ranges(self.name, self.state.timestep, device,
+                                             balance=self.qk_balance and self.calibration.has_channel_ranges())
             self._ranges = (self.state.timestep, device, ranges)
         return ranges
 
@@ -480,6 +485,13 @@ def check_sparsity(sparsity, schedule) -> float | None:
         raise ValueError(f"schedule {schedule.name!r} sets sparsity levels of its own; give sparsity= or a schedule "
                          f"with levels, not both")
     return sparsity
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_channel_ranges(schema) -> None:
+    warnings.warn(f"diffusion_int8: qk_balance=True with a schema {schema} calibration, which has no per-channel Q/K "
+                  f"maxima: its static ranges run without the Q·Kᵀ balance. Run `diffusion-int8 calibrate` again to "
+                  f"record them.", UserWarning, stacklevel=4)
 
 
 def heads_share(ranges: StaticRanges, rank: int, devices: int) -> StaticRanges:

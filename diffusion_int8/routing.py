@@ -105,8 +105,9 @@ def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
               *, ranges=None, block_mask=None, qk_balance=False):
     """``scaled_dot_product_attention``'s signature (BHSD), in ``mode``; cases the kernel does not cover go to SDPA.
 
-    ``ranges``: optional ``StaticRanges`` for ``int8_attention``, shaped (1, H), (1, H), (1, H, D), (1, H, D)
-    (``Calibration.ranges``; ``k_mean`` may be None). ``block_mask`` and ``qk_balance``: as ``int8_attention``
+    ``ranges``: optional ``StaticRanges`` for ``int8_attention``, shaped (1, H), (1, H), (1, H, D), (1, H, D), (1, H, D)
+    (``Calibration.ranges``; ``k_mean`` and ``qk_balance`` may be None; a balance given there replaces
+    ``qk_balance``). ``block_mask`` and ``qk_balance``: as ``int8_attention``
     takes them (a block mask applies to INT8 calls only; calls that go to SDPA are dense).
     """
     mode = Mode.parse(mode)
@@ -131,6 +132,8 @@ def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(torch.float32)
     r = ranges if ranges is not None else _NO_RANGES
+    if r.qk_balance is not None:  # a calibrated balance, which the static ranges are of
+        qk_balance = r.qk_balance
     out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,
                          qk_balance=qk_balance, q_amax=r.q_amax, k_amax=r.k_amax, v_amax=r.v_amax, k_mean=r.k_mean,
                          block_mask=block_mask, return_lse=return_lse)

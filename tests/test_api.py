@@ -70,15 +70,19 @@ def test_opcheck_cpu(kdev):
     backend = config.select_backend(q.device).value
     mask = torch.rand(1, 1, 40, 72, device=kdev) > 0.3
     mask[..., 0] = True
-    args = (q, k, v, mask, None, None, None, None, None, "BHSD", "fp8", 0.125, True, True, backend, False)
+    args = (q, k, v, mask, None, None, None, None, None, None, "BHSD", "fp8", 0.125, True, True, backend, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     blocks = torch.tensor([True, False], device=kdev).view(1, 2, 1, 1)  # head 1 skips its one block: zeros
-    args = (q, k, v, None, blocks, None, None, None, None, "BHSD", "fp16", 0.125, True, False, backend, True)
+    args = (q, k, v, None, blocks, None, None, None, None, None, "BHSD", "fp16", 0.125, True, False, backend, True)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     # every static input given: no statistics pass
     static = (q.float().abs().amax((2, 3)), torch.full((1, 2), 3.0, device=kdev), v.float().abs().amax(2),
               k.float().mean(2))
-    args = (q, k, v, None, None, *static, "BHSD", "fp8", 0.125, True, True, backend, True)
+    args = (q, k, v, None, None, *static, None, "BHSD", "fp8", 0.125, True, True, backend, True)
+    torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
+    # and a given Q·Kᵀ balance with them
+    balance = torch.tensor([0.5, 1.0, 2.0, 4.0], device=kdev).repeat(16)
+    args = (q, k, v, None, None, *static, balance, "BHSD", "int8", 0.125, True, False, backend, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
 
 
@@ -110,6 +114,10 @@ def _qkv(**over):
         (dict(v_amax=torch.ones(2, 64, dtype=torch.int32)), TypeError, "float tensor"),
         (dict(k_mean=torch.ones(3, 64)), ValueError, r"k_mean of shape \(3, 64\) does not broadcast to \(1, 2, 64\)"),
         (dict(k_mean=torch.zeros(64), smooth_k=False), ValueError, "needs smooth_k=True"),
+        (dict(qk_balance=1), TypeError, "qk_balance must be True, False or a tensor"),
+        (dict(qk_balance=torch.ones(3, 64)), ValueError, r"qk_balance of shape \(3, 64\) does not broadcast"),
+        (dict(qk_balance=torch.ones(64, dtype=torch.int32)), TypeError, "qk_balance must be a float tensor"),
+        (dict(qk_balance=torch.ones(64), mode="fp16"), ValueError, "do not apply to mode 'fp16'"),
     ],
 )
 def test_bad_inputs_raise(kwargs, exc, match):
@@ -169,11 +177,11 @@ def test_tracers_record_the_op_and_eager_skips_its_layers(monkeypatch):
     torch.testing.assert_close(eager, out, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["q_amax", "k_amax", "v_amax", "k_mean"])
+@pytest.mark.parametrize("name", ["q_amax", "k_amax", "v_amax", "k_mean", "qk_balance"])
 def test_invalid_static_ranges_are_refused_on_cpu(name, monkeypatch):
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
     q = k = v = torch.randn(1, 2, 16, 32, dtype=torch.float16)
-    shape = (1, 2, 32) if name in ("v_amax", "k_mean") else (1, 2)
+    shape = (1, 2, 32) if name in ("v_amax", "k_mean", "qk_balance") else (1, 2)
     bads = (float("nan"), float("inf")) if name == "k_mean" else (0.0, -1.0, float("nan"), float("inf"))
     for bad in bads:
         t = torch.ones(shape)

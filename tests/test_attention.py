@@ -123,6 +123,29 @@ def test_sm90_kernel_against_portable(kdev, pv):
         check(run_kernel(q, k, v, sm90=False, **kw), emu, ref, pv, dtype, bounds_for(pv, Sq, Sk))
 
 
+@pytest.mark.parametrize("pv", list(PV))
+def test_given_balance_against_emulation(kdev, pv):
+    # A calibrated-style balance (a tensor, powers of two) with static ranges of the balanced Q and K: the kernel
+    # matches the emulation, and on Q outlier channels K does not share it is far closer to float64 than without.
+    # (Static per-head ranges on 20x outlier channels stay short of BOUNDS, which per-token ranges meet.)
+    S = 200 if kdev == "cpu" else 2000
+    q, k, v = realistic_qkv(1, 4, S, S + 37, 128, H_kv=2, device=kdev, outliers="separate")
+    mean = R.token_mean(k)
+    bal = R.balance_scales(q, k, mean)[..., :128]
+    assert (bal != 1).any()
+    qg = q.float() / bal.repeat_interleave(2, dim=1)[:, :, None]
+    static = dict(q_amax=qg.abs().amax((2, 3)), k_amax=((k.float() - mean[:, :, None]) * bal[:, :, None]).abs().amax((2, 3)),
+                  k_mean=mean, v_amax=v.float().abs().amax(2))
+    kw = dict(layout="BHSD", pv=pv, **static)
+    ref = R.attention_ref(q, k, v)
+    emu = R.emulate_attention(q, k, v, qk_balance=bal, **kw)
+    check(run_kernel(q, k, v, qk_balance=bal, **kw), emu, ref, pv, q.dtype, bounds=(0.997, 0.06))
+    plain = dict(static, q_amax=q.float().abs().amax((2, 3)), k_amax=(k.float() - mean[:, :, None]).abs().amax((2, 3)))
+    err_plain = 1 - cos_l1(R.emulate_attention(q, k, v, layout="BHSD", pv=pv, **plain), ref)[0]
+    print(f"static ranges, 1 - cos: {1 - cos_l1(emu, ref)[0]:.2e} balanced, {err_plain:.2e} not")
+    assert 1 - cos_l1(emu, ref)[0] < 0.5 * err_plain
+
+
 def test_strided_inputs_without_copy(kdev):
     # q/k/v as slices of one fused projection (B, S, 3, H, D): non-contiguous, read through strides
     B, S, H, D = 2, 96, 4, 64

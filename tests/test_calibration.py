@@ -18,6 +18,9 @@ from diffusion_int8.testing import rel_l1
 from tiny_models import build
 
 
+SCHEMA_4 = ("q_cmax", "k_cmax", "fit.qc", "fit.kc")  # the per-channel Q/K maxima, since schema 4
+
+
 @pytest.fixture(autouse=True)
 def _emulation(monkeypatch):
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
@@ -50,6 +53,8 @@ def test_input_stats_direct():
             torch.testing.assert_close(st["k_mean"][b, h], k[b, h].mean(0))
             assert st["q_max"][b, h] == q[b, h].abs().max() and st["k_max"][b, h] == pytest.approx(float(ks.abs().max()))
             torch.testing.assert_close(st["v_amax"][b, h], v[b, h].abs().amax(0))
+            torch.testing.assert_close(st["q_cmax"][b, h], q[b, h].abs().amax(0))
+            torch.testing.assert_close(st["k_cmax"][b, h], ks.abs().amax(0))
 
 
 def collect_dit(batches=2, steps=3, record_inputs=None):
@@ -142,14 +147,14 @@ def test_file_round_trip_and_no_overwrite(tmp_path):
 def test_schema_1_file_loads_without_k_mean(tmp_path):
     # files written before K's mean and the Q/K maxima were recorded: p99 ranges, measured smoothing
     _, cal = make_calibration()
-    schema_2 = ("q_max", "k_max", "k_mean", "fit.qmax", "fit.kmax", "fit.m")
+    schema_2 = ("q_max", "k_max", "k_mean", "fit.qmax", "fit.kmax", "fit.m", *SCHEMA_4)
     old = Calibration({**cal.meta, "schema_version": 1}, cal.timesteps, cal.noise,
                       {n: {k: t for k, t in st.items() if k not in schema_2} for n, st in cal.layers.items()})
     with pytest.warns(UserWarning, match="schema 1 calibration: it has no Q/K maxima"):
         back = Calibration.load(old.save(tmp_path / "v1.safetensors"))
     layer = next(iter(cal.layers))
-    *ranges, k_mean = back.ranges(layer, 500.0)
-    assert k_mean is None
+    *ranges, k_mean, balance = back.ranges(layer, 500.0)
+    assert k_mean is None and balance is None
     for got, want in zip(ranges, cal.ranges(layer, 500.0, clip="p99")[:3]):
         assert torch.equal(got, want)
     # asking for the maxima a schema 1 file does not have is an error, not a silent fallback
@@ -186,14 +191,15 @@ def test_fit_recovers_a_quadratic_and_ranges_follow_it():
 
     _, cal = make_calibration()
     layer = next(iter(cal.layers))
-    qa, ka, va, km = cal.ranges(layer, 500.0)
+    qa, ka, va, km, balance = cal.ranges(layer, 500.0)
+    assert balance is None  # asked for with balance=True
     H, D = cal.meta["layers"][layer]["heads"], cal.meta["layers"][layer]["head_dim"]
     assert qa.shape == (1, H) and ka.shape == (1, H) and va.shape == (1, H, D) and km.shape == (1, H, D)
     # three steps, a quadratic through them: exact at the calibrated noise levels
     st = cal.layers[layer]
     for got, stat in zip((qa, ka, va, km), ("q_max", "k_max", "v_amax", "k_mean")):
         torch.testing.assert_close(got[0], st[stat][..., 1], rtol=1e-4, atol=1e-5)
-    qp, kp, _, _ = cal.ranges(layer, 500.0, clip="p99")
+    qp, kp, *_ = cal.ranges(layer, 500.0, clip="p99")
     torch.testing.assert_close(qp[0], st["q_p99"][:, 1], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(kp[0], st["k_p99"][:, 1], rtol=1e-4, atol=1e-5)
     assert (qp < qa).all() and (kp < ka).all()
@@ -226,6 +232,79 @@ def test_static_ranges_reach_the_kernel(monkeypatch):
     # the calibrated ranges and K mean do about as well as measuring them at every call
     err = {n: rel_l1(o, exact).item() for n, o in (("static", static), ("dynamic", dynamic))}
     assert 0 < err["static"] < max(2 * err["dynamic"], 1e-3), err
+
+
+def test_static_balance_from_channel_maxima(tmp_path):
+    # schema 4 records per-channel Q/K maxima; ranges(balance=True) makes the balance of their fits (powers of two,
+    # as the measured balance is made) and moves Q's and K's ranges as the balance moves their largest channel.
+    # Without the maxima (a schema 3 file) asking for it is an error, and the processor warns and runs unbalanced.
+    from diffusion_int8.kernels.reference import balance_from_ranges
+
+    _, cal = make_calibration()
+    layer = next(iter(cal.layers))
+    st = cal.layers[layer]
+    assert st["q_cmax"].shape == st["k_cmax"].shape == st["k_mean"].shape
+    plain = cal.ranges(layer, 500.0)
+    qa, ka, va, km, bal = cal.ranges(layer, 500.0, balance=True)
+    qc, kc = st["q_cmax"][..., 1], st["k_cmax"][..., 1]  # the fits are exact at the calibrated steps
+    want = balance_from_ranges(qc, kc)
+    torch.testing.assert_close(bal[0], want)
+    assert ((bal.log2() - bal.log2().round()) == 0).all()
+    torch.testing.assert_close(qa, plain.q_amax * (qc / bal[0]).amax(-1) / qc.amax(-1), rtol=1e-4, atol=0)
+    torch.testing.assert_close(ka, plain.k_amax * (kc * bal[0]).amax(-1) / kc.amax(-1), rtol=1e-4, atol=0)
+    assert torch.equal(va, plain.v_amax) and torch.equal(km, plain.k_mean)
+    with pytest.raises(ValueError, match="ranges from the maxima"):
+        cal.ranges(layer, 500.0, clip="p99", balance=True)
+    old = Calibration({**cal.meta, "schema_version": 3}, cal.timesteps, cal.noise,
+                      {n: {k: t for k, t in s.items() if k not in SCHEMA_4} for n, s in cal.layers.items()})
+    old = Calibration.load(old.save(tmp_path / "v3.safetensors"))
+    assert not old.has_channel_ranges() and cal.has_channel_ranges()
+    with pytest.raises(ValueError, match="schema 3.*no per-channel Q/K maxima"):
+        old.ranges(layer, 500.0, balance=True)
+    model, _ = build("dit")
+    with pytest.warns(UserWarning, match="schema 3 calibration.*without the Q·Kᵀ balance"):
+        enable(model, mode="int8", calibration=old, qk_balance=True).disable()
+
+
+def test_static_balance_reaches_the_kernel_and_helps_outlier_channels(monkeypatch):
+    # A model whose Q carries outlier channels K does not: with qk_balance=True and a schema 4 calibration the op
+    # gets the calibrated balance with ranges of the balanced Q and K, and the static run gets closer to exact
+    # attention than the static run without it.
+    model, _ = build("dit")
+    _, x = build("dit")
+    for blk in model.transformer_blocks:  # channels 3 and 11 of every query head 20x larger (the query weights' rows)
+        w = blk.attn1.to_q.weight.data
+        w.view(2, 32, -1)[:, [3, 11]] *= 20.0
+    col = Collector()
+    inputs = dict(x, timestep=torch.tensor([500, 500]))
+    with torch.no_grad():
+        handle = enable(model, mode="fp16", observer=col)
+        handle.state.reset()
+        exact = model(**inputs).sample
+        handle.disable()
+    timesteps, stats = merge([col.record(0)])
+    cal = Calibration.from_stats({"model": "tiny-dit", "model_class": type(model).__name__,
+                                  "num_train_timesteps": 1000}, timesteps, stats)
+    import diffusion_int8.routing as P
+
+    seen, real = [], P.int8_attention
+    monkeypatch.setattr(P, "int8_attention", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    outs = {}
+    with torch.no_grad():
+        for balance in (False, True):
+            handle = enable(model, mode="int8_fp16v", calibration=cal, qk_balance=balance, speed_gate=False)
+            handle.state.reset()
+            outs[balance] = model(**inputs).sample
+            handle.disable()
+    balanced = [kw for kw in seen if isinstance(kw["qk_balance"], torch.Tensor)]
+    assert len(balanced) == len(seen) // 2 > 0
+    layer = next(iter(cal.layers))
+    want = cal.ranges(layer, 500.0, balance=True)
+    for name in ("q_amax", "k_amax", "qk_balance"):
+        torch.testing.assert_close(balanced[0][name], getattr(want, name))
+    assert (want.qk_balance != 1).any()
+    err = {b: rel_l1(o, exact).item() for b, o in outs.items()}
+    assert err[True] < 0.8 * err[False], err  # measured 0.00127 against 0.00174
 
 
 def crafted(errors_int8, errors_fp16v, noise):
@@ -596,7 +675,7 @@ def test_sparsity_levels_are_collected_as_directly_computed(monkeypatch):
         assert (st["sparse.rel_l1@0.5"] > 0).any()
     cal = Calibration.from_stats({"model": "tiny-dit", "model_class": "DiTTransformer2DModel",
                                   "num_train_timesteps": 1000}, timesteps, stats)
-    assert cal.sparsity_levels() == [0.5, 0.9] and cal.meta["schema_version"] == 3
+    assert cal.sparsity_levels() == [0.5, 0.9] and cal.meta["schema_version"] == 4
     assert cal.kept(0.5).shape == (2, 2) and bool((cal.sparse_error(0.5) >= 0).all())
     with pytest.raises(ValueError, match=r"level 0.7 was not calibrated; the calibrated sparsity levels are \[0.5, 0.9\]"):
         cal.sparse_error(0.7)
@@ -609,7 +688,8 @@ def test_sparse_calibration_round_trips_and_schema_2_files_still_load(monkeypatc
     back = Calibration.load(cal.save(tmp_path / "sparse.safetensors"))
     assert back.sparsity_levels() == [0.5, 0.9] and torch.equal(back.kept(0.9), cal.kept(0.9))
     # a file of the previous schema: no levels
-    dense = {n: {k: t for k, t in st.items() if not k.startswith("sparse.")} for n, st in cal.layers.items()}
+    dense = {n: {k: t for k, t in st.items() if not k.startswith("sparse.") and k not in SCHEMA_4}
+             for n, st in cal.layers.items()}
     meta = {k: v for k, v in cal.meta.items() if k != "sparsity_levels"}
     old = Calibration({**meta, "schema_version": 2}, cal.timesteps, cal.noise, dense).save(tmp_path / "v2.safetensors")
     back = Calibration.load(old)

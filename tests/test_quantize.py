@@ -125,6 +125,32 @@ def test_two_paths_agree_bit_for_bit(kdev, smooth, monkeypatch):
         assert torch.equal(got, w)
 
 
+@pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
+def test_given_balance_quantizes_as_the_measured_one(kdev, layout, monkeypatch):
+    # A balance given as a tensor (a calibrated one) goes through the same kernels as a measured one: given the
+    # measured balance, the same bits; given with static ranges, the emulation's bits (no statistics pass for it)
+    from diffusion_int8.kernels import layout as L
+    from diffusion_int8.kernels import quantize as TQ
+
+    monkeypatch.setattr(L, "BALANCE_MIN_QUERIES", 0)
+    q, k, v = realistic_qkv(2, 4, 300, 333, 72, H_kv=2, layout=layout, device=kdev, outliers="separate")
+    q, k, v = (R.to_bhsd(t, layout) for t in (q, k, v))
+    bal = R.balance_scales(q, k, R.token_mean(k))
+    assert (bal[..., :72] != 1).sum() >= 4
+    given = bal[..., :72].clone()
+    for got, want in zip(TQ.quantize_qkv(q, k, v, 0.3, PV.FP8, qk_balance=given)[:6],
+                         TQ.quantize_qkv(q, k, v, 0.3, PV.FP8, qk_balance=True)[:6]):
+        assert torch.equal(_bits(got), _bits(want))
+    one = given[:1].repeat(1, 1, 2)[..., ::2]  # broadcast over the batch, strided channels
+    assert one.stride(-1) == 2
+    mean, qa, ka = R.token_mean(k), torch.full((2, 4), 7.0, device=kdev), torch.full((1, 2), 5.0, device=kdev)
+    got = TQ.quantize_qkv(q, k, v, 0.3, PV.FP16, qk_balance=one, q_amax=qa, k_amax=ka, k_mean=mean)
+    full = R.given_balance(one, 2, 2, 72)
+    want = (*R.quantize_q(q, 0.3, qa, full), *R.quantize_k(k, 64, 1, True, ka, mean, full))
+    for g, w in zip(got[:4], want):
+        assert torch.equal(g, w)
+
+
 def test_balance_is_exact_and_lifts_outlier_accuracy():
     # Q·Kᵀ of the balanced tensors equals Q·Kᵀ (powers of two: no rounding), and the INT8 scores on inputs with
     # outlier channels of Q apart from K's come much closer to the exact scores.

@@ -17,7 +17,7 @@ from ..kernels.sparsity import check_tau
 from ..routing import int8_sdpa
 from .stats import QUANTIZED_MODES, input_stats, output_errors, sparse_key, sparse_sdpa
 
-MEAN_STATS = ("q_p99", "k_p99", "q_max", "k_max", "k_mean")  # averaged over images
+MEAN_STATS = ("q_p99", "k_p99", "q_max", "k_max", "k_mean", "q_cmax", "k_cmax")  # averaged over images
 MAX_STATS = ("v_amax",)  # maximum over images
 
 
@@ -100,7 +100,8 @@ class Collector:
 def merge(records: list[dict]) -> tuple[list[float], dict[str, dict[str, torch.Tensor]]]:
     """Add up batch records in their index order; means for ``MEAN_STATS`` and errors, maxima for ``MAX_STATS``.
 
-    Returns the timesteps and, per layer, float32 tensors ``(H, T)`` (``k_mean``, ``v_amax``: ``(H, D, T)``).
+    Returns the timesteps and, per layer, float32 tensors ``(H, T)`` (``k_mean``, ``v_amax``, ``q_cmax``,
+    ``k_cmax``: ``(H, D, T)``).
     The result depends only on the set of records, not on how they were split among processes.
     """
     if not records:

@@ -14,9 +14,12 @@ Since schema 3 a file may also hold, per calibrated sparsity level tau (metadata
 of block-sparse attention at that level and the fraction of block pairs it computes: ``sparse.rel_l1@{tau}``,
 ``sparse.cos@{tau}`` and ``sparse.kept@{tau}`` (H, T).
 
+Since schema 4 it holds the per-channel maxima of |Q| and of |K - mean| (``q_cmax``, ``k_cmax`` (H, D, T)), from
+which ``ranges(..., balance=True)`` makes a static Q·Kᵀ balance.
+
 Ranges and K's mean are also fitted as quadratics in the noise level (``fit.q``, ``fit.k``, ``fit.qmax``,
-``fit.kmax`` (H, 3), ``fit.v``, ``fit.m`` (H, D, 3), coefficients of 1, n, n²), so ``ranges`` gives static
-scales and the smoothing vector at any step of any schedule. Schema 1 files (before K's mean and the
+``fit.kmax`` (H, 3), ``fit.v``, ``fit.m``, ``fit.qc``, ``fit.kc`` (H, D, 3), coefficients of 1, n, n²), so
+``ranges`` gives static scales, the smoothing vector and the balance at any step of any schedule. Schema 1 files (before K's mean and the
 Q/K maxima were recorded) still load; their ranges are the p99 ones, with the kernel's measured smoothing.
 """
 
@@ -37,15 +40,16 @@ from ..models import attention_modules, head_dim_of
 from ..schedule import noise_level
 from .stats import SPARSE_STATS, sparse_key, sparse_stat
 
-SCHEMA_VERSION = 3
-READABLE_SCHEMAS = (1, 2, 3)  # 2: no sparsity levels; 1: neither Q/K maxima nor K's mean
+SCHEMA_VERSION = 4
+READABLE_SCHEMAS = (1, 2, 3, 4)  # 3: no channel maxima; 2: nor sparsity levels; 1: nor Q/K maxima nor K's mean
 FILE_NAME = "calibration.safetensors"
 _META_KEY = "diffusion_int8"
 _SHA_KEY = "diffusion_int8.sha256"
-_RANGE_FITS = ("q", "k", "v", "qmax", "kmax")  # must stay finite and > 0; "m" (K's mean) finite
+_RANGE_FITS = ("q", "k", "v", "qmax", "kmax", "qc", "kc")  # must stay finite and > 0; "m" (K's mean) finite
 _NOISE_GRID = 65  # points of [0, 1], both ends included, at which load checks the fits
 _FIT_OF = {"q": "q_p99", "k": "k_p99", "v": "v_amax"}  # what the summary reports
-_FITS = {**_FIT_OF, "qmax": "q_max", "kmax": "k_max", "m": "k_mean"}  # every fit; the last three since schema 2
+# every fit: qmax, kmax and m since schema 2, qc and kc since schema 4
+_FITS = {**_FIT_OF, "qmax": "q_max", "kmax": "k_max", "m": "k_mean", "qc": "q_cmax", "kc": "k_cmax"}
 
 
 def fit_quadratic(noise: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -92,6 +96,8 @@ def _expected_shapes(schema: int, H: int, D: int, T: int) -> dict[str, tuple[int
     if schema >= 2:
         shapes.update({"q_max": (H, T), "k_max": (H, T), "k_mean": (H, D, T), "fit.qmax": (H, 3), "fit.kmax": (H, 3),
                        "fit.m": (H, D, 3)})
+    if schema >= 4:
+        shapes.update({"q_cmax": (H, D, T), "k_cmax": (H, D, T), "fit.qc": (H, D, 3), "fit.kc": (H, D, 3)})
     return shapes
 
 
@@ -130,7 +136,8 @@ class Calibration:
         for name, st in stats.items():
             st = dict(st)
             for short, stat in _FITS.items():
-                st[f"fit.{short}"] = fit_quadratic(noise, st[stat]).float()
+                if stat in st:
+                    st[f"fit.{short}"] = fit_quadratic(noise, st[stat]).float()
             layers[name] = st
         levels = sorted({found[1] for st in stats.values() for found in map(sparse_stat, st) if found})
         meta = {**meta, "schema_version": SCHEMA_VERSION, "steps": len(timesteps), "sparsity_levels": levels,
@@ -227,19 +234,32 @@ class Calibration:
         if problems:
             raise ValueError(f"calibration of {self.meta.get('model', '?')} does not match this model: " + "; ".join(problems))
 
+    def has_channel_ranges(self) -> bool:
+        """Whether the file holds per-channel Q and K maxima (schema 4 on), which ``ranges(balance=True)`` needs."""
+        return all("fit.qc" in st for st in self.layers.values())
+
     def ranges(self, layer: str, timestep: float, device: torch.device | str = "cpu",
-               clip: str | None = None) -> StaticRanges:
-        """``StaticRanges(q_amax (1, H), k_amax (1, H), v_amax (1, H, D), k_mean (1, H, D))`` at ``timestep``,
-        float32 on ``device``: ``int8_attention``'s static inputs.
+               clip: str | None = None, balance: bool = False) -> StaticRanges:
+        """``StaticRanges(q_amax (1, H), k_amax (1, H), v_amax (1, H, D), k_mean (1, H, D), qk_balance)`` at
+        ``timestep``, float32 on ``device``: ``int8_attention``'s static inputs.
 
         ``clip``: Q's and K's ranges from their maxima (``"max"``: nothing clipped on the calibration's
         data) or from their recorded percentile (``"p99"``, which clips the outliers the kernel's
         per-token/per-block scales would follow); None (the default) takes the maxima where the file has
         them. Schema 1 files have neither the maxima nor K's mean: their ranges are the percentiles
         (``clip="max"`` raises) and ``k_mean`` is None.
+
+        ``balance``: also a static Q·Kᵀ balance, (1, H, D) powers of two (``reference.balance_from_ranges`` of the
+        fitted channel maxima), with ``q_amax`` and ``k_amax`` moved as the balance moves their largest channel;
+        needs a schema 4 file (``has_channel_ranges``) and the maxima. Else ``qk_balance`` is None.
         """
         if clip not in (None, "max", "p99"):
             raise ValueError(f"clip must be None, 'max' or 'p99', got {clip!r}")
+        if balance and clip == "p99":
+            raise ValueError("a static Q·Kᵀ balance comes with ranges from the maxima: use clip=None or 'max'")
+        if balance and not self.has_channel_ranges():
+            raise ValueError(f"this calibration (schema {self.meta.get('schema_version')}) has no per-channel Q/K "
+                             f"maxima, which a static Q·Kᵀ balance is made from; run `diffusion-int8 calibrate` again")
         st = self.layers[layer]
         has_max = "fit.qmax" in st
         if clip == "max" and not has_max:
@@ -249,7 +269,23 @@ class Calibration:
         shorts = ("qmax", "kmax", "v") if clip != "p99" and has_max else ("q", "k", "v")
         out = [self._fitted(st, short, n)[..., 0] for short in shorts]
         out.append(evaluate_fit(st["fit.m"].double(), n)[..., 0] if "fit.m" in st else None)
+        out.append(None)
+        if balance:
+            out[0], out[1], out[4] = self._balanced(st, n, out[0], out[1])
         return StaticRanges(*(None if t is None else t.float()[None].to(device, non_blocking=True) for t in out))
+
+    @classmethod
+    def _balanced(cls, st: dict[str, torch.Tensor], noise: float, q_amax: torch.Tensor, k_amax: torch.Tensor):
+        """(q_amax, k_amax, balance) at ``noise``: the balance of the fitted channel maxima, and each head's range
+        times what the balance does to its largest channel."""
+        from ..kernels.reference import balance_from_ranges
+
+        qc, kc = (cls._fitted(st, short, noise)[..., 0].float() for short in ("qc", "kc"))  # (H, D), (H_kv, D)
+        group = qc.shape[0] // kc.shape[0]
+        bal = balance_from_ranges(qc.unflatten(0, (kc.shape[0], group)).amax(1), kc)
+        q_bal = (qc / bal.repeat_interleave(group, 0)).amax(-1) / qc.amax(-1)
+        k_bal = (kc * bal).amax(-1) / kc.amax(-1)
+        return q_amax * q_bal.double(), k_amax * k_bal.double(), bal
 
     @staticmethod
     def _fitted(st: dict[str, torch.Tensor], short: str, noise) -> torch.Tensor:

@@ -32,7 +32,8 @@ def input_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, percentile: f
     Returns ``q_p99`` and ``k_p99`` (B, H): the ``percentile`` of |Q| and of |K - mean_tokens(K)| (K as the
     kernel quantizes it, after smoothing) over tokens and channels; ``q_max`` and ``k_max`` (B, H): their
     maxima; ``k_mean`` (B, H, D): K's token mean, the smoothing vector; ``v_amax`` (B, H, D): |V|'s
-    maximum over tokens, per channel.
+    maximum over tokens, per channel; ``q_cmax`` and ``k_cmax`` (B, H, D): the per-channel maxima of |Q| and of
+    |K - mean|, from which a static Q·Kᵀ balance is made.
     """
     qf, kf, vf = (t.float() for t in (q, k, v))
     mean = kf.mean(dim=2, keepdim=True)
@@ -45,6 +46,8 @@ def input_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, percentile: f
         "k_max": ka.amax(-1),
         "k_mean": mean[:, :, 0],
         "v_amax": vf.abs().amax(dim=2),
+        "q_cmax": qf.abs().amax(dim=2),
+        "k_cmax": (kf - mean).abs().amax(dim=2),
     }
 
 

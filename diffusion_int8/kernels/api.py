@@ -30,7 +30,7 @@ def int8_attention(
     block_mask: torch.Tensor | None = None,
     scale: float | None = None,
     smooth_k: bool = True,
-    qk_balance: bool = False,
+    qk_balance: bool | torch.Tensor = False,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
@@ -65,7 +65,10 @@ def int8_attention(
             with (20x such channels: cos 0.971 -> 0.9996 against float64 on the H100). It costs a quarter read
             of Q in the statistics pass (1-3% of the call at Flux's shape, 3-4% at SDXL's), so it is off by
             default. Applies where no static ``q_amax``, ``k_amax`` or ``k_mean`` is given and a K/V head has
-            at least 1,024 queries (fewer give no reliable channel ranges).
+            at least 1,024 queries (fewer give no reliable channel ranges). A tensor instead is a given balance,
+            broadcastable to (B, Hkv, D), finite and positive (powers of two keep Q·Kᵀ exact), e.g. a calibrated
+            one (``Calibration.ranges(..., balance=True)``): then nothing is measured for it, and ``q_amax`` and
+            ``k_amax``, if given, are ranges of the balanced Q and K.
         q_amax, k_amax: static quantization ranges broadcastable to (B, Hq) / (B, Hkv), e.g. per-head
             calibrated ranges (``Calibration.ranges``; ``k_amax`` is of the smoothed K). Values beyond
             are clipped. Ranges must be finite and positive: on CPU tensors (and with ``check_finite``)
@@ -95,14 +98,15 @@ def int8_attention(
     try:  # the call's signature; one seen before skips every check and selection below (the hot path)
         plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
-            mode, layout, scale, smooth_k, qk_balance, return_lse, os.environ.get(ENV_BACKEND), os.environ.get(ENV_PV8),
-            signature(q), signature(k), signature(v), signature(attn_mask), signature(block_mask),
-            signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean))
+            mode, layout, scale, smooth_k, balance_key(qk_balance), return_lse, os.environ.get(ENV_BACKEND),
+            os.environ.get(ENV_PV8), signature(q), signature(k), signature(v), signature(attn_mask),
+            signature(block_mask), signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean))
         call = _CALLS.get(key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, tensors without storage, unhashable options
         key, call = None, None
     if call is None:
-        call = _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean)
+        call = _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, q_amax, k_amax,
+                        v_amax, k_mean)
         if key is not None:
             if len(_CALLS) >= 4096:
                 _CALLS.clear()
@@ -111,8 +115,9 @@ def int8_attention(
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} contains NaN or Inf")
+    given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
     if check_finite or q.device.type == "cpu":  # reading the values synchronizes with a GPU
-        _check_range_values(q_amax, k_amax, v_amax, k_mean)
+        _check_range_values(q_amax, k_amax, v_amax, k_mean, given_bal)
     if call.mode is Mode.FP16:
         qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
         if block_mask is not None:
@@ -138,8 +143,8 @@ def int8_attention(
                                 qk_balance=qk_balance, attn_mask=attn_mask, block_mask=block_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
                                 return_lse=return_lse, key=key)
     out, lse = dispatch(
-        q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, layout, call.pv.value, call.scale, smooth_k,
-        bool(qk_balance), call.backend.value, bool(return_lse),
+        q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, given_bal, layout, call.pv.value, call.scale,
+        smooth_k, qk_balance is True, call.backend.value, bool(return_lse),
     )
     return (out, lse) if return_lse else out
 
@@ -159,16 +164,18 @@ class _Call(NamedTuple):
 _CALLS: dict[tuple, _Call] = {}
 
 
-def _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean) -> _Call:
+def _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, q_amax, k_amax, v_amax,
+             k_mean) -> _Call:
     """Check a call and choose its backend and P·V format (raises on bad arguments)."""
-    mode, scale, gqa, empty = _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q_amax,
-                                          k_amax, v_amax, k_mean)
+    mode, scale, gqa, empty = _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance,
+                                          q_amax, k_amax, v_amax, k_mean)
     if mode is Mode.FP16:
         return _Call(mode, scale, gqa, empty, None, None)
     return _Call(mode, scale, gqa, empty, select_backend(q.device), pv_for_mode(mode, q.device))
 
 
-def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q_amax, k_amax, v_amax, k_mean):
+def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, q_amax, k_amax, v_amax,
+                k_mean):
     """Every check of ``int8_attention``'s arguments; returns (mode, scale, grouped heads) or raises."""
     mode = Mode.parse(mode)
     if layout not in _LAYOUTS:
@@ -185,10 +192,17 @@ def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q
         scale = D**-0.5
     elif not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
+    given_bal = isinstance(qk_balance, torch.Tensor)
+    if not (isinstance(qk_balance, bool) or given_bal):
+        raise TypeError(f"qk_balance must be True, False or a tensor of balance scales broadcastable to (B, Hkv, D) = "
+                        f"{(B, Hkv, D)}, got {type(qk_balance).__name__}")
     if mode is Mode.FP16:
-        if any(t is not None for t in (q_amax, k_amax, v_amax, k_mean)):
-            raise ValueError("static quantization ranges (q_amax/k_amax/v_amax/k_mean) do not apply to mode 'fp16'")
+        if any(t is not None for t in (q_amax, k_amax, v_amax, k_mean)) or given_bal:
+            raise ValueError("static quantization inputs (q_amax/k_amax/v_amax/k_mean, a qk_balance tensor) do not "
+                             "apply to mode 'fp16'")
         return mode, float(scale), Hq != Hkv, False
+    if given_bal:
+        _check_amax("qk_balance", qk_balance, q, (B, Hkv, D))
     _check_amax("q_amax", q_amax, q, (B, Hq))
     _check_amax("k_amax", k_amax, q, (B, Hkv))
     _check_amax("v_amax", v_amax, q, (B, Hkv, D))
@@ -354,10 +368,15 @@ def exact_lse(qb, kb, attn_mask=None, block_mask=None, scale: float | None = Non
     return lse
 
 
-def _check_range_values(q_amax, k_amax, v_amax, k_mean) -> None:
-    """Static ranges must be finite and positive, a static K mean finite (the kernels turn an invalid one into NaN
-    outputs; here it is an error before any work)."""
-    for name, t in (("q_amax", q_amax), ("k_amax", k_amax), ("v_amax", v_amax)):
+def balance_key(qk_balance):
+    """``qk_balance`` as part of a call's signature: the flag, or a given balance tensor's ``signature``."""
+    return signature(qk_balance) if isinstance(qk_balance, torch.Tensor) else qk_balance
+
+
+def _check_range_values(q_amax, k_amax, v_amax, k_mean, balance=None) -> None:
+    """Static ranges and a given balance must be finite and positive, a static K mean finite (the kernels turn an
+    invalid one into NaN outputs; here it is an error before any work)."""
+    for name, t in (("q_amax", q_amax), ("k_amax", k_amax), ("v_amax", v_amax), ("qk_balance", balance)):
         if t is not None and not bool(((t > 0) & torch.isfinite(t)).all()):
             bad = t[~((t > 0) & torch.isfinite(t))].flatten()[0].item()
             raise ValueError(f"{name} must be finite and positive everywhere; it holds {bad!r}")

@@ -292,7 +292,7 @@ def triton_attention(
     pv: PV,
     sm_scale: float,
     smooth_k: bool = True,
-    qk_balance: bool = False,
+    qk_balance: bool | torch.Tensor = False,
     attn_mask: torch.Tensor | None = None,
     block_mask: torch.Tensor | None = None,
     q_amax: torch.Tensor | None = None,
@@ -319,15 +319,17 @@ def triton_attention(
     if key is not None and out is None:
         key = (*key, return_lse, sm90, _ablate)  # out is allocated below, so its signature follows from q's
     else:
-        key = (layout, pv, sm_scale, smooth_k, qk_balance, return_lse, sm90, _ablate,
-               *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out)))
+        given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
+        key = (layout, pv, sm_scale, smooth_k, given_bal is None and qk_balance, return_lse, sm90, _ablate,
+               *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out, given_bal)))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = None
     if return_lse:
         B, H, Sq = to_bhsd(q, layout).shape[:3]
         lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    inputs = [q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out, lse]
+    inputs = [q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out, lse,
+              qk_balance if isinstance(qk_balance, torch.Tensor) else None]
 
     def record(runner):
         qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))

@@ -85,12 +85,15 @@ _PV_CODES = {PV.FP16: 0, PV.FP8: 1, PV.INT8: 2}
 class StaticRanges(NamedTuple):
     """Calibrated quantization inputs of one attention call (``Calibration.ranges`` gives them; float32 tensors
     broadcastable as ``int8_attention`` documents): Q's and K's ranges per head, (B, Hq) and (B, Hkv); V's per
-    channel, (B, Hkv, D); K's smoothing vector, (B, Hkv, D). Any may be None (measured in the call)."""
+    channel, (B, Hkv, D); K's smoothing vector, (B, Hkv, D); the Q·Kᵀ balance, (B, Hkv, D) (``int8_attention``'s
+    ``qk_balance`` tensor; ``q_amax`` and ``k_amax`` are then of the balanced Q and K). Any may be None (measured
+    in the call, or for the balance: none, or measured where the call asks for it)."""
 
     q_amax: torch.Tensor | None = None
     k_amax: torch.Tensor | None = None
     v_amax: torch.Tensor | None = None
     k_mean: torch.Tensor | None = None
+    qk_balance: torch.Tensor | None = None
 
 
 class Backend(str, enum.Enum):

@@ -72,8 +72,9 @@ def stats_block(dp: int) -> int:
 BALANCE_MIN_QUERIES = 1024
 
 
-def balance_applies(qk_balance: bool, q_amax, k_amax, k_mean, queries: int) -> bool:
-    """Whether a call balances Q·Kᵀ's channels: asked for, Q's and K's ranges and K's mean measured (static ones
-    were taken of the unbalanced tensors), and at least ``BALANCE_MIN_QUERIES`` ``queries`` per K/V head."""
-    return (qk_balance and q_amax is None and k_amax is None and k_mean is None
+def balance_applies(qk_balance, q_amax, k_amax, k_mean, queries: int) -> bool:
+    """Whether a call measures a Q·Kᵀ balance: asked for (``qk_balance`` True; a tensor is a given balance, not
+    measured), Q's and K's ranges and K's mean measured (static ones were taken of the unbalanced tensors), and
+    at least ``BALANCE_MIN_QUERIES`` ``queries`` per K/V head."""
+    return (qk_balance is True and q_amax is None and k_amax is None and k_mean is None
             and queries >= BALANCE_MIN_QUERIES)

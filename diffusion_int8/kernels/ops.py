@@ -29,6 +29,7 @@ def _quantized_attention(
     k_amax: Optional[torch.Tensor],
     v_amax: Optional[torch.Tensor],
     k_mean: Optional[torch.Tensor],
+    balance: Optional[torch.Tensor],
     layout: str,
     pv: str,
     sm_scale: float,
@@ -38,9 +39,12 @@ def _quantized_attention(
     return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """INT8 Q·Kᵀ attention on validated inputs; ``backend`` is a ``Backend`` value, ``pv`` a ``PV`` value.
-    Returns the output and, with ``return_lse``, each query row's log-sum-exp (float32 (B, H, Sq); else empty)."""
+    ``balance``: a given Q·Kᵀ balance (``int8_attention``'s ``qk_balance`` tensor), else None and ``qk_balance``
+    says whether to measure one. Returns the output and, with ``return_lse``, each query row's log-sum-exp
+    (float32 (B, H, Sq); else empty)."""
     kwargs = dict(
-        layout=layout, pv=PV(pv), sm_scale=sm_scale, smooth_k=smooth_k, qk_balance=qk_balance,
+        layout=layout, pv=PV(pv), sm_scale=sm_scale, smooth_k=smooth_k,
+        qk_balance=qk_balance if balance is None else balance,
         attn_mask=attn_mask, block_mask=block_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
         return_lse=return_lse,
     )
@@ -57,8 +61,8 @@ quantized_attention = torch.library.custom_op("diffusion_int8::quantized_attenti
 
 
 @quantized_attention.register_fake
-def _(q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, layout, pv, sm_scale, smooth_k, qk_balance, backend,
-      return_lse):
+def _(q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, balance, layout, pv, sm_scale, smooth_k, qk_balance,
+      backend, return_lse):
     B, H, Sq = to_bhsd(q, layout).shape[:3]
     lse = q.new_empty((B, H, Sq) if return_lse else (0,), dtype=torch.float32)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse

@@ -91,7 +91,7 @@ def _quant_qkv_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_qab, stride_qah, stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
-    stride_kmb, stride_kmh, stride_kmd,
+    stride_kmb, stride_kmh, stride_kmd, stride_bb, stride_bh, stride_bd,
     H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, scale_mult,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, K_GROUPS: tl.constexpr, DP: tl.constexpr,
     SMOOTH: tl.constexpr, Q_STATIC: tl.constexpr, K_STATIC: tl.constexpr, V_FMT: tl.constexpr,
@@ -104,6 +104,7 @@ def _quant_qkv_kernel(
         n_s = SQ_PAD // Q_BLOCK
         _quant_q_block(
             Q, QAMAX, Q8, QS, BAL, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
+            stride_bb, stride_bh, stride_bd,
             pid % n_s, pid // n_s, H, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, Q_STATIC, BALANCE,
         )
     else:
@@ -112,21 +113,29 @@ def _quant_qkv_kernel(
             K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL,
             stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
             stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
-            (pid - NQ) % n_s, (pid - NQ) // n_s, H_KV, SK, D, SK_PAD,
+            stride_bb, stride_bh, stride_bd, (pid - NQ) % n_s, (pid - NQ) // n_s, H_KV, SK, D, SK_PAD,
             K_BLOCK, K_GROUPS, DP, SMOOTH, K_STATIC, V_FMT, V_STATIC, BALANCE,
         )
 
 
 @triton.jit
+def _load_balance(BAL, stride_bb, stride_bh, stride_bd, b, h_kv, D, DP: tl.constexpr):
+    """The Q·Kᵀ balance of K/V head (b, h_kv), (DP,) float32: measured (``kv_moments``) or given, read through
+    its strides; 1 in the padded channels."""
+    offs_d = tl.arange(0, DP)
+    return tl.load(BAL + b * stride_bb + h_kv * stride_bh + offs_d * stride_bd, mask=offs_d < D, other=1.0)
+
+
+@triton.jit
 def _quant_q_block(
     Q, QAMAX, Q8, QS, BAL, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
-    pid_s, pid_bh, H, H_KV, SQ, D, SQ_PAD, scale_mult,
+    stride_bb, stride_bh, stride_bd, pid_s, pid_bh, H, H_KV, SQ, D, SQ_PAD, scale_mult,
     BLOCK: tl.constexpr, DP: tl.constexpr, STATIC: tl.constexpr, BALANCE: tl.constexpr,
 ):
     x, offs_s, offs_d, _ = _load_tile(Q, stride_qb, stride_qh, stride_qs, stride_qd, pid_s, pid_bh, H, SQ, D, BLOCK, DP)
     if BALANCE:  # Q's channels divided by the (power-of-two) balance of their K/V head's channels: exact
-        kv = pid_bh // H * H_KV + pid_bh % H // (H // H_KV)
-        x = x * rdiv(1.0, tl.load(BAL + kv * DP + offs_d))[None, :]
+        bal = _load_balance(BAL, stride_bb, stride_bh, stride_bd, pid_bh // H, pid_bh % H // (H // H_KV), D, DP)
+        x = x * rdiv(1.0, bal)[None, :]
     q8, qs = _quant_int8(x, QAMAX + (pid_bh // H) * stride_qab + (pid_bh % H) * stride_qah, 0, STATIC)
     tl.store(Q8 + pid_bh.to(tl.int64) * SQ_PAD * DP + offs_s[:, None] * DP + offs_d[None, :], q8)
     tl.store(QS + pid_bh * SQ_PAD + offs_s, qs * scale_mult)
@@ -137,7 +146,7 @@ def _quant_kv_block(
     K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL,
     stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
     stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
-    pid_s, pid_bh, H, S, D, S_PAD,
+    stride_bb, stride_bh, stride_bd, pid_s, pid_bh, H, S, D, S_PAD,
     BLOCK: tl.constexpr, GROUPS: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
     V_FMT: tl.constexpr, V_STATIC: tl.constexpr, BALANCE: tl.constexpr,
 ):
@@ -150,7 +159,7 @@ def _quant_kv_block(
         mean = tl.load(KMEAN + b * stride_kmb + h * stride_kmh + offs_d * stride_kmd, mask=offs_d < D, other=0.0)
         x = tl.where(valid, x - mean[None, :], 0.0)
     if BALANCE:
-        x = x * tl.load(BAL + pid_bh * DP + offs_d)[None, :]
+        x = x * _load_balance(BAL, stride_bb, stride_bh, stride_bd, b, h, D, DP)[None, :]
     k8, ks = _quant_int8(x, KAMAX + b * stride_kab + h * stride_kah, GROUPS, STATIC)
     base = pid_bh.to(tl.int64) * S_PAD * DP
     tl.store(K8 + base + offs_s[:, None] * DP + offs_d[None, :], k8)
@@ -354,7 +363,7 @@ def _quant_fused_kernel(
         _quant_kv_block(
             K, MOM, DUMMY, K8, KS, V, MOM + mom_slot, DUMMY, V8, VS, MOM + 2 * mom_slot,
             stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
-            0, 0, 0, 0, 0, H_KV * DP, DP, 1,
+            0, 0, 0, 0, 0, H_KV * DP, DP, 1, H_KV * DP, DP, 1,
             t, pid_bh, H_KV, SK, D, SK_PAD, K_BLOCK, K_GROUPS, DP, SMOOTH, False, V_FMT, False, BALANCE,
         )
     for g in range(0, G):
@@ -362,7 +371,7 @@ def _quant_fused_kernel(
         for t in range(0, SQ_PAD // Q_BLOCK):
             _quant_q_block(
                 Q, DUMMY, Q8, QS, MOM + 2 * mom_slot, stride_qb, stride_qh, stride_qs, stride_qd, 0, 0,
-                t, qh, H_KV * G, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, False, BALANCE,
+                H_KV * DP, DP, 1, t, qh, H_KV * G, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, False, BALANCE,
             )
 
 
@@ -433,7 +442,7 @@ def quantize_qkv(
     *,
     k_tile: tuple[int, int] | None = None,
     smooth_k: bool = True,
-    qk_balance: bool = False,
+    qk_balance: bool | torch.Tensor = False,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
@@ -445,8 +454,10 @@ def quantize_qkv(
     short sequences and nothing static, both in one launch.
 
     q: (B, H, Sq, D); k, v: (B, H_kv, Sk, D); any strides. k_tile: K's quantization, (block_n, k_groups)
-    (``config.TileConfig``), by default the tile table's for this head dim and ``pv``. qk_balance: scale
-    Q's and K's channels by ``reference.balance_scales`` (where ``layout.balance_applies``).
+    (``config.TileConfig``), by default the tile table's for this head dim and ``pv``. qk_balance: True scales
+    Q's and K's channels by ``reference.balance_scales`` measured here (where ``layout.balance_applies``); a
+    tensor is a given balance, float32 broadcastable to (B, H_kv, D) (``q_amax``/``k_amax``, if given, are then
+    ranges of the balanced Q and K).
     q_amax / k_amax: static ranges broadcastable to (B, H) / (B, H_kv) (``k_amax`` of the smoothed K); v_amax:
     static per-channel range broadcastable to (B, H_kv, D); k_mean: static smoothing mean broadcastable to
     (B, H_kv, D). With ``k_mean`` and ``v_amax`` given (or no smoothing and fp16 P·V) there is no statistics
@@ -466,8 +477,10 @@ def quantize_qkv(
     sq_pad, sk_pad, dp = padded_len(Sq), padded_len(Sk), padded_head_dim(D)
     dev = q.device
     v_fmt = pv.code
-    static = any(t is not None for t in (q_amax, k_amax, v_amax, k_mean))
-    balance = balance_applies(qk_balance, q_amax, k_amax, k_mean, Sq * (H // H_kv))
+    given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
+    static = any(t is not None for t in (q_amax, k_amax, v_amax, k_mean, given_bal))
+    measure_bal = balance_applies(qk_balance, q_amax, k_amax, k_mean, Sq * (H // H_kv))
+    balance = measure_bal or given_bal is not None
     measure_k = smooth_k and k_mean is None
     measure_v = v_fmt != 0 and v_amax is None
     q8 = runner.empty((B, H, sq_pad, dp), torch.int8, dev)
@@ -479,7 +492,7 @@ def quantize_qkv(
         shape = (B, H_kv, dp, sk_pad) if v_fmt == 1 else (B, H_kv, sk_pad, dp)
         v8 = runner.empty(shape, torch.float8_e4m3fn if v_fmt == 1 else torch.int8, dev)
         vs = runner.empty((B, H_kv, dp), torch.float32, dev)
-    if (measure_k or measure_v or balance) and not static and max(Sk, Sq * (H // H_kv)) <= _FUSED_MAX_TOKENS:
+    if (measure_k or measure_v or measure_bal) and not static and max(Sk, Sq * (H // H_kv)) <= _FUSED_MAX_TOKENS:
         block = stats_block(dp)
         chunk, chunk_q, n_chunks = _chunking(Sq, Sk, block)
         partials = runner.empty((_N_SLOTS, B, H_kv, n_chunks, dp), torch.float32, dev)
@@ -495,9 +508,11 @@ def quantize_qkv(
         return Quantized(q8, qs, k8, ks, v8, vs)
 
     kmean = vmax = bal = None
-    if measure_k or measure_v or balance:
-        kmean, vmax, bal = kv_moments(k if measure_k or balance else None, v if measure_v else None, runner,
-                                      q=q if balance else None, smooth_k=smooth_k)
+    if measure_k or measure_v or measure_bal:
+        kmean, vmax, bal = kv_moments(k if measure_k or measure_bal else None, v if measure_v else None, runner,
+                                      q=q if measure_bal else None, smooth_k=smooth_k)
+    if given_bal is not None:
+        bal, _ = _static_amax(given_bal, (B, H_kv, D), ks)
     qa, qa_strides = _static_amax(q_amax, (B, H), qs)
     ka, ka_strides = _static_amax(k_amax, (B, H_kv), qs)
     va, va_strides = _static_amax(v_amax, (B, H_kv, D), qs)
@@ -510,7 +525,7 @@ def quantize_qkv(
         q, qa, q8, qs, k, kmean, ka, k8, ks,
         v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs, qs if bal is None else bal,
         *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides, *km_strides,
-        H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq, sm_scale * LOG2E,
+        *((0, 0, 0) if bal is None else bal.stride()), H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq, sm_scale * LOG2E,
         # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC, BALANCE
         _ROW_BLOCK, block_n, k_groups, dp, smooth_k, q_amax is not None, k_amax is not None, v_fmt, v_amax is not None,
         balance,

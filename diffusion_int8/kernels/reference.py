@@ -96,11 +96,22 @@ def balance_scales(q: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor | None
     k_min = kf.nan_to_num(nan=math.inf).amin(2)
     mean = torch.zeros_like(k_max) if k_mean is None else k_mean.float().expand(B, H_kv, D)
     k_range = torch.maximum(k_max - mean, mean - k_min)
-    e_q, e_k = _exponent(q_range), _exponent(k_range)
+    return F.pad(balance_from_ranges(q_range, k_range), (0, padded_head_dim(D) - D), value=1.0)
+
+
+def balance_from_ranges(q_range: torch.Tensor, k_range: torch.Tensor) -> torch.Tensor:
+    """The balance of ``balance_scales`` from per-channel ranges (float32, same shape, e.g. (..., D)) of Q (over the
+    query heads of a K/V head) and of K (smoothed, if the call smooths): the same shape, powers of two."""
+    e_q, e_k = _exponent(q_range.float().contiguous()), _exponent(k_range.float().contiguous())
     e = ((e_q - e_k) >> 1).clamp(-BALANCE_MAX_LOG2, BALANCE_MAX_LOG2)
     e = torch.where((e_q == 0) | (e_k == 0) | ((e_q - e_k).abs() <= BALANCE_DEAD_BAND), 0, e)
-    s = ((127 + e) << 23).view(torch.float32)
-    return F.pad(s, (0, padded_head_dim(D) - D), value=1.0)
+    return ((127 + e) << 23).view(torch.float32)
+
+
+def given_balance(balance: torch.Tensor, B: int, H_kv: int, D: int) -> torch.Tensor:
+    """A given Q·Kᵀ balance (e.g. ``Calibration.ranges``'s), broadcastable to (B, H_kv, D), as ``balance_scales``
+    gives one: (B, H_kv, DP) float32, 1 in the padded channels."""
+    return F.pad(balance.float().expand(B, H_kv, D), (0, padded_head_dim(D) - D), value=1.0)
 
 
 def _per_query_head(balance: torch.Tensor, H: int) -> torch.Tensor:
@@ -217,7 +228,7 @@ def emulate_attention(
     pv: PV = PV.FP16,
     sm_scale: float | None = None,
     smooth_k: bool = True,
-    qk_balance: bool = False,
+    qk_balance: bool | torch.Tensor = False,
     attn_mask: torch.Tensor | None = None,
     block_mask: torch.Tensor | None = None,
     q_amax: torch.Tensor | None = None,
@@ -245,7 +256,9 @@ def emulate_attention(
     cfg = tile_config(D, pv)
     block_n, k_groups = block_n or cfg.block_n, k_groups or cfg.k_groups
     balance = None
-    if balance_applies(qk_balance, q_amax, k_amax, k_mean, Sq * (H // H_kv)):
+    if isinstance(qk_balance, torch.Tensor):
+        balance = given_balance(qk_balance, B, H_kv, D)
+    elif balance_applies(qk_balance, q_amax, k_amax, k_mean, Sq * (H // H_kv)):
         balance = balance_scales(qb, kb, token_mean(kb) if smooth_k else None)
     q8, qs = quantize_q(qb, sm_scale, q_amax, balance)
     k8, ks = quantize_k(kb, block_n, k_groups, smooth_k, k_amax, k_mean, balance)
