@@ -49,7 +49,7 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
     cfg = tile_config(D, PV.FP8)
     block = Qz.stats_block(dp)
     n = 0
-    for balance in (False,) if static else (False, True):
+    for balance in (False, True):  # static: a calibrated balance; else measured
         compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
             Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=smooth, Q_STATIC=static,
             K_STATIC=static, V_FMT=v_fmt, V_STATIC=static, BALANCE=balance), divisible=("SQ_PAD", "SK_PAD"))

@@ -128,6 +128,14 @@ def test_bad_inputs_raise(kwargs, exc, match):
         int8_attention(args["q"], args["k"], args["v"], **opts)
 
 
+def test_qk_balance_flag_is_checked_after_a_cached_call():
+    # 1 == True: a checked qk_balance=True call must not let qk_balance=1 skip the type check through the cache
+    d = _qkv()
+    int8_attention(d["q"], d["k"], d["v"], mode="int8", qk_balance=True)
+    with pytest.raises(TypeError, match="qk_balance must be True, False or a tensor"):
+        int8_attention(d["q"], d["k"], d["v"], mode="int8", qk_balance=1)
+
+
 def test_static_ranges_rejected_in_fp16_mode():
     d = _qkv()
     with pytest.raises(ValueError, match="do not apply"):

@@ -255,6 +255,10 @@ def test_static_balance_from_channel_maxima(tmp_path):
     assert torch.equal(va, plain.v_amax) and torch.equal(km, plain.k_mean)
     with pytest.raises(ValueError, match="ranges from the maxima"):
         cal.ranges(layer, 500.0, clip="p99", balance=True)
+    # a K channel that was zero at every step (its fit floored for the ranges) is left alone, as a measured one is
+    st["k_cmax"][:, 0] = 0.0
+    st["fit.kc"] = fit_quadratic(cal.noise.double(), st["k_cmax"]).float()
+    assert (cal.ranges(layer, 500.0, balance=True).qk_balance[..., 0] == 1).all()
     old = Calibration({**cal.meta, "schema_version": 3}, cal.timesteps, cal.noise,
                       {n: {k: t for k, t in s.items() if k not in SCHEMA_4} for n, s in cal.layers.items()})
     old = Calibration.load(old.save(tmp_path / "v3.safetensors"))

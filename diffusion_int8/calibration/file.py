@@ -116,8 +116,9 @@ class Calibration:
         timesteps: (T,) the timesteps the denoiser was called with, in order.
         noise: (T,) the same as noise levels in [0, 1] (``schedule.noise_level``).
         layers: ``{name: {stat: tensor}}``: ``q_p99``, ``k_p99``, ``q_max``, ``k_max`` (H, T); ``k_mean``,
-            ``v_amax`` (H, D, T); ``err.{mode}.rel_l1`` and ``err.{mode}.cos`` (H, T); ``fit.q``, ``fit.k``,
-            ``fit.qmax``, ``fit.kmax`` (H, 3), ``fit.v``, ``fit.m`` (H, D, 3); per sparsity level tau,
+            ``v_amax``, ``q_cmax``, ``k_cmax`` (H, D, T); ``err.{mode}.rel_l1`` and ``err.{mode}.cos`` (H, T);
+            ``fit.q``, ``fit.k``, ``fit.qmax``, ``fit.kmax`` (H, 3), ``fit.v``, ``fit.m``, ``fit.qc``, ``fit.kc``
+            (H, D, 3); per sparsity level tau,
             ``sparse.rel_l1@{tau}``, ``sparse.cos@{tau}`` and ``sparse.kept@{tau}`` (H, T).
     """
 
@@ -136,8 +137,7 @@ class Calibration:
         for name, st in stats.items():
             st = dict(st)
             for short, stat in _FITS.items():
-                if stat in st:
-                    st[f"fit.{short}"] = fit_quadratic(noise, st[stat]).float()
+                st[f"fit.{short}"] = fit_quadratic(noise, st[stat]).float()
             layers[name] = st
         levels = sorted({found[1] for st in stats.values() for found in map(sparse_stat, st) if found})
         meta = {**meta, "schema_version": SCHEMA_VERSION, "steps": len(timesteps), "sparsity_levels": levels,
@@ -282,7 +282,11 @@ class Calibration:
 
         qc, kc = (cls._fitted(st, short, noise)[..., 0].float() for short in ("qc", "kc"))  # (H, D), (H_kv, D)
         group = qc.shape[0] // kc.shape[0]
-        bal = balance_from_ranges(qc.unflatten(0, (kc.shape[0], group)).amax(1), kc)
+        # the balance from the fits as they are (a channel that was zero stays zero: balance 1), the ranges' ratios
+        # from the floored ones
+        raw_q, raw_k = (evaluate_fit(st[f"fit.{short}"].double(), noise)[..., 0].clamp_min(0).float()
+                        for short in ("qc", "kc"))
+        bal = balance_from_ranges(raw_q.unflatten(0, (kc.shape[0], group)).amax(1), raw_k)
         q_bal = (qc / bal.repeat_interleave(group, 0)).amax(-1) / qc.amax(-1)
         k_bal = (kc * bal).amax(-1) / kc.amax(-1)
         return q_amax * q_bal.double(), k_amax * k_bal.double(), bal

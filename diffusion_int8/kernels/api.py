@@ -369,8 +369,9 @@ def exact_lse(qb, kb, attn_mask=None, block_mask=None, scale: float | None = Non
 
 
 def balance_key(qk_balance):
-    """``qk_balance`` as part of a call's signature: the flag, or a given balance tensor's ``signature``."""
-    return signature(qk_balance) if isinstance(qk_balance, torch.Tensor) else qk_balance
+    """``qk_balance`` as part of a call's signature: a given balance tensor's ``signature``, else the value with its
+    type (so that 1, which equals True, does not reuse a checked True call's entry and skip the type check)."""
+    return signature(qk_balance) if isinstance(qk_balance, torch.Tensor) else (type(qk_balance), qk_balance)
 
 
 def _check_range_values(q_amax, k_amax, v_amax, k_mean, balance=None) -> None:

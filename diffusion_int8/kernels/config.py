@@ -86,8 +86,8 @@ class StaticRanges(NamedTuple):
     """Calibrated quantization inputs of one attention call (``Calibration.ranges`` gives them; float32 tensors
     broadcastable as ``int8_attention`` documents): Q's and K's ranges per head, (B, Hq) and (B, Hkv); V's per
     channel, (B, Hkv, D); K's smoothing vector, (B, Hkv, D); the Q·Kᵀ balance, (B, Hkv, D) (``int8_attention``'s
-    ``qk_balance`` tensor; ``q_amax`` and ``k_amax`` are then of the balanced Q and K). Any may be None (measured
-    in the call, or for the balance: none, or measured where the call asks for it)."""
+    ``qk_balance`` tensor; ``q_amax`` and ``k_amax`` are then of the balanced Q and K). Any may be None: measured in
+    the call; for the balance, none (a call with static ranges measures none)."""
 
     q_amax: torch.Tensor | None = None
     k_amax: torch.Tensor | None = None
