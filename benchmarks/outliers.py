@@ -1,4 +1,4 @@
-"""Accuracy on inputs with outlier channels, with and without the Q·Kᵀ channel balance.
+"""Accuracy on inputs with outlier channels, with and without the Q·Kᵀ channel balance or the Hadamard rotation.
 
     python benchmarks/outliers.py --out bench_out/outliers.json             # the kernels, on a GPU
     python benchmarks/outliers.py --device cpu --lengths 1024               # the emulation, on the CPU
@@ -46,7 +46,7 @@ def static_inputs(q, k, v, balance):
     return dict(static, q_amax=qf.abs().amax((2, 3)), k_amax=kf.abs().amax((2, 3)))
 
 
-def worst_cos(device, D, S, n, kind, gain, mode, balance, seeds, static=False):
+def worst_cos(device, D, S, n, kind, gain, mode, balance, seeds, static=False, rotate=False):
     opts = dict(KINDS[kind])
     square = opts.pop("square", False)
     worst = 1.0
@@ -54,7 +54,7 @@ def worst_cos(device, D, S, n, kind, gain, mode, balance, seeds, static=False):
         q, k, v = realistic_qkv(1, 2, S, S, D, device=device, seed=seed * 1000 + D + S + n,
                                 outlier_gain=gain**2 if square else gain, n_outliers=n, **opts)
         ref = attention_ref(q, k, v)
-        kw = static_inputs(q, k, v, balance) if static else dict(qk_balance=balance)
+        kw = static_inputs(q, k, v, balance) if static else dict(qk_balance=balance, qk_rotate=rotate)
         out = int8_attention(q, k, v, mode=mode, **kw)
         worst = min(worst, cosine(out, ref).item())
     return worst
@@ -80,10 +80,13 @@ def main():
                              [int(s) for s in args.lengths.split(",")], [int(n) for n in args.outliers.split(",")])
     for kind, D, S, n in [] if args.timing_only else grid:
         row = dict(kind=kind, D=D, S=S, n=n)
-        for static, mode, balance in itertools.product((False, True) if args.static else (False,),
-                                                       ("int8_fp16v", "int8"), (False, True)):
-            label = f"{mode}{', static' if static else ''}{'' if balance else ', no balance'}"
-            row[label] = worst_cos(dev, D, S, n, kind, args.gain, mode, balance, args.seeds, static)
+        for static, mode, how in itertools.product((False, True) if args.static else (False,),
+                                                   ("int8_fp16v", "int8"), ("no balance", "balance", "rotation")):
+            if static and how == "rotation":  # the rotation measures Q's and K's ranges
+                continue
+            label = f"{mode}{', static' if static else ''}{'' if how == 'balance' else ', ' + how}"
+            row[label] = worst_cos(dev, D, S, n, kind, args.gain, mode, how == "balance", args.seeds, static,
+                                   how == "rotation")
         rows.append(row)
         print(row, flush=True)
     if rows:
@@ -103,14 +106,17 @@ def main():
             q, k, v = realistic_qkv(B, H, N, N, D, device=dev)
             times = timing[shape_name] = {}
             for _ in range(3):
-                for mode, balance in itertools.product(("int8_fp16v", "int8"), (False, True)):
-                    label = f"{mode}{'' if balance else ', no balance'}"
-                    ms = graph_ms(lambda: int8_attention(q, k, v, mode=mode, qk_balance=balance), 50)
+                for mode, how in itertools.product(("int8_fp16v", "int8"), ("no balance", "balance", "rotation")):
+                    label = f"{mode}, {how}"
+                    kw = dict(qk_balance=how == "balance", qk_rotate=how == "rotation")
+                    ms = graph_ms(lambda: int8_attention(q, k, v, mode=mode, **kw), 50)
                     times.setdefault(label, []).append(ms)
             print(f"\n{shape_name} {shape}, whole call replayed from a CUDA graph, median of 3 rounds:")
             for mode in ("int8_fp16v", "int8"):
-                on, off = sorted(times[mode])[1], sorted(times[f"{mode}, no balance"])[1]
-                print(f"  {mode}: {on:.3f} ms with the balance, {off:.3f} ms without: {on / off - 1:+.1%}")
+                off = sorted(times[f"{mode}, no balance"])[1]
+                for how in ("balance", "rotation"):
+                    on = sorted(times[f"{mode}, {how}"])[1]
+                    print(f"  {mode}: {on:.3f} ms with the {how}, {off:.3f} ms without: {on / off - 1:+.1%}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -61,6 +61,7 @@ def enable(
     speed_gate: "bool | SpeedGate | str | Path" = True,
     sparsity: float | None = None,
     qk_balance: bool = False,
+    qk_rotate: bool = False,
 ) -> Int8Handle:
     """Install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoiser.
 
@@ -84,6 +85,8 @@ def enable(
             that has no levels of its own; a schedule with levels (``PrecisionSchedule.from_calibration(...,
             sparsity_budget=...)``) sets them per step and layer instead, and giving both raises ``ValueError``.
         qk_balance: passed to ``int8_attention``: the exact Q·Kᵀ channel balance against outlier channels.
+        qk_rotate: passed to ``int8_attention``: the Hadamard rotation of Q and K against outlier channels, those
+            Q and K share included (with ``qk_balance`` too, both apply).
 
     Modules the kernel cannot run (head dim > 256) keep their processor; one warning lists them.
     Refuses a model already enabled, or one compiled with ``torch.compile`` (enable first, compile after).
@@ -112,7 +115,7 @@ def enable(
         module.set_processor(
             Int8DiffusionProcessor(mode, schedule=schedule, calibration=calibration, inner=module.processor,
                                    state=state, name=name, observer=observer, speed_gate=gate, sparsity=sparsity,
-                                   qk_balance=qk_balance)
+                                   qk_balance=qk_balance, qk_rotate=qk_rotate)
         )
     _warn_skipped(skipped)
     hook = None

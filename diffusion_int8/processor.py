@@ -134,6 +134,9 @@ class Int8DiffusionProcessor:
             of their own (see its docstring; applies with measured ranges and at least 1,024 queries per head).
             With a calibration, the balance is the calibration's static one (``Calibration.ranges(...,
             balance=True)``), which files from ``calibrate`` since schema 4 hold; older files warn and run without.
+        qk_rotate: ``int8_attention``'s Hadamard rotation of Q and K, for outlier channels, Q and K sharing them or
+            not (with ``qk_balance`` too, both apply). With a calibration, Q's and K's ranges are then measured per
+            call (the calibrated ones are of the unrotated tensors); its V ranges, K mean and balance still apply.
     """
 
     def __init__(
@@ -149,6 +152,7 @@ class Int8DiffusionProcessor:
         speed_gate: "bool | SpeedGate | str | Path" = True,
         sparsity: float | None = None,
         qk_balance: bool = False,
+        qk_rotate: bool = False,
     ):
         self.mode = Mode.parse(mode)
         self.gate = as_gate(speed_gate)
@@ -160,7 +164,10 @@ class Int8DiffusionProcessor:
         self.sparsity = check_sparsity(sparsity, schedule)
         if not isinstance(qk_balance, bool):
             raise TypeError(f"qk_balance must be True or False, got {qk_balance!r}")
+        if not isinstance(qk_rotate, bool):
+            raise TypeError(f"qk_rotate must be True or False, got {qk_rotate!r}")
         self.qk_balance = qk_balance
+        self.qk_rotate = qk_rotate
         self.schedule = schedule
         self.inner = inner
         self.state = state if state is not None else Int8State()
@@ -367,7 +374,7 @@ class Int8DiffusionProcessor:
         if ranges is not None and share is not None:
             ranges = heads_share(ranges, *share)
         return int8_core(mode, query, key, value, attn_mask, scale, ranges, block_mask=block_mask,
-                         qk_balance=self.qk_balance)
+                         qk_balance=self.qk_balance, qk_rotate=self.qk_rotate)
 
     def block_mask_for(self, query, key, attn_mask, scale, tau: float | None) -> torch.Tensor | None:
         """The block mask this processor predicts for an INT8 call (BHSD inputs) at level ``tau`` (bool (B, H, nQB,
@@ -462,7 +469,7 @@ class Int8DiffusionProcessor:
             out, lse = sdpa_with_lse(q, k, v, scale=scale)
         else:
             out, lse = int8_core(mode, q, k, v, None, scale, self._static_ranges(q.device),
-                                 qk_balance=self.qk_balance, return_lse=True)
+                                 qk_balance=self.qk_balance, qk_rotate=self.qk_rotate, return_lse=True)
         return out.transpose(1, 2), lse.transpose(1, 2)
 
 

@@ -123,19 +123,22 @@ _NO_RANGES = StaticRanges()
 
 
 def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_mask=None, qk_balance=False,
-              return_lse=False):
+              qk_rotate=False, return_lse=False):
     """``int8_sdpa`` for a call ``kernel_takes`` (the processor has checked it already); with ``return_lse``, also
-    ``int8_attention``'s log-sum-exp."""
+    ``int8_attention``'s log-sum-exp. ``qk_rotate``: as ``int8_attention``'s; static Q and K ranges (of the
+    unrotated tensors) are then left out."""
     dtype = query.dtype
     if dtype not in (torch.float16, torch.bfloat16):  # fp32 models: the kernel computes in fp16
         query, key, value = (t.to(torch.float16) for t in (query, key, value))
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(torch.float32)
     r = ranges if ranges is not None else _NO_RANGES
+    if qk_rotate:
+        r = r._replace(q_amax=None, k_amax=None)
     if r.qk_balance is not None:  # a calibrated balance, which the static ranges are of
         qk_balance = r.qk_balance
     out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,
-                         qk_balance=qk_balance, q_amax=r.q_amax, k_amax=r.k_amax, v_amax=r.v_amax, k_mean=r.k_mean,
+                         qk_balance=qk_balance, qk_rotate=qk_rotate, q_amax=r.q_amax, k_amax=r.k_amax, v_amax=r.v_amax, k_mean=r.k_mean,
                          block_mask=block_mask, return_lse=return_lse)
     return (out[0].to(dtype), out[1]) if return_lse else out.to(dtype)
 

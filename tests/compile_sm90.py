@@ -40,7 +40,7 @@ def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict, divisible=()):
     return triton.compile(src, target=TARGET, options=dict(enable_fp_fusion=FP_FUSION))
 
 
-def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
+def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
     """The quantization kernel and the statistics pass, or (not ``static``) the one-launch kernel for short
     sequences too; every one with and without the Q·Kᵀ balance where it applies."""
     ptrs = {n: "*fp32" for n in ("QAMAX", "QS", "KMEAN", "KAMAX", "KS", "VRANGE", "VAMAX", "VS", "BAL")}
@@ -52,7 +52,7 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
     for balance in (False, True):  # static: a calibrated balance; else measured
         compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
             Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=smooth, Q_STATIC=static,
-            K_STATIC=static, V_FMT=v_fmt, V_STATIC=static, BALANCE=balance), divisible=("SQ_PAD", "SK_PAD"))
+            K_STATIC=static, V_FMT=v_fmt, V_STATIC=static, BALANCE=balance, ROTATE=rotate), divisible=("SQ_PAD", "SK_PAD"))
         stats = dict(Q="*" + dt, K="*" + dt, V="*" + dt, PART="*fp32", DONE="*i32", MOM="*fp32")
         compile_kernel(Qz._stats_kernel, stats, set(), dict(BLOCK=block, DP=dp, HAS_K=smooth or balance,
                                                             HAS_V=v_fmt != 0, SMOOTH=smooth, BALANCE=balance))
@@ -62,7 +62,7 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16"):
             fused.pop("DONE")
             compile_kernel(Qz._quant_fused_kernel, fused, {"scale_mult"}, dict(
                 BLOCK=block, Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, HAS_K=smooth or balance,
-                SMOOTH=smooth, V_FMT=v_fmt, BALANCE=balance), divisible=("SQ_PAD", "SK_PAD"))
+                SMOOTH=smooth, V_FMT=v_fmt, BALANCE=balance, ROTATE=rotate), divisible=("SQ_PAD", "SK_PAD"))
             n += 1
     return n
 
@@ -117,10 +117,12 @@ def hopper_variant(pv, dt="fp16", sparse=False, lse=False):
 
 def main(everything: bool) -> int:
     if everything:
-        quant = list(itertools.product((40, 64, 72, 128, 256), (0, 1, 2), (True, False), (True, False), ("fp16", "bf16")))
+        quant = list(itertools.product((40, 64, 72, 128, 256), (0, 1, 2), (True, False), (True, False), ("fp16", "bf16"),
+                                       (False, True)))
         attn = list(itertools.product((40, 64, 72, 128, 256), list(PV), (0, 1, 2), ("fp16", "bf16")))
     else:  # every branch at least once
-        quant = [(40, 1, True, False), (72, 2, False, True, "bf16"), (128, 0, True, False), (256, 1, True, True)]
+        quant = [(40, 1, True, False), (72, 2, False, True, "bf16"), (128, 0, True, False), (256, 1, True, True),
+                 (64, 1, True, False, "fp16", True), (128, 0, True, False, "bf16", True)]
         attn = [(40, PV.FP16, 0), (36, PV.FP16, 1), (64, PV.FP8, 1, "bf16"), (72, PV.INT8, 2), (128, PV.FP8, 0), (256, PV.INT8, 0),
                 (64, PV.FP8, 0, "fp16", True), (128, PV.FP16, 1, "bf16", True), (40, PV.INT8, 0, "fp16", True)]
     n_quant = sum(quantize_variant(*args) for args in quant)

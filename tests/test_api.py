@@ -70,19 +70,19 @@ def test_opcheck_cpu(kdev):
     backend = config.select_backend(q.device).value
     mask = torch.rand(1, 1, 40, 72, device=kdev) > 0.3
     mask[..., 0] = True
-    args = (q, k, v, mask, None, None, None, None, None, None, "BHSD", "fp8", 0.125, True, True, backend, False)
+    args = (q, k, v, mask, None, None, None, None, None, None, "BHSD", "fp8", 0.125, True, True, False, backend, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     blocks = torch.tensor([True, False], device=kdev).view(1, 2, 1, 1)  # head 1 skips its one block: zeros
-    args = (q, k, v, None, blocks, None, None, None, None, None, "BHSD", "fp16", 0.125, True, False, backend, True)
+    args = (q, k, v, None, blocks, None, None, None, None, None, "BHSD", "fp16", 0.125, True, False, True, backend, True)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     # every static input given: no statistics pass
     static = (q.float().abs().amax((2, 3)), torch.full((1, 2), 3.0, device=kdev), v.float().abs().amax(2),
               k.float().mean(2))
-    args = (q, k, v, None, None, *static, None, "BHSD", "fp8", 0.125, True, True, backend, True)
+    args = (q, k, v, None, None, *static, None, "BHSD", "fp8", 0.125, True, True, False, backend, True)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     # and a given Q·Kᵀ balance with them
     balance = torch.tensor([0.5, 1.0, 2.0, 4.0], device=kdev).repeat(16)
-    args = (q, k, v, None, None, *static, balance, "BHSD", "int8", 0.125, True, False, backend, False)
+    args = (q, k, v, None, None, *static, balance, "BHSD", "int8", 0.125, True, False, False, backend, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
 
 
@@ -118,6 +118,8 @@ def _qkv(**over):
         (dict(qk_balance=torch.ones(3, 64)), ValueError, r"qk_balance of shape \(3, 64\) does not broadcast"),
         (dict(qk_balance=torch.ones(64, dtype=torch.int32)), TypeError, "qk_balance must be a float tensor"),
         (dict(qk_balance=torch.ones(64), mode="fp16"), ValueError, "do not apply to mode 'fp16'"),
+        (dict(qk_rotate=1), TypeError, "qk_rotate must be True or False"),
+        (dict(qk_rotate=True, k_amax=torch.ones(2)), ValueError, "qk_rotate needs Q's and K's ranges measured"),
     ],
 )
 def test_bad_inputs_raise(kwargs, exc, match):

@@ -146,6 +146,26 @@ def test_given_balance_against_emulation(kdev, pv):
     assert 1 - cos_l1(emu, ref)[0] < 0.5 * err_plain
 
 
+@pytest.mark.parametrize("pv", list(PV))
+def test_rotation_against_emulation_and_shared_outliers(kdev, pv):
+    # qk_rotate on outlier channels that Q and K share (20x each, products 400x), which the balance cannot move:
+    # the kernel matches the emulation within BOUNDS, and the error against float64 falls well below the
+    # unrotated call's (emulation, 3 channels at D = 128: 1 - cos 1.4e-3 -> 0.1e-3 with 16-bit P·V)
+    S = 300 if kdev == "cpu" else 3000
+    q, k, v = realistic_qkv(1, 4, S, S + 37, 128, H_kv=2, device=kdev, outliers="shared", outlier_gain=400,
+                            n_outliers=3)
+    kw = dict(layout="BHSD", pv=pv)
+    ref = R.attention_ref(q, k, v)
+    emu = R.emulate_attention(q, k, v, qk_rotate=True, **kw)
+    check(run_kernel(q, k, v, qk_rotate=True, **kw), emu, ref, pv, q.dtype)
+    err_plain = 1 - cos_l1(R.emulate_attention(q, k, v, **kw), ref)[0]
+    assert 1 - cos_l1(emu, ref)[0] < 0.5 * err_plain
+    # with the balance too (applied first): the kernel still matches the emulation
+    if kdev != "cpu":  # the balance needs 1,024 queries per K/V head
+        both = R.emulate_attention(q, k, v, qk_rotate=True, qk_balance=True, **kw)
+        check(run_kernel(q, k, v, qk_rotate=True, qk_balance=True, **kw), both, ref, pv, q.dtype)
+
+
 def test_strided_inputs_without_copy(kdev):
     # q/k/v as slices of one fused projection (B, S, 3, H, D): non-contiguous, read through strides
     B, S, H, D = 2, 96, 4, 64

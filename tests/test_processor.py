@@ -424,6 +424,8 @@ def test_sparsity_arguments_are_checked():
         enable(model, schedule=sparse, sparsity=0.9)
     with pytest.raises(TypeError, match="qk_balance must be True or False"):
         Int8DiffusionProcessor("int8", qk_balance="yes")
+    with pytest.raises(TypeError, match="qk_rotate must be True or False"):
+        Int8DiffusionProcessor("int8", qk_rotate=1)
     enable(model, schedule="balanced", sparsity=0.9).disable()  # no levels of its own: the constant applies
 
 
@@ -434,6 +436,30 @@ def test_qk_balance_reaches_the_op(kernel_calls):
         at(model, x, 500)
         handle.disable()
     assert [c["qk_balance"] for c in kernel_calls] == [True, True, False, False]
+
+
+def test_qk_rotate_reaches_the_op_and_drops_static_q_k_ranges(kernel_calls):
+    # with a calibration, a rotated call measures Q's and K's ranges (the calibrated ones are of the unrotated
+    # tensors) and keeps the calibrated V ranges and K mean
+    from diffusion_int8.calibration import Calibration, Collector, merge
+
+    model, x = long_dit()
+    col = Collector(modes=())
+    handle = enable(model, mode="fp16", observer=col)
+    at(model, x, 500)
+    handle.disable()
+    timesteps, stats = merge([col.record(0)])
+    cal = Calibration.from_stats({"model": "tiny", "model_class": type(model).__name__, "num_train_timesteps": 1000},
+                                 timesteps, stats)
+    for rotate in (True, False):
+        handle = enable(model, mode="int8", calibration=cal, qk_rotate=rotate, speed_gate=False)
+        at(model, x, 500)
+        handle.disable()
+    rotated = [c for c in kernel_calls if c["qk_rotate"]]
+    assert 0 < len(rotated) == len(kernel_calls) // 2
+    assert all(c["q_amax"] is None and c["k_amax"] is None and c["v_amax"] is not None and c["k_mean"] is not None
+               for c in rotated)
+    assert all(c["q_amax"] is not None for c in kernel_calls if not c["qk_rotate"])
 
 
 @pytest.mark.parametrize("family, first", [("flux", True), ("sd3", False), ("cogvideox", True)])

@@ -151,6 +151,43 @@ def test_given_balance_quantizes_as_the_measured_one(kdev, layout, monkeypatch):
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
+def test_rotation_bit_exact_on_both_paths(kdev, layout, monkeypatch):
+    # qk_rotate: Q's and K's rows through the Hadamard butterflies inside the quantization kernels, on the one-launch
+    # path for short sequences and the two-launch one, equal to the emulation's bit for bit (K's mean as the
+    # statistics pass measures it), Q's scale carrying the 1/DP
+    from diffusion_int8.kernels import quantize as TQ
+
+    q, k, v = realistic_qkv(1, 4, 77, 203, 72, H_kv=2, layout=layout, device=kdev, outliers="shared",
+                            outlier_gain=400, n_outliers=3)
+    q, k, v = (R.to_bhsd(t, layout) for t in (q, k, v))
+    mean = TQ.kv_stats(k, None)[0]
+    for limit in (TQ._FUSED_MAX_TOKENS, 0):
+        monkeypatch.setattr(TQ, "_FUSED_MAX_TOKENS", limit)
+        for pv in (PV.FP8, PV.FP16):
+            cfg = tile_config(72, pv)
+            got = TQ.quantize_qkv(q, k, v, 0.3, pv, qk_rotate=True)
+            want = (*R.quantize_q(q, 0.3, rotate=True),
+                    *R.quantize_k(k, cfg.block_n, cfg.k_groups, True, None, mean, rotate=True))
+            for g, w in zip(got[:4], want):
+                assert torch.equal(g, w), (limit, pv)
+    # with the measured balance too: balanced first, then rotated
+    from diffusion_int8.kernels import layout as L
+
+    monkeypatch.setattr(L, "BALANCE_MIN_QUERIES", 0)
+    bal = R.balance_scales(q, k, R.token_mean(k))
+    both = TQ.quantize_qkv(q, k, v, 0.3, PV.FP16, qk_rotate=True, qk_balance=True)
+    cfg = tile_config(72, PV.FP16)
+    want = (*R.quantize_q(q, 0.3, None, bal, True), *R.quantize_k(k, cfg.block_n, cfg.k_groups, True, None, mean, bal, True))
+    for g, w in zip(both[:4], want):
+        assert torch.equal(g, w)
+    plain = R.quantize_q(q, 0.3)
+    assert not torch.equal(got.q8, plain[0])
+    # the rotation spreads Q's outlier channels: a token's range, relative to its norm (which the unnormalized
+    # rotation multiplies by sqrt(DP)), shrinks, so the other channels get more levels (qs carries 1/DP)
+    assert (got.qs[:, :, :77] * 128 ** 0.5 < plain[1][:, :, :77]).float().mean() > 0.9
+
+
 def test_balance_is_exact_and_lifts_outlier_accuracy():
     # Q·Kᵀ of the balanced tensors equals Q·Kᵀ (powers of two: no rounding), and the INT8 scores on inputs with
     # outlier channels of Q apart from K's come much closer to the exact scores.

@@ -31,6 +31,7 @@ def int8_attention(
     scale: float | None = None,
     smooth_k: bool = True,
     qk_balance: bool | torch.Tensor = False,
+    qk_rotate: bool = False,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
@@ -69,6 +70,14 @@ def int8_attention(
             broadcastable to (B, Hkv, D), finite and positive (powers of two keep Q·Kᵀ exact), e.g. a calibrated
             one (``Calibration.ranges(..., balance=True)``): then nothing is measured for it, and ``q_amax`` and
             ``k_amax``, if given, are ranges of the balanced Q and K.
+        qk_rotate: multiply Q's and K's rows (K after smoothing) by a ±1 Hadamard matrix before quantizing them:
+            Q·Kᵀ is unchanged up to rounding (exactly DP times it, divided out in Q's scale), and every channel
+            is spread over all of them, so outlier channels no longer set a token's range, including channels
+            that Q and K share, which the balance cannot move (20x in both, H100: worst cos 0.9982 -> 0.9997
+            against float64 with 16-bit P·V). With ``qk_balance`` too, the balance applies first: together they cover both kinds
+            of outlier channels (worst cos 0.9995 with FP8 P·V over the benchmark's cases, BENCHMARKS.md). Costs
+            log2(D) butterfly stages per tile in the quantization launch. Needs Q's and K's ranges measured (no
+            ``q_amax``/``k_amax``); off by default.
         q_amax, k_amax: static quantization ranges broadcastable to (B, Hq) / (B, Hkv), e.g. per-head
             calibrated ranges (``Calibration.ranges``; ``k_amax`` is of the smoothed K). Values beyond
             are clipped. Ranges must be finite and positive: on CPU tensors (and with ``check_finite``)
@@ -98,15 +107,16 @@ def int8_attention(
     try:  # the call's signature; one seen before skips every check and selection below (the hot path)
         plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
-            mode, layout, scale, smooth_k, balance_key(qk_balance), return_lse, os.environ.get(ENV_BACKEND),
+            mode, layout, scale, smooth_k, balance_key(qk_balance), balance_key(qk_rotate), return_lse,
+            os.environ.get(ENV_BACKEND),
             os.environ.get(ENV_PV8), signature(q), signature(k), signature(v), signature(attn_mask),
             signature(block_mask), signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean))
         call = _CALLS.get(key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, tensors without storage, unhashable options
         key, call = None, None
     if call is None:
-        call = _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, q_amax, k_amax,
-                        v_amax, k_mean)
+        call = _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax,
+                        k_amax, v_amax, k_mean)
         if key is not None:
             if len(_CALLS) >= 4096:
                 _CALLS.clear()
@@ -140,11 +150,11 @@ def int8_attention(
         from .attention import triton_attention
 
         return triton_attention(q, k, v, layout=layout, pv=call.pv, sm_scale=call.scale, smooth_k=smooth_k,
-                                qk_balance=qk_balance, attn_mask=attn_mask, block_mask=block_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
+                                qk_balance=qk_balance, qk_rotate=qk_rotate, attn_mask=attn_mask, block_mask=block_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
                                 return_lse=return_lse, key=key)
     out, lse = dispatch(
         q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, given_bal, layout, call.pv.value, call.scale,
-        smooth_k, qk_balance is True, call.backend.value, bool(return_lse),
+        smooth_k, qk_balance is True, qk_rotate, call.backend.value, bool(return_lse),
     )
     return (out, lse) if return_lse else out
 
@@ -164,18 +174,18 @@ class _Call(NamedTuple):
 _CALLS: dict[tuple, _Call] = {}
 
 
-def _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, q_amax, k_amax, v_amax,
-             k_mean) -> _Call:
+def _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax, k_amax,
+             v_amax, k_mean) -> _Call:
     """Check a call and choose its backend and P·V format (raises on bad arguments)."""
     mode, scale, gqa, empty = _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance,
-                                          q_amax, k_amax, v_amax, k_mean)
+                                          qk_rotate, q_amax, k_amax, v_amax, k_mean)
     if mode is Mode.FP16:
         return _Call(mode, scale, gqa, empty, None, None)
     return _Call(mode, scale, gqa, empty, select_backend(q.device), pv_for_mode(mode, q.device))
 
 
-def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, q_amax, k_amax, v_amax,
-                k_mean):
+def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax, k_amax,
+                v_amax, k_mean):
     """Every check of ``int8_attention``'s arguments; returns (mode, scale, grouped heads) or raises."""
     mode = Mode.parse(mode)
     if layout not in _LAYOUTS:
@@ -196,6 +206,8 @@ def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q
     if not (isinstance(qk_balance, bool) or given_bal):
         raise TypeError(f"qk_balance must be True, False or a tensor of balance scales broadcastable to (B, Hkv, D) = "
                         f"{(B, Hkv, D)}, got {type(qk_balance).__name__}")
+    if not isinstance(qk_rotate, bool):
+        raise TypeError(f"qk_rotate must be True or False, got {type(qk_rotate).__name__}")
     if mode is Mode.FP16:
         if any(t is not None for t in (q_amax, k_amax, v_amax, k_mean)) or given_bal:
             raise ValueError("static quantization inputs (q_amax/k_amax/v_amax/k_mean, a qk_balance tensor) do not "
@@ -203,6 +215,9 @@ def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q
         return mode, float(scale), Hq != Hkv, False
     if given_bal:
         _check_amax("qk_balance", qk_balance, q, (B, Hkv, D))
+    if qk_rotate and (q_amax is not None or k_amax is not None):
+        raise ValueError("qk_rotate needs Q's and K's ranges measured in the call: static q_amax/k_amax are ranges of "
+                         "the unrotated tensors (k_mean and v_amax may stay)")
     _check_amax("q_amax", q_amax, q, (B, Hq))
     _check_amax("k_amax", k_amax, q, (B, Hkv))
     _check_amax("v_amax", v_amax, q, (B, Hkv, D))

@@ -293,6 +293,7 @@ def triton_attention(
     sm_scale: float,
     smooth_k: bool = True,
     qk_balance: bool | torch.Tensor = False,
+    qk_rotate: bool = False,
     attn_mask: torch.Tensor | None = None,
     block_mask: torch.Tensor | None = None,
     q_amax: torch.Tensor | None = None,
@@ -320,7 +321,7 @@ def triton_attention(
         key = (*key, return_lse, sm90, _ablate)  # out is allocated below, so its signature follows from q's
     else:
         given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
-        key = (layout, pv, sm_scale, smooth_k, given_bal is None and qk_balance, return_lse, sm90, _ablate,
+        key = (layout, pv, sm_scale, smooth_k, given_bal is None and qk_balance, qk_rotate, return_lse, sm90, _ablate,
                *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out, given_bal)))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -337,7 +338,7 @@ def triton_attention(
         if block_mask is not None:
             blocks = block_lists(block_mask, qb.shape[0], qb.shape[1], qb.shape[2], kb.shape[2], runner)
         quantized = tq.quantize_qkv(  # K quantized in the tile table's K tiles, which attend() runs
-            qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, qk_balance=qk_balance, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
+            qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, qk_balance=qk_balance, qk_rotate=qk_rotate, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
             runner=runner,
         )
         attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, blocks=blocks, lse=lse, sm90=sm90,

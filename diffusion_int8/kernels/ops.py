@@ -35,6 +35,7 @@ def _quantized_attention(
     sm_scale: float,
     smooth_k: bool,
     qk_balance: bool,
+    qk_rotate: bool,
     backend: str,
     return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +45,7 @@ def _quantized_attention(
     (float32 (B, H, Sq); else empty)."""
     kwargs = dict(
         layout=layout, pv=PV(pv), sm_scale=sm_scale, smooth_k=smooth_k,
-        qk_balance=qk_balance if balance is None else balance,
+        qk_balance=qk_balance if balance is None else balance, qk_rotate=qk_rotate,
         attn_mask=attn_mask, block_mask=block_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
         return_lse=return_lse,
     )
@@ -62,7 +63,7 @@ quantized_attention = torch.library.custom_op("diffusion_int8::quantized_attenti
 
 @quantized_attention.register_fake
 def _(q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, balance, layout, pv, sm_scale, smooth_k, qk_balance,
-      backend, return_lse):
+      qk_rotate, backend, return_lse):
     B, H, Sq = to_bhsd(q, layout).shape[:3]
     lse = q.new_empty((B, H, Sq) if return_lse else (0,), dtype=torch.float32)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse

@@ -14,9 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP_FUSION, INT8_MAX, LOG2E, PV, padded_head_dim, tile_config
+from .config import (
+    AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP_FUSION, INT8_MAX, MAX_HEAD_DIM, PV, padded_head_dim, tile_config,
+)
 from .launch import EAGER, Runner
 from .layout import Q_SAMPLE_EVERY, balance_applies, padded_len, stats_block, v_channel_amax
+from .reference import q_scale_mult
 from .tl_helpers import rdiv, round_to_int8
 
 _ROW_BLOCK = 64  # tokens per program when the scale is per token
@@ -26,6 +29,7 @@ _INT8_MAX = tl.constexpr(INT8_MAX)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _BALANCE_MAX_LOG2 = tl.constexpr(BALANCE_MAX_LOG2)
 _BALANCE_DEAD_BAND = tl.constexpr(BALANCE_DEAD_BAND)
+_MAX_LOG2_DP = tl.constexpr((MAX_HEAD_DIM - 1).bit_length())  # butterfly stages of the widest padded head
 # Both sequences at most this long (queries counted over the query heads of a K/V head): one program per
 # K/V head measures and quantizes (``_quant_fused_kernel``), one launch instead of two. Where a call's host
 # time is what the GPU waits for; at 1,024 tokens the programs' serial work cost more GPU time than the launch
@@ -58,6 +62,17 @@ def _per_group(x, GROUPS: tl.constexpr, reduce: tl.constexpr):
     else:
         g = tl.max(tl.max(x3, axis=2), axis=0)
     return tl.reshape(tl.broadcast_to(g[None, :, None], [n // 8, GROUPS, 8 // GROUPS]), [n])
+
+
+@triton.jit
+def _hadamard(x, ROWS: tl.constexpr, DP: tl.constexpr):
+    """``reference.hadamard`` of a float32 (ROWS, DP) tile: log2(DP) stages, each the sums and then the differences
+    of adjacent channel pairs, the same adds and subtracts in the same order (one permutation a stage)."""
+    for i in tl.static_range(_MAX_LOG2_DP):
+        if (1 << i) < DP:
+            a, b = tl.split(tl.reshape(x, [ROWS, DP // 2, 2]))
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [ROWS, DP])
+    return x
 
 
 @triton.jit
@@ -95,7 +110,7 @@ def _quant_qkv_kernel(
     H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, scale_mult,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, K_GROUPS: tl.constexpr, DP: tl.constexpr,
     SMOOTH: tl.constexpr, Q_STATIC: tl.constexpr, K_STATIC: tl.constexpr, V_FMT: tl.constexpr,
-    V_STATIC: tl.constexpr, BALANCE: tl.constexpr,
+    V_STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr,
 ):
     # One launch for Q, K and V: programs [0, NQ) take Q_BLOCK tokens of Q, the rest one K tile of
     # K_BLOCK tokens (K_GROUPS scales) and the same tokens of V.
@@ -105,7 +120,7 @@ def _quant_qkv_kernel(
         _quant_q_block(
             Q, QAMAX, Q8, QS, BAL, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
             stride_bb, stride_bh, stride_bd,
-            pid % n_s, pid // n_s, H, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, Q_STATIC, BALANCE,
+            pid % n_s, pid // n_s, H, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, Q_STATIC, BALANCE, ROTATE,
         )
     else:
         n_s = SK_PAD // K_BLOCK
@@ -114,7 +129,7 @@ def _quant_qkv_kernel(
             stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
             stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
             stride_bb, stride_bh, stride_bd, (pid - NQ) % n_s, (pid - NQ) // n_s, H_KV, SK, D, SK_PAD,
-            K_BLOCK, K_GROUPS, DP, SMOOTH, K_STATIC, V_FMT, V_STATIC, BALANCE,
+            K_BLOCK, K_GROUPS, DP, SMOOTH, K_STATIC, V_FMT, V_STATIC, BALANCE, ROTATE,
         )
 
 
@@ -130,12 +145,14 @@ def _load_balance(BAL, stride_bb, stride_bh, stride_bd, b, h_kv, D, DP: tl.const
 def _quant_q_block(
     Q, QAMAX, Q8, QS, BAL, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
     stride_bb, stride_bh, stride_bd, pid_s, pid_bh, H, H_KV, SQ, D, SQ_PAD, scale_mult,
-    BLOCK: tl.constexpr, DP: tl.constexpr, STATIC: tl.constexpr, BALANCE: tl.constexpr,
+    BLOCK: tl.constexpr, DP: tl.constexpr, STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr,
 ):
     x, offs_s, offs_d, _ = _load_tile(Q, stride_qb, stride_qh, stride_qs, stride_qd, pid_s, pid_bh, H, SQ, D, BLOCK, DP)
     if BALANCE:  # Q's channels divided by the (power-of-two) balance of their K/V head's channels: exact
         bal = _load_balance(BAL, stride_bb, stride_bh, stride_bd, pid_bh // H, pid_bh % H // (H // H_KV), D, DP)
         x = x * rdiv(1.0, bal)[None, :]
+    if ROTATE:
+        x = _hadamard(x, BLOCK, DP)
     q8, qs = _quant_int8(x, QAMAX + (pid_bh // H) * stride_qab + (pid_bh % H) * stride_qah, 0, STATIC)
     tl.store(Q8 + pid_bh.to(tl.int64) * SQ_PAD * DP + offs_s[:, None] * DP + offs_d[None, :], q8)
     tl.store(QS + pid_bh * SQ_PAD + offs_s, qs * scale_mult)
@@ -148,7 +165,7 @@ def _quant_kv_block(
     stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
     stride_bb, stride_bh, stride_bd, pid_s, pid_bh, H, S, D, S_PAD,
     BLOCK: tl.constexpr, GROUPS: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
-    V_FMT: tl.constexpr, V_STATIC: tl.constexpr, BALANCE: tl.constexpr,
+    V_FMT: tl.constexpr, V_STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr,
 ):
     # One K tile and the same tokens of V (V_FMT: 0 none, 1 FP8, 2 INT8), with K's mean
     # (measured by the statistics pass or static, read through strides), K's channel balance (BALANCE) and
@@ -160,6 +177,8 @@ def _quant_kv_block(
         x = tl.where(valid, x - mean[None, :], 0.0)
     if BALANCE:
         x = x * _load_balance(BAL, stride_bb, stride_bh, stride_bd, b, h, D, DP)[None, :]
+    if ROTATE:
+        x = _hadamard(x, BLOCK, DP)
     k8, ks = _quant_int8(x, KAMAX + b * stride_kab + h * stride_kah, GROUPS, STATIC)
     base = pid_bh.to(tl.int64) * S_PAD * DP
     tl.store(K8 + base + offs_s[:, None] * DP + offs_d[None, :], k8)
@@ -343,7 +362,7 @@ def _quant_fused_kernel(
     stride_vb, stride_vh, stride_vs, stride_vd,
     H_KV, G, SQ, SK, D, SQ_PAD, SK_PAD, N_CHUNKS, chunk, chunk_q, slot, mom_slot, scale_mult,
     BLOCK: tl.constexpr, Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, K_GROUPS: tl.constexpr, DP: tl.constexpr,
-    HAS_K: tl.constexpr, SMOOTH: tl.constexpr, V_FMT: tl.constexpr, BALANCE: tl.constexpr,
+    HAS_K: tl.constexpr, SMOOTH: tl.constexpr, V_FMT: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr,
 ):
     # Short sequences: one program per K/V head measures the statistics (the statistics pass's chunks, one
     # after another, and its finishing step: the same results bit for bit), then quantizes the head's K, V
@@ -364,14 +383,14 @@ def _quant_fused_kernel(
             K, MOM, DUMMY, K8, KS, V, MOM + mom_slot, DUMMY, V8, VS, MOM + 2 * mom_slot,
             stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
             0, 0, 0, 0, 0, H_KV * DP, DP, 1, H_KV * DP, DP, 1,
-            t, pid_bh, H_KV, SK, D, SK_PAD, K_BLOCK, K_GROUPS, DP, SMOOTH, False, V_FMT, False, BALANCE,
+            t, pid_bh, H_KV, SK, D, SK_PAD, K_BLOCK, K_GROUPS, DP, SMOOTH, False, V_FMT, False, BALANCE, ROTATE,
         )
     for g in range(0, G):
         qh = pid_bh // H_KV * H_KV * G + pid_bh % H_KV * G + g
         for t in range(0, SQ_PAD // Q_BLOCK):
             _quant_q_block(
                 Q, DUMMY, Q8, QS, MOM + 2 * mom_slot, stride_qb, stride_qh, stride_qs, stride_qd, 0, 0,
-                H_KV * DP, DP, 1, t, qh, H_KV * G, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, False, BALANCE,
+                H_KV * DP, DP, 1, t, qh, H_KV * G, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, False, BALANCE, ROTATE,
             )
 
 
@@ -443,6 +462,7 @@ def quantize_qkv(
     k_tile: tuple[int, int] | None = None,
     smooth_k: bool = True,
     qk_balance: bool | torch.Tensor = False,
+    qk_rotate: bool = False,
     q_amax: torch.Tensor | None = None,
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
@@ -457,7 +477,8 @@ def quantize_qkv(
     (``config.TileConfig``), by default the tile table's for this head dim and ``pv``. qk_balance: True scales
     Q's and K's channels by ``reference.balance_scales`` measured here (where ``layout.balance_applies``); a
     tensor is a given balance, float32 broadcastable to (B, H_kv, D) (``q_amax``/``k_amax``, if given, are then
-    ranges of the balanced Q and K).
+    ranges of the balanced Q and K). qk_rotate: Q's and K's rows through ``reference.hadamard`` before they are
+    quantized (ranges measured, not static).
     q_amax / k_amax: static ranges broadcastable to (B, H) / (B, H_kv) (``k_amax`` of the smoothed K); v_amax:
     static per-channel range broadcastable to (B, H_kv, D); k_mean: static smoothing mean broadcastable to
     (B, H_kv, D). With ``k_mean`` and ``v_amax`` given (or no smoothing and fp16 P·V) there is no statistics
@@ -501,9 +522,9 @@ def quantize_qkv(
             q, q8, qs, k, k8, ks, v, k8 if v8 is None else v8, qs if vs is None else vs, partials, moments, qs,
             *q.stride(), *k.stride(), *v.stride(),
             H_kv, H // H_kv, Sq, Sk, D, sq_pad, sk_pad, n_chunks, chunk, chunk_q, partials[0].numel(),
-            moments[0].numel(), sm_scale * LOG2E,
-            # BLOCK, Q_BLOCK, K_BLOCK, K_GROUPS, DP, HAS_K, SMOOTH, V_FMT, BALANCE
-            block, _ROW_BLOCK, block_n, k_groups, dp, smooth_k or balance, smooth_k, v_fmt, balance,
+            moments[0].numel(), q_scale_mult(sm_scale, dp, qk_rotate),
+            # BLOCK, Q_BLOCK, K_BLOCK, K_GROUPS, DP, HAS_K, SMOOTH, V_FMT, BALANCE, ROTATE
+            block, _ROW_BLOCK, block_n, k_groups, dp, smooth_k or balance, smooth_k, v_fmt, balance, qk_rotate,
         ), dict(enable_fp_fusion=FP_FUSION))
         return Quantized(q8, qs, k8, ks, v8, vs)
 
@@ -525,10 +546,11 @@ def quantize_qkv(
         q, qa, q8, qs, k, kmean, ka, k8, ks,
         v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs, qs if bal is None else bal,
         *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides, *km_strides,
-        *((0, 0, 0) if bal is None else bal.stride()), H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq, sm_scale * LOG2E,
-        # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC, BALANCE
+        *((0, 0, 0) if bal is None else bal.stride()), H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq,
+        q_scale_mult(sm_scale, dp, qk_rotate),
+        # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC, BALANCE, ROTATE
         _ROW_BLOCK, block_n, k_groups, dp, smooth_k, q_amax is not None, k_amax is not None, v_fmt, v_amax is not None,
-        balance,
+        balance, qk_rotate,
     ), dict(enable_fp_fusion=FP_FUSION))
     return Quantized(q8, qs, k8, ks, v8, vs)
 

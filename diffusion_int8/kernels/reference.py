@@ -10,6 +10,9 @@ Numerics shared by both backends (``q``, ``k``, ``v`` in (B, H, S, D), D padded 
 * Q·Kᵀ balance (``balance_scales``; optional, ``layout.balance_applies`` says where): Q's channel c divided by a power of
   two s_c and K's multiplied by it, which leaves Q·Kᵀ unchanged exactly and evens out channels that are large
   in one of the two (outlier channels), so one per-token or per-block range no longer follows them.
+* Q·Kᵀ rotation (``hadamard``; optional): Q's and K's rows times a ±1 Hadamard matrix, which spreads every channel
+  over all of them, so outlier channels, shared by Q and K or not, no longer set a token's range; Q·Kᵀ is multiplied
+  by DP (exactly), which Q's scale divides out.
 * Q, per token: ``q8 = round(clamp(q · 127/amax, ±127))``, scale ``amax/127 · sm_scale · log2(e)``.
 * K, per tile of ``block_n`` keys or per 4 interleaved groups of a tile (``config.TileConfig``), after
   subtracting the per-(batch, head) token mean or a given static mean (smoothing: softmax is invariant
@@ -120,19 +123,40 @@ def _per_query_head(balance: torch.Tensor, H: int) -> torch.Tensor:
 
 
 def quantize_q(q: torch.Tensor, sm_scale: float, q_amax: torch.Tensor | None = None,
-               balance: torch.Tensor | None = None):
+               balance: torch.Tensor | None = None, rotate: bool = False):
     """Per-token INT8 Q with ``sm_scale·log2(e)`` folded into its scale.
 
     q: (B, H, S, D) fp16/bf16. q_amax: optional static range broadcastable to (B, H). balance: ``balance_scales``
-    (B, H_kv, DP), Q's channels divided by it, or None.
+    (B, H_kv, DP), Q's channels divided by it, or None. rotate: Q's padded rows through ``hadamard`` (K's too,
+    in ``quantize_k``), with the 1/DP it multiplies Q·Kᵀ by folded into the scale.
     Returns q8 (B, H, S_pad, DP) int8 and qs (B, H, S_pad) float32.
     """
     S, D = q.shape[2:]
-    x = _pad(q, padded_len(S), padded_head_dim(D))
+    dp = padded_head_dim(D)
+    x = _pad(q, padded_len(S), dp)
     if balance is not None:
         x = x * _div(1.0, _per_query_head(balance, q.shape[1]))
+    if rotate:
+        x = hadamard(x)
     q8, qs = _quantize_groups(x, q_amax)
-    return q8, qs * torch.tensor(sm_scale * LOG2E, dtype=torch.float32)
+    return q8, qs * torch.tensor(q_scale_mult(sm_scale, dp, rotate), dtype=torch.float32)
+
+
+def q_scale_mult(sm_scale: float, dp: int, rotate: bool) -> float:
+    """What Q's scales are multiplied by: sm_scale·log2(e), and 1/DP for Hadamard-rotated Q and K (their
+    product is DP times Q·Kᵀ; a power of two, so exact)."""
+    return sm_scale * LOG2E / dp if rotate else sm_scale * LOG2E
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """The last dim (a power of two, DP) of float32 ``x`` times the unnormalized Sylvester Hadamard matrix (entries
+    ±1), as the kernels compute it: log2(DP) stages, each the sums of adjacent channel pairs followed by their
+    differences (the constant-geometry form of the fast transform). (xH)(yH)ᵀ = DP · x·yᵀ, and an outlier
+    channel's value is spread evenly over every channel, so one per-token or per-block range no longer follows it."""
+    for _ in range(x.shape[-1].bit_length() - 1):
+        a, b = x[..., 0::2], x[..., 1::2]
+        x = torch.cat([a + b, a - b], dim=-1)
+    return x
 
 
 def token_mean(k: torch.Tensor) -> torch.Tensor:
@@ -172,6 +196,7 @@ def quantize_k(
     k_amax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
     balance: torch.Tensor | None = None,
+    rotate: bool = False,
 ):
     """INT8 K after mean subtraction, with ``k_groups`` (1 or 4) scales per tile of ``block_n`` keys.
 
@@ -179,6 +204,7 @@ def quantize_k(
     k: (B, H, S, D). k_amax: optional static range (of the smoothed K) broadcastable to (B, H).
     k_mean: optional static mean subtracted instead of K's token mean, broadcastable to (B, H, D).
     balance: ``balance_scales`` (B, H, DP), K's channels multiplied by it after the subtraction, or None.
+    rotate: the padded rows through ``hadamard`` after both.
     Returns k8 (B, H, S_pad, DP) int8 and ks (B, H, S_pad) float32: each key's group scale.
     """
     B, H, S, D = k.shape
@@ -189,8 +215,11 @@ def quantize_k(
         x = x - mean[:, :, None, :]
     if balance is not None:
         x = x * balance[:, :, None, :D]
+    x = _pad(x, s_pad, dp)
+    if rotate:
+        x = hadamard(x)
     # (B, H, tile, key // 8, group, key within the group's pair, channel); groups to the front, flattened
-    x = _pad(x, s_pad, dp).view(B, H, s_pad // block_n, block_n // 8, k_groups, 8 // k_groups, dp)
+    x = x.view(B, H, s_pad // block_n, block_n // 8, k_groups, 8 // k_groups, dp)
     x = x.permute(0, 1, 2, 4, 3, 5, 6)
     k8, ks = _quantize_groups(x.reshape(B, H, -1, block_n // k_groups * dp), k_amax)
     k8 = k8.view(x.shape).permute(0, 1, 2, 4, 3, 5, 6).reshape(B, H, s_pad, dp)
@@ -229,6 +258,7 @@ def emulate_attention(
     sm_scale: float | None = None,
     smooth_k: bool = True,
     qk_balance: bool | torch.Tensor = False,
+    qk_rotate: bool = False,
     attn_mask: torch.Tensor | None = None,
     block_mask: torch.Tensor | None = None,
     q_amax: torch.Tensor | None = None,
@@ -260,8 +290,8 @@ def emulate_attention(
         balance = given_balance(qk_balance, B, H_kv, D)
     elif balance_applies(qk_balance, q_amax, k_amax, k_mean, Sq * (H // H_kv)):
         balance = balance_scales(qb, kb, token_mean(kb) if smooth_k else None)
-    q8, qs = quantize_q(qb, sm_scale, q_amax, balance)
-    k8, ks = quantize_k(kb, block_n, k_groups, smooth_k, k_amax, k_mean, balance)
+    q8, qs = quantize_q(qb, sm_scale, q_amax, balance, qk_rotate)
+    k8, ks = quantize_k(kb, block_n, k_groups, smooth_k, k_amax, k_mean, balance, qk_rotate)
     idx = _gqa_index(H, H_kv, q.device)
     if pv is PV.FP16:
         vq = F.pad(vb, (0, q8.shape[-1] - D, 0, k8.shape[2] - Sk)).index_select(1, idx)
