@@ -137,6 +137,8 @@ class Int8DiffusionProcessor:
         qk_rotate: ``int8_attention``'s Hadamard rotation of Q and K, for outlier channels, Q and K sharing them or
             not (with ``qk_balance`` too, both apply). With a calibration, Q's and K's ranges are then measured per
             call (the calibrated ones are of the unrotated tensors); its V ranges, K mean and balance still apply.
+            The speed gate's table was measured without the rotation's cost (+3-29% a call): with it on, calls the
+            gate sends to INT8 may be slower than SDPA, and a warning says so once.
     """
 
     def __init__(
@@ -168,6 +170,8 @@ class Int8DiffusionProcessor:
             raise TypeError(f"qk_rotate must be True or False, got {qk_rotate!r}")
         self.qk_balance = qk_balance
         self.qk_rotate = qk_rotate
+        if qk_rotate and self.gate is not None:
+            _warn_rotation_cost()
         self.schedule = schedule
         self.inner = inner
         self.state = state if state is not None else Int8State()
@@ -492,6 +496,13 @@ def check_sparsity(sparsity, schedule) -> float | None:
         raise ValueError(f"schedule {schedule.name!r} sets sparsity levels of its own; give sparsity= or a schedule "
                          f"with levels, not both")
     return sparsity
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_rotation_cost() -> None:
+    warnings.warn("diffusion_int8: qk_rotate costs 3-29% of an INT8 call (H100: +29% at Flux's shape, +3.4% at Wan's), "
+                  "which the speed gate's crossover table does not include: calls it sends to INT8 may be slower than "
+                  "SDPA. Time your model with and without it (benchmarks/pipeline.py).", UserWarning, stacklevel=4)
 
 
 @functools.lru_cache(maxsize=None)

@@ -57,6 +57,11 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
         compile_kernel(Qz._stats_kernel, stats, set(), dict(BLOCK=block, DP=dp, HAS_K=smooth or balance,
                                                             HAS_V=v_fmt != 0, SMOOTH=smooth, BALANCE=balance))
         n += 2
+        if not static and rotate:  # the calibrated rotated call: V's range and K's mean given, Q's and K's measured
+            compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
+                Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=True, Q_STATIC=False,
+                K_STATIC=False, V_FMT=v_fmt, V_STATIC=True, BALANCE=balance, ROTATE=True), divisible=("SQ_PAD", "SK_PAD"))
+            n += 1
         if not static:
             fused = dict(stats, Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V8=ptrs["V8"], VS="*fp32", DUMMY="*fp32")
             fused.pop("DONE")

@@ -163,26 +163,26 @@ def test_rotation_bit_exact_on_both_paths(kdev, layout, monkeypatch):
     q, k, v = realistic_qkv(1, 4, 77, 203, 72, H_kv=2, layout=layout, device=kdev, outliers="shared",
                             outlier_gain=400, n_outliers=3)
     q, k, v = (R.to_bhsd(t, layout) for t in (q, k, v))
-    mean = TQ.kv_stats(k, None)[0]
-    for limit in (TQ._FUSED_MAX_TOKENS, 0):
-        monkeypatch.setattr(TQ, "_FUSED_MAX_TOKENS", limit)
-        for pv in (PV.FP8, PV.FP16):
-            cfg = tile_config(72, pv)
-            got = TQ.quantize_qkv(q, k, v, 0.3, pv, qk_rotate=True)
-            want = (*R.quantize_q(q, 0.3, rotate=True),
-                    *R.quantize_k(k, cfg.block_n, cfg.k_groups, True, None, mean, rotate=True))
-            for g, w in zip(got[:4], want):
-                assert torch.equal(g, w), (limit, pv)
-    # with the measured balance too: balanced first, then rotated
     from diffusion_int8.kernels import layout as L
 
     monkeypatch.setattr(L, "BALANCE_MIN_QUERIES", 0)
-    bal = R.balance_scales(q, k, R.token_mean(k))
-    both = TQ.quantize_qkv(q, k, v, 0.3, PV.FP16, qk_rotate=True, qk_balance=True)
-    cfg = tile_config(72, PV.FP16)
-    want = (*R.quantize_q(q, 0.3, None, bal, True), *R.quantize_k(k, cfg.block_n, cfg.k_groups, True, None, mean, bal, True))
-    for g, w in zip(both[:4], want):
-        assert torch.equal(g, w)
+    mean = TQ.kv_stats(k, None)[0]
+    bal = R.balance_scales(q, k, mean)
+    for limit in (TQ._FUSED_MAX_TOKENS, 0):
+        monkeypatch.setattr(TQ, "_FUSED_MAX_TOKENS", limit)
+        for pv, balance in ((PV.FP8, False), (PV.FP16, False), (PV.FP16, True)):  # with the balance: it applies first
+            cfg = tile_config(72, pv)
+            b = bal if balance else None
+            got = TQ.quantize_qkv(q, k, v, 0.3, pv, qk_rotate=True, qk_balance=balance)
+            want = (*R.quantize_q(q, 0.3, None, b, True),
+                    *R.quantize_k(k, cfg.block_n, cfg.k_groups, True, None, mean, b, True))
+            for g, w in zip(got[:4], want):
+                assert torch.equal(g, w), (limit, pv, balance)
+    got = TQ.quantize_qkv(q, k, v, 0.3, PV.FP8, qk_rotate=True)
+    with pytest.raises(ValueError, match="qk_rotate needs Q's and K's ranges measured"):
+        TQ.quantize_qkv(q, k, v, 0.3, PV.FP8, qk_rotate=True, k_amax=torch.ones(1, device=kdev))
+    with pytest.raises(ValueError, match="qk_rotate needs Q's and K's ranges measured"):
+        R.emulate_attention(q, k, v, qk_rotate=True, q_amax=torch.ones(1, device=kdev))
     plain = R.quantize_q(q, 0.3)
     assert not torch.equal(got.q8, plain[0])
     # the rotation spreads Q's outlier channels: a token's range, relative to its norm (which the unnormalized

@@ -74,10 +74,11 @@ def int8_attention(
             Q·Kᵀ is unchanged up to rounding (exactly DP times it, divided out in Q's scale), and every channel
             is spread over all of them, so outlier channels no longer set a token's range, including channels
             that Q and K share, which the balance cannot move (20x in both, H100: worst cos 0.9982 -> 0.9997
-            against float64 with 16-bit P·V). With ``qk_balance`` too, the balance applies first: together they cover both kinds
-            of outlier channels (worst cos 0.9995 with FP8 P·V over the benchmark's cases, BENCHMARKS.md). Costs
-            log2(D) butterfly stages per tile in the quantization launch. Needs Q's and K's ranges measured (no
-            ``q_amax``/``k_amax``); off by default.
+            against float64 with 16-bit P·V). With ``qk_balance`` too, the balance applies first: together they
+            cover both kinds of outlier channels (in the emulation at 1,024 tokens, D = 64 and 128: worst cos
+            0.99987 / 0.99953 with 16-bit / FP8 P·V). Costs log2(DP) butterfly stages per tile in the quantization
+            launch: +29% of a call at Flux's shape, +3.4% at Wan's on an H100 (BENCHMARKS.md), so it is off by
+            default. Needs Q's and K's ranges measured (no ``q_amax``/``k_amax``).
         q_amax, k_amax: static quantization ranges broadcastable to (B, Hq) / (B, Hkv), e.g. per-head
             calibrated ranges (``Calibration.ranges``; ``k_amax`` is of the smoothed K). Values beyond
             are clipped. Ranges must be finite and positive: on CPU tensors (and with ``check_finite``)

@@ -483,7 +483,8 @@ def quantize_qkv(
     static per-channel range broadcastable to (B, H_kv, D); k_mean: static smoothing mean broadcastable to
     (B, H_kv, D). With ``k_mean`` and ``v_amax`` given (or no smoothing and fp16 P·V) there is no statistics
     pass. V is quantized only when ``pv`` is FP8 or INT8.
-    Returns ``Quantized``: q8 (B, H, Sq_pad, DP) int8, qs (B, H, Sq_pad) float32 (sm_scale·log2(e) folded in),
+    Returns ``Quantized``: q8 (B, H, Sq_pad, DP) int8, qs (B, H, Sq_pad) float32 (sm_scale·log2(e) folded in, and
+    1/DP with ``qk_rotate``: ``reference.q_scale_mult``),
     k8 (B, H_kv, Sk_pad, DP) int8, ks (B, H_kv, Sk_pad) float32 (``k_groups`` scales per tile of
     ``block_n`` keys, stored per key), and v8 / vs as
     ``reference.quantize_v`` gives them (None, None for fp16 P·V). ``runner`` allocates and launches
@@ -498,6 +499,8 @@ def quantize_qkv(
     sq_pad, sk_pad, dp = padded_len(Sq), padded_len(Sk), padded_head_dim(D)
     dev = q.device
     v_fmt = pv.code
+    if qk_rotate and (q_amax is not None or k_amax is not None):
+        raise ValueError("qk_rotate needs Q's and K's ranges measured: static q_amax/k_amax describe the unrotated tensors")
     given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
     static = any(t is not None for t in (q_amax, k_amax, v_amax, k_mean, given_bal))
     measure_bal = balance_applies(qk_balance, q_amax, k_amax, k_mean, Sq * (H // H_kv))

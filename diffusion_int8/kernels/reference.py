@@ -285,6 +285,8 @@ def emulate_attention(
         sm_scale = D**-0.5
     cfg = tile_config(D, pv)
     block_n, k_groups = block_n or cfg.block_n, k_groups or cfg.k_groups
+    if qk_rotate and (q_amax is not None or k_amax is not None):
+        raise ValueError("qk_rotate needs Q's and K's ranges measured: static q_amax/k_amax describe the unrotated tensors")
     balance = None
     if isinstance(qk_balance, torch.Tensor):
         balance = given_balance(qk_balance, B, H_kv, D)
