@@ -182,6 +182,8 @@ class Int8DiffusionProcessor:
         if calibration is not None and qk_balance and not calibration.has_channel_ranges():
             _warn_no_channel_ranges(calibration.meta.get("schema_version"))
         self.calibration = calibration
+        # the calibration's static balance, where asked for and recorded
+        self._static_balance = bool(qk_balance and calibration is not None and calibration.has_channel_ranges())
         self.observer = observer
         self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._routed_calls: dict[type, Callable] = {}  # stock processor type -> its routed __call__
@@ -325,13 +327,15 @@ class Int8DiffusionProcessor:
             return inner(attn, hidden_states, *args, **kwargs)
 
     def _static_ranges(self, device: torch.device):
-        """The calibration's ranges at the current timestep, evaluated once per step and device."""
+        """The calibration's ranges at the current timestep, evaluated once per step and device (without Q's and K's
+        with ``qk_rotate``)."""
         if self.calibration is None or self.state.timestep is None:
             return None
         t, dev, ranges = self._ranges
         if t != self.state.timestep or dev != device:
-            ranges = self.calibration.ranges(self.name, self.state.timestep, device,
-                                             balance=self.qk_balance and self.calibration.has_channel_ranges())
+            ranges = self.calibration.ranges(self.name, self.state.timestep, device, balance=self._static_balance)
+            if self.qk_rotate:  # the rotated Q and K are measured: their calibrated ranges are of the unrotated ones
+                ranges = ranges._replace(q_amax=None, k_amax=None)
             self._ranges = (self.state.timestep, device, ranges)
         return ranges
 

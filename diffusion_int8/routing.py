@@ -125,16 +125,13 @@ _NO_RANGES = StaticRanges()
 def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_mask=None, qk_balance=False,
               qk_rotate=False, return_lse=False):
     """``int8_sdpa`` for a call ``kernel_takes`` (the processor has checked it already); with ``return_lse``, also
-    ``int8_attention``'s log-sum-exp. ``qk_rotate``: as ``int8_attention``'s; static Q and K ranges (of the
-    unrotated tensors) are then left out."""
+    ``int8_attention``'s log-sum-exp. ``qk_rotate``: as ``int8_attention``'s (``ranges`` without Q's and K's)."""
     dtype = query.dtype
     if dtype not in (torch.float16, torch.bfloat16):  # fp32 models: the kernel computes in fp16
         query, key, value = (t.to(torch.float16) for t in (query, key, value))
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(torch.float32)
     r = ranges if ranges is not None else _NO_RANGES
-    if qk_rotate:
-        r = r._replace(q_amax=None, k_amax=None)
     if r.qk_balance is not None:  # a calibrated balance, which the static ranges are of
         qk_balance = r.qk_balance
     out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch
 from .config import (ENV_BACKEND, ENV_PV8, MAX_HEAD_DIM, PV, SPARSE_BLOCK, Backend, Kernel, Mode, padded_head_dim,
                      pv_for_mode, select_backend)
 from .launch import signature
-from .layout import to_bhsd
+from .layout import check_rotation, to_bhsd
 from .ops import dispatch
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -216,9 +216,7 @@ def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q
         return mode, float(scale), Hq != Hkv, False
     if given_bal:
         _check_amax("qk_balance", qk_balance, q, (B, Hkv, D))
-    if qk_rotate and (q_amax is not None or k_amax is not None):
-        raise ValueError("qk_rotate needs Q's and K's ranges measured in the call: static q_amax/k_amax are ranges of "
-                         "the unrotated tensors (k_mean and v_amax may stay)")
+    check_rotation(qk_rotate, q_amax, k_amax)
     _check_amax("q_amax", q_amax, q, (B, Hq))
     _check_amax("k_amax", k_amax, q, (B, Hkv))
     _check_amax("v_amax", v_amax, q, (B, Hkv, D))

@@ -72,6 +72,14 @@ def stats_block(dp: int) -> int:
 BALANCE_MIN_QUERIES = 1024
 
 
+def check_rotation(qk_rotate: bool, q_amax, k_amax) -> None:
+    """The Hadamard rotation quantizes the rotated Q and K, so their ranges must be measured: ``ValueError`` for
+    static ``q_amax``/``k_amax`` (ranges of the unrotated tensors) with ``qk_rotate``."""
+    if qk_rotate and (q_amax is not None or k_amax is not None):
+        raise ValueError("qk_rotate needs Q's and K's ranges measured in the call: static q_amax/k_amax are ranges of "
+                         "the unrotated tensors (k_mean and v_amax may stay)")
+
+
 def balance_applies(qk_balance, q_amax, k_amax, k_mean, queries: int) -> bool:
     """Whether a call measures a Q·Kᵀ balance: asked for (``qk_balance`` True; a tensor is a given balance, not
     measured), Q's and K's ranges and K's mean measured (static ones were taken of the unbalanced tensors), and

@@ -18,7 +18,7 @@ from .config import (
     AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP_FUSION, INT8_MAX, MAX_HEAD_DIM, PV, padded_head_dim, tile_config,
 )
 from .launch import EAGER, Runner
-from .layout import Q_SAMPLE_EVERY, balance_applies, padded_len, stats_block, v_channel_amax
+from .layout import Q_SAMPLE_EVERY, balance_applies, check_rotation, padded_len, stats_block, v_channel_amax
 from .reference import q_scale_mult
 from .tl_helpers import rdiv, round_to_int8
 
@@ -499,8 +499,7 @@ def quantize_qkv(
     sq_pad, sk_pad, dp = padded_len(Sq), padded_len(Sk), padded_head_dim(D)
     dev = q.device
     v_fmt = pv.code
-    if qk_rotate and (q_amax is not None or k_amax is not None):
-        raise ValueError("qk_rotate needs Q's and K's ranges measured: static q_amax/k_amax describe the unrotated tensors")
+    check_rotation(qk_rotate, q_amax, k_amax)
     given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
     static = any(t is not None for t in (q_amax, k_amax, v_amax, k_mean, given_bal))
     measure_bal = balance_applies(qk_balance, q_amax, k_amax, k_mean, Sq * (H // H_kv))

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, padded_head_dim
-from .layout import Q_SAMPLE_EVERY, balance_applies, padded_len, static_range, stats_block, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
+from .layout import Q_SAMPLE_EVERY, balance_applies, check_rotation, padded_len, static_range, stats_block, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
 
 
 def _pad(x: torch.Tensor, s_pad: int, dp: int) -> torch.Tensor:
@@ -285,8 +285,7 @@ def emulate_attention(
         sm_scale = D**-0.5
     cfg = tile_config(D, pv)
     block_n, k_groups = block_n or cfg.block_n, k_groups or cfg.k_groups
-    if qk_rotate and (q_amax is not None or k_amax is not None):
-        raise ValueError("qk_rotate needs Q's and K's ranges measured: static q_amax/k_amax describe the unrotated tensors")
+    check_rotation(qk_rotate, q_amax, k_amax)
     balance = None
     if isinstance(qk_balance, torch.Tensor):
         balance = given_balance(qk_balance, B, H_kv, D)
