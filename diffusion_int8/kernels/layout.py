@@ -66,6 +66,16 @@ def stats_block(dp: int) -> int:
     return 64 if dp <= 128 else 32
 
 
+MAX_CHUNKS = 32  # the statistics pass's chunks per (batch, head), at most
+
+
+def chunking(sk: int) -> tuple[int, int]:
+    """The statistics pass's chunks of ``sk`` keys: (keys per chunk, a multiple of 64; number of chunks). Enough
+    chunks to fill the GPU at a few (batch, head)s, few enough that folding the partials stays small."""
+    chunk = max(256, cdiv(cdiv(sk, MAX_CHUNKS), 64) * 64)
+    return chunk, cdiv(sk, chunk)
+
+
 # The Q·Kᵀ balance needs this many queries per K/V head (over its query heads): from fewer sampled tokens, Q's
 # channel ranges are noise, not outlier channels, and balancing by them cost accuracy (one query row: rel L1
 # 0.028 -> 0.075 against float64 in the emulation)

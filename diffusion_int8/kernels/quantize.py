@@ -18,7 +18,7 @@ from .config import (
     AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP_FUSION, INT8_MAX, MAX_HEAD_DIM, PV, padded_head_dim, tile_config,
 )
 from .launch import EAGER, Runner
-from .layout import Q_SAMPLE_EVERY, balance_applies, check_rotation, padded_len, stats_block, v_channel_amax
+from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation, chunking, padded_len, stats_block, v_channel_amax
 from .reference import q_scale_mult
 from .tl_helpers import rdiv, round_to_int8
 
@@ -213,8 +213,7 @@ def _quant_kv_block(
 # results do not depend on how many programs ran the chunks. Slots of the partials buffer:
 _KSUM, _KMAX, _KMIN, _VMAX, _QMAX = (tl.constexpr(i) for i in range(5))
 _N_SLOTS = 5
-_MAX_CHUNKS = 32  # chunks per (batch, head), at most
-_MAX_CHUNKS_C = tl.constexpr(_MAX_CHUNKS)
+_MAX_CHUNKS_C = tl.constexpr(MAX_CHUNKS)
 _Q_SAMPLE_EVERY = tl.constexpr(Q_SAMPLE_EVERY)
 
 
@@ -243,7 +242,7 @@ def _stats_chunk(
                 keep = valid & (k == k)
                 kmax = tl.maximum(kmax, tl.where(keep, k, float("-inf")))
                 kmin = tl.minimum(kmin, tl.where(keep, k, float("inf")))
-        tl.store(out + _KSUM * slot, tl.sum(ksum, axis=0))
+        tl.store(out + _KSUM * slot, _sum_rows(ksum, BLOCK, DP))
         if BALANCE:
             tl.store(out + _KMAX * slot, tl.max(kmax, axis=0))
             tl.store(out + _KMIN * slot, tl.min(kmin, axis=0))
@@ -274,16 +273,29 @@ def _stats_chunk(
 
 
 @triton.jit
+def _sum_rows(x, ROWS: tl.constexpr, DP: tl.constexpr):
+    """Column sums of a float32 (ROWS, DP) tile, ROWS a power of two, in a fixed order: adjacent rows in pairs,
+    then pairs of those sums, and so on (``reference.token_mean``). tl.sum's order follows the tile's layout,
+    which the compiler picks per kernel, so the one-launch and two-launch paths could differ in the last bit."""
+    x = tl.trans(x)
+    for i in tl.static_range(8):
+        if (ROWS >> i) > 1:
+            a, b = tl.split(tl.reshape(x, [DP, (ROWS >> i) // 2, 2]))
+            x = a + b
+    return tl.reshape(x, [DP])
+
+
+@triton.jit
 def _fold(PART, pid_bh, N_CHUNKS, DP: tl.constexpr, how: tl.constexpr, init: tl.constexpr):
     """The chunk partials of one (batch, head) folded: their sum, max or min. All chunks are loaded at once
-    (at most ``_MAX_CHUNKS``): the finishing program is the pass's tail, and a loop of dependent loads per
+    (at most ``layout.MAX_CHUNKS``): the finishing program is the pass's tail, and a loop of dependent loads per
     chunk would lengthen it by a memory latency each."""
     offs_c = tl.arange(0, _MAX_CHUNKS_C)
     offs_d = tl.arange(0, DP)
     parts = tl.load(PART + (pid_bh * N_CHUNKS + offs_c[:, None]) * DP + offs_d[None, :],
                     mask=offs_c[:, None] < N_CHUNKS, other=init, cache_modifier=".cg")
     if how == "sum":
-        return tl.sum(parts, axis=0)
+        return _sum_rows(parts, _MAX_CHUNKS_C, DP)
     elif how == "max":
         return tl.max(parts, axis=0)
     else:
@@ -395,10 +407,9 @@ def _quant_fused_kernel(
 
 
 def _chunking(Sq: int, Sk: int, block: int) -> tuple[int, int, int]:
-    """The statistics pass's chunks: (chunk of keys, chunk of queries, number of chunks). Enough chunks to fill
-    the GPU at a few (batch, head)s, few enough that folding the partials stays small."""
-    chunk = max(256, triton.cdiv(triton.cdiv(Sk, _MAX_CHUNKS), 64) * 64)
-    n_chunks = triton.cdiv(Sk, chunk)
+    """The statistics pass's chunks: (chunk of keys, chunk of queries, number of chunks); ``layout.chunking``,
+    and as many chunks of queries, each a whole number of sampled tiles."""
+    chunk, n_chunks = chunking(Sk)
     chunk_q = triton.cdiv(triton.cdiv(Sq, n_chunks), block * Q_SAMPLE_EVERY) * block * Q_SAMPLE_EVERY
     return chunk, chunk_q, n_chunks
 
@@ -433,8 +444,8 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
     """K's token mean (B, H, D) and V's range ``reference.v_channel_amax(v)`` (B, H, DP), float32, as
     the quantization kernel computes them (the range is None when ``v`` is).
 
-    The Triton twin of ``reference.k_mean`` and ``reference.v_channel_amax``: the chunk sums are added
-    in chunk order, so the mean is deterministic but may differ from ``torch.mean`` in the last bit.
+    The Triton twin of ``reference.token_mean`` (the same sums in the same order, bit for bit) and
+    ``reference.v_channel_amax``.
     """
     D = k.shape[3]
     mean, vmax, _ = kv_moments(k, v)

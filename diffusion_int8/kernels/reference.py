@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, padded_head_dim
-from .layout import Q_SAMPLE_EVERY, balance_applies, check_rotation, padded_len, static_range, stats_block, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
+from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation, chunking, padded_len, static_range, stats_block, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
 
 
 def _pad(x: torch.Tensor, s_pad: int, dp: int) -> torch.Tensor:
@@ -160,8 +160,26 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 def token_mean(k: torch.Tensor) -> torch.Tensor:
-    """Token mean of K per (batch, head) in float32: (B, H, S, D) -> (B, H, D)."""
-    return k.mean(dim=2, dtype=torch.float32)
+    """Token mean of K per (batch, head) in float32: (B, H, S, D) -> (B, H, D), summed in the statistics pass's
+    order (``quantize.kv_moments``): tokens in chunks of ``chunk`` (``chunking``) and tiles of ``stats_block``;
+    a chunk's tiles added one after another, row by row; its rows, then the chunks (up to ``MAX_CHUNKS``, zeros
+    after the last), folded in adjacent pairs; one rounded division by S."""
+    B, H, S, D = k.shape
+    block = stats_block(padded_head_dim(D))
+    chunk, n_chunks = chunking(S)
+    x = F.pad(k.float(), (0, 0, 0, n_chunks * chunk - S)).view(B, H, n_chunks, chunk // block, block, D)
+    rows = x[:, :, :, 0]
+    for t in range(1, chunk // block):
+        rows = rows + x[:, :, :, t]
+    sums = _pair_sums(F.pad(_pair_sums(rows), (0, 0, 0, MAX_CHUNKS - n_chunks)))
+    return _div(sums, float(S))
+
+
+def _pair_sums(x: torch.Tensor) -> torch.Tensor:
+    """(..., R, D) -> (..., D), R a power of two: adjacent rows added in pairs until one is left."""
+    while x.shape[-2] > 1:
+        x = x[..., 0::2, :] + x[..., 1::2, :]
+    return x[..., 0, :]
 
 
 def smoothing_offset(q: torch.Tensor, k: torch.Tensor, sm_scale: float, smooth_k: bool = True,
