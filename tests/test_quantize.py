@@ -153,6 +153,26 @@ def test_given_balance_quantizes_as_the_measured_one(kdev, layout, monkeypatch):
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("dp", [32, 128, 256])
+def test_hadamard_is_the_matrix_product_on_a_16_bit_grid(dp):
+    # reference.hadamard (the kernels' numerics): x·H within the grid's rounding, at most 2^-15 of the row's range a
+    # channel; rows of any scale, a zero row stays zero, a row holding NaN or Inf comes out NaN
+    i = torch.arange(dp)
+    bits = i[:, None] & i[None, :]
+    H = (-1.0) ** sum((bits >> b) & 1 for b in range(8)).double()
+    x = torch.randn(8, dp) * torch.tensor([1, 1e-30, 1e30, 3e-3, 1, 1, 1, 1])[:, None]
+    x[0, 5] *= 40
+    x[4] = 0.0
+    x[5, 3], x[6, 1] = float("inf"), float("nan")
+    y = R.hadamard(x)
+    finite = [0, 1, 2, 3, 4, 7]
+    exact = x[finite].double() @ H
+    bound = dp * 2.0**-15 * x[finite].double().abs().amax(1, keepdim=True)
+    assert ((y[finite].double() - exact).abs() <= bound).all()
+    assert ((y[finite].double() - exact).abs() > 0).any()  # the grid did round
+    assert (y[4] == 0).all() and y[5:7].isnan().all()
+
+
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
 def test_rotation_bit_exact_on_both_paths(kdev, layout, monkeypatch):
     # qk_rotate: Q's and K's rows through the Hadamard butterflies inside the quantization kernels, on the one-launch

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .config import (
-    AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP_FUSION, INT8_MAX, MAX_HEAD_DIM, PV, padded_head_dim, tile_config,
+    AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP_FUSION, INT8_MAX, PV, padded_head_dim, tile_config,
 )
 from .launch import EAGER, Runner
 from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation, chunking, padded_len, stats_block, v_channel_amax
@@ -29,7 +29,6 @@ _INT8_MAX = tl.constexpr(INT8_MAX)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _BALANCE_MAX_LOG2 = tl.constexpr(BALANCE_MAX_LOG2)
 _BALANCE_DEAD_BAND = tl.constexpr(BALANCE_DEAD_BAND)
-_MAX_LOG2_DP = tl.constexpr((MAX_HEAD_DIM - 1).bit_length())  # butterfly stages of the widest padded head
 # Both sequences at most this long (queries counted over the query heads of a K/V head): one program per
 # K/V head measures and quantizes (``_quant_fused_kernel``), one launch instead of two. Where a call's host
 # time is what the GPU waits for; at 1,024 tokens the programs' serial work cost more GPU time than the launch
@@ -65,14 +64,39 @@ def _per_group(x, GROUPS: tl.constexpr, reduce: tl.constexpr):
 
 
 @triton.jit
-def _hadamard(x, ROWS: tl.constexpr, DP: tl.constexpr):
-    """``reference.hadamard`` of a float32 (ROWS, DP) tile: log2(DP) stages, each the sums and then the differences
-    of adjacent channel pairs, the same adds and subtracts in the same order (one permutation a stage)."""
-    for i in tl.static_range(_MAX_LOG2_DP):
-        if (1 << i) < DP:
-            a, b = tl.split(tl.reshape(x, [ROWS, DP // 2, 2]))
-            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [ROWS, DP])
-    return x
+def _hadamard_matrix(DP: tl.constexpr):
+    """The (DP, DP) Sylvester Hadamard matrix as int8, ``H[i, j] = (-1)^popcount(i & j)`` (DP <= 256)."""
+    offs = tl.arange(0, DP)
+    p = offs[:, None] & offs[None, :]
+    p = p ^ (p >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    return (1 - 2 * (p & 1)).to(tl.int8)
+
+
+@triton.jit
+def _hadamard(x, DP: tl.constexpr):
+    """``reference.hadamard`` of a float32 (rows, DP) tile.
+
+    Each row on its 16-bit grid ``g = hi·256 + lo + 128`` (hi and lo int8), and ``g·H`` as two INT8 MMAs plus
+    the constant's product (128·DP in column 0: H's columns sum to 0 but the first): exact in int32, so the
+    tensor cores' order of sums does not matter. A butterfly network in registers would be as exact, but Triton
+    moves the data of every stage through shared memory."""
+    poison = tl.sum(x * 0.0, axis=1)  # NaN iff the row holds a NaN/Inf (the GPU's max drops NaN)
+    shift = tl.minimum(127 + 141 - _exponent(tl.max(tl.abs(x), axis=1)), 127 + 126)
+    y = tl.minimum(tl.maximum(x * _pow2(shift)[:, None], -32767.0), 32767.0)
+    g = (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # round half to even (``round_to_int8``)
+    h = _hadamard_matrix(DP)  # built per tile: kept across a loop of tiles it cost registers, and then spills
+    acc = tl.dot((g >> 8).to(tl.int8), h, out_dtype=tl.int32) * 256
+    acc = tl.dot(((g & 255) - 128).to(tl.int8), h, acc=acc, out_dtype=tl.int32)
+    acc += tl.where(tl.arange(0, DP) == 0, 128 * DP, 0)[None, :]
+    return acc.to(tl.float32) * _pow2(2 * 127 - shift)[:, None] + poison[:, None]
+
+
+@triton.jit
+def _pow2(biased):
+    """2^(biased - 127) as float32, for int32 exponents in [1, 254]."""
+    return (biased << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -152,7 +176,7 @@ def _quant_q_block(
         bal = _load_balance(BAL, stride_bb, stride_bh, stride_bd, pid_bh // H, pid_bh % H // (H // H_KV), D, DP)
         x = x * rdiv(1.0, bal)[None, :]
     if ROTATE:
-        x = _hadamard(x, BLOCK, DP)
+        x = _hadamard(x, DP)
     q8, qs = _quant_int8(x, QAMAX + (pid_bh // H) * stride_qab + (pid_bh % H) * stride_qah, 0, STATIC)
     tl.store(Q8 + pid_bh.to(tl.int64) * SQ_PAD * DP + offs_s[:, None] * DP + offs_d[None, :], q8)
     tl.store(QS + pid_bh * SQ_PAD + offs_s, qs * scale_mult)
@@ -178,7 +202,7 @@ def _quant_kv_block(
     if BALANCE:
         x = x * _load_balance(BAL, stride_bb, stride_bh, stride_bd, b, h, D, DP)[None, :]
     if ROTATE:
-        x = _hadamard(x, BLOCK, DP)
+        x = _hadamard(x, DP)
     k8, ks = _quant_int8(x, KAMAX + b * stride_kab + h * stride_kah, GROUPS, STATIC)
     base = pid_bh.to(tl.int64) * S_PAD * DP
     tl.store(K8 + base + offs_s[:, None] * DP + offs_d[None, :], k8)

@@ -10,9 +10,9 @@ Numerics shared by both backends (``q``, ``k``, ``v`` in (B, H, S, D), D padded 
 * Q·Kᵀ balance (``balance_scales``; optional, ``layout.balance_applies`` says where): Q's channel c divided by a power of
   two s_c and K's multiplied by it, which leaves Q·Kᵀ unchanged exactly and evens out channels that are large
   in one of the two (outlier channels), so one per-token or per-block range no longer follows them.
-* Q·Kᵀ rotation (``hadamard``; optional): Q's and K's rows times a ±1 Hadamard matrix, which spreads every channel
-  over all of them, so outlier channels, shared by Q and K or not, no longer set a token's range; Q·Kᵀ is multiplied
-  by DP (exactly), which Q's scale divides out.
+* Q·Kᵀ rotation (``hadamard``; optional): Q's and K's rows, each on a 16-bit grid, times a ±1 Hadamard matrix in
+  exact integer sums, which spreads every channel over all of them, so outlier channels, shared by Q and K or not,
+  no longer set a token's range; Q·Kᵀ is multiplied by DP (exactly), which Q's scale divides out.
 * Q, per token: ``q8 = round(clamp(q · 127/amax, ±127))``, scale ``amax/127 · sm_scale · log2(e)``.
 * K, per tile of ``block_n`` keys or per 4 interleaved groups of a tile (``config.TileConfig``), after
   subtracting the per-(batch, head) token mean or a given static mean (smoothing: softmax is invariant
@@ -149,14 +149,27 @@ def q_scale_mult(sm_scale: float, dp: int, rotate: bool) -> float:
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """The last dim (a power of two, DP) of float32 ``x`` times the unnormalized Sylvester Hadamard matrix (entries
-    ±1), as the kernels compute it: log2(DP) stages, each the sums of adjacent channel pairs followed by their
-    differences (the constant-geometry form of the fast transform). (xH)(yH)ᵀ = DP · x·yᵀ, and an outlier
-    channel's value is spread evenly over every channel, so one per-token or per-block range no longer follows it."""
-    for _ in range(x.shape[-1].bit_length() - 1):
-        a, b = x[..., 0::2], x[..., 1::2]
-        x = torch.cat([a + b, a - b], dim=-1)
-    return x
+    """The last dim (a power of two, DP) of float32 ``x`` times the unnormalized Sylvester Hadamard matrix H (entries
+    ±1, ``H[i, j] = (-1)^popcount(i & j)``), as the kernels compute it. (xH)(yH)ᵀ = DP · x·yᵀ, and an outlier channel's
+    value is spread evenly over every channel, so one per-token or per-block range no longer follows it.
+
+    Each row is first rounded (half to even) to a 16-bit grid: integers of magnitude < 2^15 times the power of two
+    that puts the row's |max| in [2^14, 2^15). The product with H is then exact in integers (|xH| < 2^23), so any
+    order of sums gives the same bits: the kernels use two INT8 MMAs (the grid's high and low bytes), this uses
+    float64. The grid's error is at most 2^-15 of the row's range, against INT8's 2^-8. A row holding a NaN/Inf
+    comes out NaN."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    shift = (127 + 141 - _exponent(amax)).clamp(max=127 + 126)  # 2^shift·|max| < 2^15, 2^±shift normal
+    grid = torch.round((x * _pow2(shift)).clamp(-32767.0, 32767.0)).double()
+    for _ in range(x.shape[-1].bit_length() - 1):  # the fast transform; integer sums, exact in float64
+        a, b = grid[..., 0::2], grid[..., 1::2]
+        grid = torch.cat([a + b, a - b], dim=-1)
+    return grid.float() * _pow2(2 * 127 - shift) + (x * 0.0).sum(dim=-1, keepdim=True)
+
+
+def _pow2(biased: torch.Tensor) -> torch.Tensor:
+    """2^(biased - 127) as float32, for int32 exponents in [1, 254]."""
+    return (biased << 23).view(torch.float32)
 
 
 def token_mean(k: torch.Tensor) -> torch.Tensor:
