@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from diffusion_int8.kernels import reference as R
-from diffusion_int8.kernels.config import PV, tile_config
+from diffusion_int8.kernels.config import PV, padded_head_dim, tile_config
 from diffusion_int8.testing import realistic_qkv
 
 HEAD_DIMS = [32, 40, 64, 72, 80, 96, 128, 160, 256]
@@ -173,14 +173,14 @@ def test_hadamard_is_the_matrix_product_on_a_16_bit_grid(dp):
     assert (y[4] == 0).all() and y[5:7].isnan().all()
 
 
-@pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
-def test_rotation_bit_exact_on_both_paths(kdev, layout, monkeypatch):
-    # qk_rotate: Q's and K's rows through the Hadamard butterflies inside the quantization kernels, on the one-launch
-    # path for short sequences and the two-launch one, equal to the emulation's bit for bit (K's mean as the
-    # statistics pass measures it), Q's scale carrying the 1/DP
+@pytest.mark.parametrize("layout, D", [("BHSD", 72), ("BSHD", 72), ("BHSD", 40), ("BSHD", 200)])
+def test_rotation_bit_exact_on_both_paths(kdev, layout, D, monkeypatch):
+    # qk_rotate: Q's and K's rows through the Hadamard product (two INT8 MMAs of DP = 64, 128 and 256) inside the
+    # quantization kernels, on the one-launch path for short sequences and the two-launch one, equal to the
+    # emulation's bit for bit, Q's scale carrying the 1/DP
     from diffusion_int8.kernels import quantize as TQ
 
-    q, k, v = realistic_qkv(1, 4, 77, 203, 72, H_kv=2, layout=layout, device=kdev, outliers="shared",
+    q, k, v = realistic_qkv(1, 4, 77, 203, D, H_kv=2, layout=layout, device=kdev, outliers="shared",
                             outlier_gain=400, n_outliers=3)
     q, k, v = (R.to_bhsd(t, layout) for t in (q, k, v))
     from diffusion_int8.kernels import layout as L
@@ -191,7 +191,7 @@ def test_rotation_bit_exact_on_both_paths(kdev, layout, monkeypatch):
     for limit in (TQ._FUSED_MAX_TOKENS, 0):
         monkeypatch.setattr(TQ, "_FUSED_MAX_TOKENS", limit)
         for pv, balance in ((PV.FP8, False), (PV.FP16, False), (PV.FP16, True)):  # with the balance: it applies first
-            cfg = tile_config(72, pv)
+            cfg = tile_config(D, pv)
             b = bal if balance else None
             got = TQ.quantize_qkv(q, k, v, 0.3, pv, qk_rotate=True, qk_balance=balance)
             want = (*R.quantize_q(q, 0.3, None, b, True),
@@ -207,7 +207,7 @@ def test_rotation_bit_exact_on_both_paths(kdev, layout, monkeypatch):
     assert not torch.equal(got.q8, plain[0])
     # the rotation spreads Q's outlier channels: a token's range, relative to its norm (which the unnormalized
     # rotation multiplies by sqrt(DP)), shrinks, so the other channels get more levels (qs carries 1/DP)
-    assert (got.qs[:, :, :77] * 128 ** 0.5 < plain[1][:, :, :77]).float().mean() > 0.9
+    assert (got.qs[:, :, :77] * padded_head_dim(D) ** 0.5 < plain[1][:, :, :77]).float().mean() > 0.9
 
 
 def test_balance_is_exact_and_lifts_outlier_accuracy():

@@ -347,8 +347,12 @@ def triton_attention(
     plan_or_run(_PLANS, key, inputs, record)
     if lse is None:
         return out
-    # the kernel's log-sum-exp is of the smoothed scores; what smoothing took off each row goes back on
-    offset = smoothing_offset(to_bhsd(q, layout), to_bhsd(k, layout), sm_scale, smooth_k, k_mean)
+    # the kernel's log-sum-exp is of the smoothed scores; what smoothing took off each row goes back on. K's mean
+    # from the statistics pass (one launch; the emulation's token_mean gives the same bits in a dozen)
+    kb = to_bhsd(k, layout)
+    if smooth_k and k_mean is None:
+        k_mean = tq.kv_stats(kb, None)[0]
+    offset = smoothing_offset(to_bhsd(q, layout), kb, sm_scale, smooth_k, k_mean)
     return out, lse if offset is None else lse.add_(offset)
 
 

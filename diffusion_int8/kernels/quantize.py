@@ -65,7 +65,8 @@ def _per_group(x, GROUPS: tl.constexpr, reduce: tl.constexpr):
 
 @triton.jit
 def _hadamard_matrix(DP: tl.constexpr):
-    """The (DP, DP) Sylvester Hadamard matrix as int8, ``H[i, j] = (-1)^popcount(i & j)`` (DP <= 256)."""
+    """The (DP, DP) Sylvester Hadamard matrix as int8, ``H[i, j] = (-1)^popcount(i & j)``."""
+    tl.static_assert(DP <= 256, "the parity below folds eight bits")
     offs = tl.arange(0, DP)
     p = offs[:, None] & offs[None, :]
     p = p ^ (p >> 4)
@@ -233,8 +234,8 @@ def _quant_kv_block(
 
 # The statistics pass. Per (batch, K/V head), in chunks of tokens: K's column sums (and, to balance Q·Kᵀ,
 # K's column max and min), V's column |max|, and Q's column |max| over the query heads sharing the K/V head.
-# Partials are kept per chunk and folded in chunk order by one finishing step (``_finish_stats``), so the
-# results do not depend on how many programs ran the chunks. Slots of the partials buffer:
+# Partials are kept per chunk and folded in a fixed order (``_sum_rows``) by one finishing step (``_finish_stats``),
+# so the results do not depend on how many programs ran the chunks. Slots of the partials buffer:
 _KSUM, _KMAX, _KMIN, _VMAX, _QMAX = (tl.constexpr(i) for i in range(5))
 _N_SLOTS = 5
 _MAX_CHUNKS_C = tl.constexpr(MAX_CHUNKS)
@@ -335,7 +336,7 @@ def _exponent(x):
 @triton.jit
 def _finish_stats(PART, MOM, pid_bh, SK, N_CHUNKS, slot, mom_slot, DP: tl.constexpr, HAS_K: tl.constexpr,
                   HAS_V: tl.constexpr, SMOOTH: tl.constexpr, BALANCE: tl.constexpr):
-    # From the partials of (batch, head) pid_bh: K's token mean (MOM[0]: summed in chunk order, one rounded
+    # From the partials of (batch, head) pid_bh: K's token mean (MOM[0]: chunks folded in pairs, one rounded
     # division), V's per-channel |max| (MOM[1]: NaN where any chunk's is) and the Q·Kᵀ balance (MOM[2],
     # ``reference.balance_scales``).
     offs_d = tl.arange(0, DP)

@@ -154,10 +154,11 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     value is spread evenly over every channel, so one per-token or per-block range no longer follows it.
 
     Each row is first rounded (half to even) to a 16-bit grid: integers of magnitude < 2^15 times the power of two
-    that puts the row's |max| in [2^14, 2^15). The product with H is then exact in integers (|xH| < 2^23), so any
-    order of sums gives the same bits: the kernels use two INT8 MMAs (the grid's high and low bytes), this uses
-    float64. The grid's error is at most 2^-15 of the row's range, against INT8's 2^-8. A row holding a NaN/Inf
-    comes out NaN."""
+    that puts the row's |max| in [2^14, 2^15) (2^-126 at the least, so rows below 2^-112 get fewer levels). The
+    product with H is then exact in integers (|xH| < 2^23), so any order of sums gives the same bits: the kernels
+    use two INT8 MMAs (the grid's high and low bytes), this uses float64. The grid's error is at most 2^-15 of the
+    row's range (rows of |max| >= 2^-112), against INT8's 2^-8. A row holding a NaN/Inf comes out NaN; a finite
+    row near float32's limit may come out Inf, as its exact product would."""
     amax = x.abs().amax(dim=-1, keepdim=True)
     shift = (127 + 141 - _exponent(amax)).clamp(max=127 + 126)  # 2^shift·|max| < 2^15, 2^±shift normal
     grid = torch.round((x * _pow2(shift)).clamp(-32767.0, 32767.0)).double()
@@ -181,8 +182,8 @@ def token_mean(k: torch.Tensor) -> torch.Tensor:
     block = stats_block(padded_head_dim(D))
     chunk, n_chunks = chunking(S)
     x = F.pad(k.float(), (0, 0, 0, n_chunks * chunk - S)).view(B, H, n_chunks, chunk // block, block, D)
-    rows = x[:, :, :, 0]
-    for t in range(1, chunk // block):
+    rows = torch.zeros_like(x[:, :, :, 0])  # from +0, as the kernel's accumulators (a column of -0 sums to +0)
+    for t in range(chunk // block):
         rows = rows + x[:, :, :, t]
     sums = _pair_sums(F.pad(_pair_sums(rows), (0, 0, 0, MAX_CHUNKS - n_chunks)))
     return _div(sums, float(S))
