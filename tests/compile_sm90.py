@@ -30,10 +30,11 @@ TARGET = GPUTarget("cuda", 90, 32)
 _PV_PTR = {PV.FP16: None, PV.FP8: "*fp8e4nv", PV.INT8: "*i8"}
 
 
-def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict, divisible=()):
+def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict, divisible=(), ones=()):
     """Compile ``fn`` with the specialization the launcher gets at run time: pointers (PyTorch allocations)
-    and the integers in ``divisible`` marked multiples of 16. Without it the code differs from what runs
-    (unvectorized loads, spills), so its SASS would mislead."""
+    and the integers in ``divisible`` marked multiples of 16, those in ``ones`` (unit strides) the constant 1.
+    Without it the code differs from what runs (unvectorized loads, spills), so its SASS would mislead."""
+    constexprs = dict(constexprs, **dict.fromkeys(ones, 1))
     sig = {n: "constexpr" if n in constexprs else ptrs.get(n) or ("fp32" if n in floats else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *divisible)}
     src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
@@ -44,7 +45,9 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
     """The quantization kernel and the statistics pass, or (not ``static``) the one-launch kernel for short
     sequences too; every one with and without the Q·Kᵀ balance where it applies."""
     ptrs = {n: "*fp32" for n in ("QAMAX", "QS", "KMEAN", "KAMAX", "KS", "VRANGE", "VAMAX", "VS", "BAL")}
-    ptrs.update(Q="*" + dt, K="*" + dt, V="*" + dt, Q8="*i8", K8="*i8", V8="*fp8e4nv" if v_fmt == 1 else "*i8")
+    ptrs.update(Q="*" + dt, K="*" + dt, V="*" + dt, Q8="*i8", K8="*i8", V8="*fp8e4nv" if v_fmt == 1 else "*i8", HAD="*i8")
+    # contiguous (B, H, S, D) inputs, as most calls give them: unit channel strides
+    ones, divisible = ("stride_qd", "stride_kd", "stride_vd"), ("SQ_PAD", "SK_PAD") + (("D",) if D % 16 == 0 else ())
     dp = padded_head_dim(D)
     cfg = tile_config(D, PV.FP8)
     block = Qz.stats_block(dp)
@@ -52,22 +55,26 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
     for balance in (False, True):  # static: a calibrated balance; else measured
         compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
             Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=smooth, Q_STATIC=static,
-            K_STATIC=static, V_FMT=v_fmt, V_STATIC=static, BALANCE=balance, ROTATE=rotate), divisible=("SQ_PAD", "SK_PAD"))
+            K_STATIC=static, V_FMT=v_fmt, V_STATIC=static, BALANCE=balance, ROTATE=rotate, Q_TILES=1 if rotate else cfg.block_n // 64),
+            divisible=divisible, ones=ones)
         stats = dict(Q="*" + dt, K="*" + dt, V="*" + dt, PART="*fp32", DONE="*i32", MOM="*fp32")
         compile_kernel(Qz._stats_kernel, stats, set(), dict(BLOCK=block, DP=dp, HAS_K=smooth or balance,
-                                                            HAS_V=v_fmt != 0, SMOOTH=smooth, BALANCE=balance))
+                                                            HAS_V=v_fmt != 0, SMOOTH=smooth, BALANCE=balance),
+                       divisible=divisible[2:], ones=ones)
         n += 2
         if not static and rotate:  # the calibrated rotated call: V's range and K's mean given, Q's and K's measured
             compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
                 Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=True, Q_STATIC=False,
-                K_STATIC=False, V_FMT=v_fmt, V_STATIC=True, BALANCE=balance, ROTATE=True), divisible=("SQ_PAD", "SK_PAD"))
+                K_STATIC=False, V_FMT=v_fmt, V_STATIC=True, BALANCE=balance, ROTATE=True, Q_TILES=1),
+                divisible=divisible, ones=ones)
             n += 1
         if not static:
-            fused = dict(stats, Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V8=ptrs["V8"], VS="*fp32", DUMMY="*fp32")
+            fused = dict(stats, Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V8=ptrs["V8"], VS="*fp32", HAD="*i8",
+                         DUMMY="*fp32")
             fused.pop("DONE")
             compile_kernel(Qz._quant_fused_kernel, fused, {"scale_mult"}, dict(
                 BLOCK=block, Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, HAS_K=smooth or balance,
-                SMOOTH=smooth, V_FMT=v_fmt, BALANCE=balance, ROTATE=rotate), divisible=("SQ_PAD", "SK_PAD"))
+                SMOOTH=smooth, V_FMT=v_fmt, BALANCE=balance, ROTATE=rotate), divisible=divisible, ones=ones)
             n += 1
     return n
 

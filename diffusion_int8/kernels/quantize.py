@@ -22,7 +22,7 @@ from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation,
 from .reference import q_scale_mult
 from .tl_helpers import rdiv, round_to_int8
 
-_ROW_BLOCK = 64  # tokens per program when the scale is per token
+_ROW_BLOCK = 64  # tokens of Q a block (scales per token)
 # Compiled kernels may only read globals that are constexpr.
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _INT8_MAX = tl.constexpr(INT8_MAX)
@@ -64,34 +64,30 @@ def _per_group(x, GROUPS: tl.constexpr, reduce: tl.constexpr):
 
 
 @triton.jit
-def _hadamard_matrix(DP: tl.constexpr):
-    """The (DP, DP) Sylvester Hadamard matrix as int8, ``H[i, j] = (-1)^popcount(i & j)``."""
-    tl.static_assert(DP <= 256, "the parity below folds eight bits")
-    offs = tl.arange(0, DP)
-    p = offs[:, None] & offs[None, :]
-    p = p ^ (p >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    return (1 - 2 * (p & 1)).to(tl.int8)
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _hadamard(x, DP: tl.constexpr):
-    """``reference.hadamard`` of a float32 (rows, DP) tile.
+def _hadamard(x, HAD, DP: tl.constexpr):
+    """``reference.hadamard`` of a float32 (rows, DP) tile; HAD: the (DP, DP) int8 ±1 matrix (``_hadamard_int8``).
 
-    Each row on its 16-bit grid ``g = hi·256 + lo + 128`` (hi and lo int8), and ``g·H`` as two INT8 MMAs plus
-    the constant's product (128·DP in column 0: H's columns sum to 0 but the first): exact in int32, so the
-    tensor cores' order of sums does not matter. A butterfly network in registers would be as exact, but Triton
-    moves the data of every stage through shared memory."""
-    poison = tl.sum(x * 0.0, axis=1)  # NaN iff the row holds a NaN/Inf (the GPU's max drops NaN)
-    shift = tl.minimum(127 + 141 - _exponent(tl.max(tl.abs(x), axis=1)), 127 + 126)
-    y = tl.minimum(tl.maximum(x * _pow2(shift)[:, None], -32767.0), 32767.0)
-    g = (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # round half to even (``round_to_int8``)
-    h = _hadamard_matrix(DP)  # built per tile: kept across a loop of tiles it cost registers, and then spills
-    acc = tl.dot((g >> 8).to(tl.int8), h, out_dtype=tl.int32) * 256
-    acc = tl.dot(((g & 255) - 128).to(tl.int8), h, acc=acc, out_dtype=tl.int32)
-    acc += tl.where(tl.arange(0, DP) == 0, 128 * DP, 0)[None, :]
-    return acc.to(tl.float32) * _pow2(2 * 127 - shift)[:, None] + poison[:, None]
+    Each row on its grid ``g = hi·256 + lo`` (|g| <= 2^14, so hi and lo are int8), and ``g·H`` as two INT8 MMAs:
+    exact in int32, so the tensor cores' order of sums does not matter. A butterfly network in registers would be
+    as exact, but Triton moves the data of every stage through shared memory. The launch is bound by instructions
+    issued once the rotation is on, so it is written for few of them: H read (from L2) rather than built from
+    parity bits, which cost more than the rest of the rotation; no clamp on the grid (it cannot overflow); a
+    NaN/Inf row caught by the max the shift needs anyway, and poisoned through the row's scale."""
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)  # NaN or Inf iff the row holds one
+    poison = tl.where(amax < float("inf"), 0.0, float("nan"))
+    shift = tl.minimum(127 + 140 - _exponent(amax), 127 + 126)
+    g = (x * _pow2(shift)[:, None] + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # round half to even
+    hi = (g + 128) >> 8
+    offs = tl.arange(0, DP)
+    h = tl.load(HAD + offs[None, :] * DP + offs[:, None])  # H is symmetric: loaded K-major, as the MMA reads it
+    acc = tl.dot(hi.to(tl.int8), h, out_dtype=tl.int32) * 256
+    acc = tl.dot((g - hi * 256).to(tl.int8), h, acc=acc, out_dtype=tl.int32)
+    return acc.to(tl.float32) * (_pow2(2 * 127 - shift) + poison)[:, None]
 
 
 @triton.jit
@@ -126,7 +122,7 @@ def _quant_int8(x, AMAX, GROUPS: tl.constexpr, STATIC: tl.constexpr):
 
 @triton.jit
 def _quant_qkv_kernel(
-    Q, QAMAX, Q8, QS, K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL,
+    Q, QAMAX, Q8, QS, K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL, HAD,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -135,27 +131,34 @@ def _quant_qkv_kernel(
     H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, scale_mult,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, K_GROUPS: tl.constexpr, DP: tl.constexpr,
     SMOOTH: tl.constexpr, Q_STATIC: tl.constexpr, K_STATIC: tl.constexpr, V_FMT: tl.constexpr,
-    V_STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr,
+    V_STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr, Q_TILES: tl.constexpr,
 ):
-    # One launch for Q, K and V: programs [0, NQ) take Q_BLOCK tokens of Q, the rest one K tile of
-    # K_BLOCK tokens (K_GROUPS scales) and the same tokens of V.
+    # One launch for Q, K and V: programs [0, NQ) take Q_TILES blocks of Q_BLOCK tokens of Q, the rest one K tile
+    # of K_BLOCK tokens (K_GROUPS scales) and the same tokens of V. (K and V in separate programs, with fewer
+    # registers each, were 4-8% slower at 8-bit V: the launch is memory-bound, and a program with both tiles keeps
+    # more loads in flight.)
     pid = tl.program_id(0)
     if pid < NQ:
-        n_s = SQ_PAD // Q_BLOCK
-        _quant_q_block(
-            Q, QAMAX, Q8, QS, BAL, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
-            stride_bb, stride_bh, stride_bd,
-            pid % n_s, pid // n_s, H, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, Q_STATIC, BALANCE, ROTATE,
-        )
+        n_s = SQ_PAD // (Q_BLOCK * Q_TILES)
+        for t in range(0, Q_TILES):
+            _quant_q_block(
+                Q, QAMAX, Q8, QS, BAL, HAD, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
+                stride_bb, stride_bh, stride_bd, pid % n_s * Q_TILES + t, pid // n_s, H, H_KV, SQ, D, SQ_PAD,
+                scale_mult, Q_BLOCK, DP, Q_STATIC, BALANCE, ROTATE,
+            )
     else:
         n_s = SK_PAD // K_BLOCK
-        _quant_kv_block(
-            K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL,
-            stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
-            stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
-            stride_bb, stride_bh, stride_bd, (pid - NQ) % n_s, (pid - NQ) // n_s, H_KV, SK, D, SK_PAD,
-            K_BLOCK, K_GROUPS, DP, SMOOTH, K_STATIC, V_FMT, V_STATIC, BALANCE, ROTATE,
+        pid_s, pid_bh = (pid - NQ) % n_s, (pid - NQ) // n_s
+        _quant_k_tile(
+            K, KMEAN, KAMAX, K8, KS, BAL, HAD, stride_kb, stride_kh, stride_ks, stride_kd, stride_kab, stride_kah,
+            stride_kmb, stride_kmh, stride_kmd, stride_bb, stride_bh, stride_bd, pid_s, pid_bh,
+            H_KV, SK, D, SK_PAD, K_BLOCK, K_GROUPS, DP, SMOOTH, K_STATIC, BALANCE, ROTATE,
         )
+        if V_FMT != 0:
+            _quant_v_tile(
+                V, VRANGE, VAMAX, V8, VS, stride_vb, stride_vh, stride_vs, stride_vd, stride_vab, stride_vah, stride_vad,
+                pid_s, pid_bh, H_KV, SK, D, SK_PAD, K_BLOCK, DP, V_FMT, V_STATIC,
+            )
 
 
 @triton.jit
@@ -168,7 +171,7 @@ def _load_balance(BAL, stride_bb, stride_bh, stride_bd, b, h_kv, D, DP: tl.const
 
 @triton.jit
 def _quant_q_block(
-    Q, QAMAX, Q8, QS, BAL, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
+    Q, QAMAX, Q8, QS, BAL, HAD, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
     stride_bb, stride_bh, stride_bd, pid_s, pid_bh, H, H_KV, SQ, D, SQ_PAD, scale_mult,
     BLOCK: tl.constexpr, DP: tl.constexpr, STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr,
 ):
@@ -177,59 +180,67 @@ def _quant_q_block(
         bal = _load_balance(BAL, stride_bb, stride_bh, stride_bd, pid_bh // H, pid_bh % H // (H // H_KV), D, DP)
         x = x * rdiv(1.0, bal)[None, :]
     if ROTATE:
-        x = _hadamard(x, DP)
+        x = _hadamard(x, HAD, DP)
     q8, qs = _quant_int8(x, QAMAX + (pid_bh // H) * stride_qab + (pid_bh % H) * stride_qah, 0, STATIC)
     tl.store(Q8 + pid_bh.to(tl.int64) * SQ_PAD * DP + offs_s[:, None] * DP + offs_d[None, :], q8)
     tl.store(QS + pid_bh * SQ_PAD + offs_s, qs * scale_mult)
 
 
 @triton.jit
-def _quant_kv_block(
-    K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL,
-    stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_kab, stride_kah, stride_vab, stride_vah, stride_vad, stride_kmb, stride_kmh, stride_kmd,
-    stride_bb, stride_bh, stride_bd, pid_s, pid_bh, H, S, D, S_PAD,
+def _quant_k_tile(
+    K, KMEAN, KAMAX, K8, KS, BAL, HAD, stride_kb, stride_kh, stride_ks, stride_kd, stride_kab, stride_kah,
+    stride_kmb, stride_kmh, stride_kmd, stride_bb, stride_bh, stride_bd, pid_s, pid_bh, H, S, D, S_PAD,
     BLOCK: tl.constexpr, GROUPS: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
-    V_FMT: tl.constexpr, V_STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr,
+    BALANCE: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    # One K tile and the same tokens of V (V_FMT: 0 none, 1 FP8, 2 INT8), with K's mean
-    # (measured by the statistics pass or static, read through strides), K's channel balance (BALANCE) and
-    # V's range from the statistics pass (read from VAMAX instead if V_STATIC).
+    # One K tile, less K's mean (measured by the statistics pass or static, read through strides), times K's
+    # channel balance (BALANCE), rotated (ROTATE), in GROUPS scales.
     b, h = pid_bh // H, pid_bh % H
-    x, offs_s, offs_d, valid = _load_tile(K, stride_kb, stride_kh, stride_ks, stride_kd, pid_s, pid_bh, H, S, D, BLOCK, DP)
-    if SMOOTH:
+    x, offs_s, offs_d, _ = _load_tile(K, stride_kb, stride_kh, stride_ks, stride_kd, pid_s, pid_bh, H, S, D, BLOCK, DP)
+    if SMOOTH:  # padded channels stay 0 (mean 0 there); a row mask, as a (BLOCK, DP) one holds more registers
         mean = tl.load(KMEAN + b * stride_kmb + h * stride_kmh + offs_d * stride_kmd, mask=offs_d < D, other=0.0)
-        x = tl.where(valid, x - mean[None, :], 0.0)
+        x = tl.where(offs_s[:, None] < S, x - mean[None, :], 0.0)
     if BALANCE:
         x = x * _load_balance(BAL, stride_bb, stride_bh, stride_bd, b, h, D, DP)[None, :]
     if ROTATE:
-        x = _hadamard(x, DP)
+        x = _hadamard(x, HAD, DP)
     k8, ks = _quant_int8(x, KAMAX + b * stride_kab + h * stride_kah, GROUPS, STATIC)
-    base = pid_bh.to(tl.int64) * S_PAD * DP
-    tl.store(K8 + base + offs_s[:, None] * DP + offs_d[None, :], k8)
+    tl.store(K8 + pid_bh.to(tl.int64) * S_PAD * DP + offs_s[:, None] * DP + offs_d[None, :], k8)
     tl.store(KS + pid_bh * S_PAD + offs_s, ks)
-    if V_FMT != 0:
-        # the range as reference.v_channel_amax gives it: floored, NaN where non-finite, padded with 1
-        if V_STATIC:
-            amax = _static_range(tl.load(VAMAX + b * stride_vab + h * stride_vah + offs_d * stride_vad,
-                                         mask=offs_d < D, other=1.0))
-        else:
-            amax = tl.load(VRANGE + pid_bh * DP + offs_d)
-        amax = tl.where(offs_d < D, tl.maximum(amax, _AMAX_FLOOR) + amax * 0.0, 1.0)
-        v, _, _, _ = _load_tile(V, stride_vb, stride_vh, stride_vs, stride_vd, pid_s, pid_bh, H, S, D, BLOCK, DP)
-        if V_FMT == 1:
-            inv = rdiv(_FP8_MAX, amax)
-            y = tl.minimum(tl.maximum(v * inv[None, :], -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
-            # stored transposed, (DP, S_PAD): the FP8 MMA wants V K-major
-            tl.store(V8 + base + offs_d[:, None] * S_PAD + offs_s[None, :], tl.trans(y))
-            qmax = _FP8_MAX
-        else:
-            inv = rdiv(_INT8_MAX, amax)
-            y = tl.minimum(tl.maximum(v * inv[None, :], -_INT8_MAX), _INT8_MAX)
-            tl.store(V8 + base + offs_s[:, None] * DP + offs_d[None, :], round_to_int8(y))
-            qmax = _INT8_MAX
-        if pid_s == 0:
-            tl.store(VS + pid_bh * DP + offs_d, tl.math.div_rn(amax, amax * 0.0 + qmax))
+
+
+@triton.jit
+def _quant_v_tile(
+    V, VRANGE, VAMAX, V8, VS, stride_vb, stride_vh, stride_vs, stride_vd, stride_vab, stride_vah, stride_vad,
+    pid_s, pid_bh, H, S, D, S_PAD, BLOCK: tl.constexpr, DP: tl.constexpr, V_FMT: tl.constexpr,
+    V_STATIC: tl.constexpr,
+):
+    # One tile of V (V_FMT: 1 FP8, 2 INT8) in per-channel scales: V's range from the statistics pass (read
+    # from VAMAX instead if V_STATIC), as reference.v_channel_amax gives it: floored, NaN where non-finite,
+    # padded with 1.
+    b, h = pid_bh // H, pid_bh % H
+    offs_d = tl.arange(0, DP)
+    if V_STATIC:
+        amax = _static_range(tl.load(VAMAX + b * stride_vab + h * stride_vah + offs_d * stride_vad,
+                                     mask=offs_d < D, other=1.0))
+    else:
+        amax = tl.load(VRANGE + pid_bh * DP + offs_d)
+    amax = tl.where(offs_d < D, tl.maximum(amax, _AMAX_FLOOR) + amax * 0.0, 1.0)
+    v, offs_s, _, _ = _load_tile(V, stride_vb, stride_vh, stride_vs, stride_vd, pid_s, pid_bh, H, S, D, BLOCK, DP)
+    base = pid_bh.to(tl.int64) * S_PAD * DP
+    if V_FMT == 1:
+        inv = rdiv(_FP8_MAX, amax)
+        y = tl.minimum(tl.maximum(v * inv[None, :], -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
+        # stored transposed, (DP, S_PAD): the FP8 MMA wants V K-major
+        tl.store(V8 + base + offs_d[:, None] * S_PAD + offs_s[None, :], tl.trans(y))
+        qmax = _FP8_MAX
+    else:
+        inv = rdiv(_INT8_MAX, amax)
+        y = tl.minimum(tl.maximum(v * inv[None, :], -_INT8_MAX), _INT8_MAX)
+        tl.store(V8 + base + offs_s[:, None] * DP + offs_d[None, :], round_to_int8(y))
+        qmax = _INT8_MAX
+    if pid_s == 0:
+        tl.store(VS + pid_bh * DP + offs_d, tl.math.div_rn(amax, amax * 0.0 + qmax))
 
 
 # The statistics pass. Per (batch, K/V head), in chunks of tokens: K's column sums (and, to balance Q·Kᵀ,
@@ -394,7 +405,7 @@ def _stats_kernel(
 
 @triton.jit
 def _quant_fused_kernel(
-    Q, Q8, QS, K, K8, KS, V, V8, VS, PART, MOM, DUMMY,
+    Q, Q8, QS, K, K8, KS, V, V8, VS, PART, MOM, HAD, DUMMY,
     stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     H_KV, G, SQ, SK, D, SQ_PAD, SK_PAD, N_CHUNKS, chunk, chunk_q, slot, mom_slot, scale_mult,
@@ -416,17 +427,21 @@ def _quant_fused_kernel(
     _finish_stats(PART, MOM, pid_bh, SK, N_CHUNKS, slot, mom_slot, DP, HAS_K, HAS_V, SMOOTH, BALANCE)
     tl.debug_barrier()
     for t in range(0, SK_PAD // K_BLOCK):
-        _quant_kv_block(
-            K, MOM, DUMMY, K8, KS, V, MOM + mom_slot, DUMMY, V8, VS, MOM + 2 * mom_slot,
-            stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
-            0, 0, 0, 0, 0, H_KV * DP, DP, 1, H_KV * DP, DP, 1,
-            t, pid_bh, H_KV, SK, D, SK_PAD, K_BLOCK, K_GROUPS, DP, SMOOTH, False, V_FMT, False, BALANCE, ROTATE,
+        _quant_k_tile(
+            K, MOM, DUMMY, K8, KS, MOM + 2 * mom_slot, HAD, stride_kb, stride_kh, stride_ks, stride_kd, 0, 0,
+            H_KV * DP, DP, 1, H_KV * DP, DP, 1, t, pid_bh, H_KV, SK, D, SK_PAD, K_BLOCK, K_GROUPS, DP, SMOOTH, False,
+            BALANCE, ROTATE,
         )
+        if V_FMT != 0:
+            _quant_v_tile(
+                V, MOM + mom_slot, DUMMY, V8, VS, stride_vb, stride_vh, stride_vs, stride_vd, 0, 0, 0,
+                t, pid_bh, H_KV, SK, D, SK_PAD, K_BLOCK, DP, V_FMT, False,
+            )
     for g in range(0, G):
         qh = pid_bh // H_KV * H_KV * G + pid_bh % H_KV * G + g
         for t in range(0, SQ_PAD // Q_BLOCK):
             _quant_q_block(
-                Q, DUMMY, Q8, QS, MOM + 2 * mom_slot, stride_qb, stride_qh, stride_qs, stride_qd, 0, 0,
+                Q, DUMMY, Q8, QS, MOM + 2 * mom_slot, HAD, stride_qb, stride_qh, stride_qs, stride_qd, 0, 0,
                 H_KV * DP, DP, 1, t, qh, H_KV * G, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, False, BALANCE, ROTATE,
             )
 
@@ -557,7 +572,8 @@ def quantize_qkv(
         partials = runner.empty((_N_SLOTS, B, H_kv, n_chunks, dp), torch.float32, dev)
         moments = runner.empty((3, B, H_kv, dp), torch.float32, dev)
         runner.launch(_quant_fused_kernel, (B * H_kv,), (
-            q, q8, qs, k, k8, ks, v, k8 if v8 is None else v8, qs if vs is None else vs, partials, moments, qs,
+            q, q8, qs, k, k8, ks, v, k8 if v8 is None else v8, qs if vs is None else vs, partials, moments,
+            _hadamard_int8(dp, dev) if qk_rotate else q8, qs,
             *q.stride(), *k.stride(), *v.stride(),
             H_kv, H // H_kv, Sq, Sk, D, sq_pad, sk_pad, n_chunks, chunk, chunk_q, partials[0].numel(),
             moments[0].numel(), q_scale_mult(sm_scale, dp, qk_rotate),
@@ -579,18 +595,40 @@ def quantize_qkv(
         kmean, km_strides = _static_amax(k_mean, (B, H_kv, D), qs)
     else:
         km_strides = kmean.stride()
-    nq = sq_pad // _ROW_BLOCK * B * H
+    # Q's programs as long as K's (whose tiles also hold V at 8-bit V): 9% off the launch at 8-bit V and D = 128,
+    # whose K programs take 128 tokens; with the rotation, whose Q blocks hold more registers, one block a program
+    q_tiles = 1 if qk_rotate else block_n // _ROW_BLOCK
+    nq = sq_pad // (_ROW_BLOCK * q_tiles) * B * H
     runner.launch(_quant_qkv_kernel, (nq + sk_pad // block_n * B * H_kv,), (
         q, qa, q8, qs, k, kmean, ka, k8, ks,
         v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs, qs if bal is None else bal,
+        _hadamard_int8(dp, dev) if qk_rotate else q8,
         *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides, *km_strides,
         *((0, 0, 0) if bal is None else bal.stride()), H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq,
         q_scale_mult(sm_scale, dp, qk_rotate),
-        # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC, BALANCE, ROTATE
+        # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC, BALANCE, ROTATE, Q_TILES
         _ROW_BLOCK, block_n, k_groups, dp, smooth_k, q_amax is not None, k_amax is not None, v_fmt, v_amax is not None,
-        balance, qk_rotate,
+        balance, qk_rotate, q_tiles,
     ), dict(enable_fp_fusion=FP_FUSION))
     return Quantized(q8, qs, k8, ks, v8, vs)
+
+
+_HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _hadamard_int8(dp: int, device: torch.device) -> torch.Tensor:
+    """The (dp, dp) Sylvester Hadamard matrix, ``H[i, j] = (-1)^popcount(i & j)``, int8 on ``device``: made once per
+    device and kept (a constant the rotation's MMAs read, like a library's lookup table)."""
+    h = _HADAMARD.get((dp, device))
+    if h is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("int8_attention(..., qk_rotate=True): call it once outside CUDA graph capture first (as "
+                               "for any new shape: that call also compiles the kernels)")
+        i = torch.arange(dp)
+        p = i[:, None] & i[None, :]
+        parity = sum((p >> b) & 1 for b in range(dp.bit_length())) & 1
+        h = _HADAMARD[(dp, device)] = (1 - 2 * parity).to(torch.int8).to(device)
+    return h
 
 
 def _static_amax(amax: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor):

@@ -10,7 +10,7 @@ Numerics shared by both backends (``q``, ``k``, ``v`` in (B, H, S, D), D padded 
 * Q·Kᵀ balance (``balance_scales``; optional, ``layout.balance_applies`` says where): Q's channel c divided by a power of
   two s_c and K's multiplied by it, which leaves Q·Kᵀ unchanged exactly and evens out channels that are large
   in one of the two (outlier channels), so one per-token or per-block range no longer follows them.
-* Q·Kᵀ rotation (``hadamard``; optional): Q's and K's rows, each on a 16-bit grid, times a ±1 Hadamard matrix in
+* Q·Kᵀ rotation (``hadamard``; optional): Q's and K's rows, each on a 15-bit grid, times a ±1 Hadamard matrix in
   exact integer sums, which spreads every channel over all of them, so outlier channels, shared by Q and K or not,
   no longer set a token's range; Q·Kᵀ is multiplied by DP (exactly), which Q's scale divides out.
 * Q, per token: ``q8 = round(clamp(q · 127/amax, ±127))``, scale ``amax/127 · sm_scale · log2(e)``.
@@ -153,19 +153,20 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     ±1, ``H[i, j] = (-1)^popcount(i & j)``), as the kernels compute it. (xH)(yH)ᵀ = DP · x·yᵀ, and an outlier channel's
     value is spread evenly over every channel, so one per-token or per-block range no longer follows it.
 
-    Each row is first rounded (half to even) to a 16-bit grid: integers of magnitude < 2^15 times the power of two
-    that puts the row's |max| in [2^14, 2^15) (2^-126 at the least, so rows below 2^-112 get fewer levels). The
-    product with H is then exact in integers (|xH| < 2^23), so any order of sums gives the same bits: the kernels
-    use two INT8 MMAs (the grid's high and low bytes), this uses float64. The grid's error is at most 2^-15 of the
-    row's range (rows of |max| >= 2^-112), against INT8's 2^-8. A row holding a NaN/Inf comes out NaN; a finite
-    row near float32's limit may come out Inf, as its exact product would."""
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    shift = (127 + 141 - _exponent(amax)).clamp(max=127 + 126)  # 2^shift·|max| < 2^15, 2^±shift normal
-    grid = torch.round((x * _pow2(shift)).clamp(-32767.0, 32767.0)).double()
+    Each row is first rounded (half to even) to a grid: integers of magnitude <= 2^14 times the power of two that
+    puts the row's |max| in [2^13, 2^14) (2^-126 at the least, so rows below 2^-113 get fewer levels). The product
+    with H is then exact in integers (|xH| <= 2^22), so any order of sums gives the same bits: the kernels use two
+    INT8 MMAs (the grid's high and low bytes), this uses float64. The grid's error is at most 2^-14 of the row's
+    range (rows of |max| >= 2^-113), against INT8's 2^-8. A row holding a NaN/Inf comes out NaN; a finite row near
+    float32's limit may come out Inf, as its exact product would."""
+    amax = x.abs().amax(dim=-1, keepdim=True)  # NaN or Inf where the row holds one
+    shift = (127 + 140 - _exponent(amax)).clamp(max=127 + 126)  # 2^shift·|max| < 2^14, 2^±shift normal
+    grid = torch.round(x * _pow2(shift)).double() + 0.0  # -0 to +0, as the kernels' integers
     for _ in range(x.shape[-1].bit_length() - 1):  # the fast transform; integer sums, exact in float64
         a, b = grid[..., 0::2], grid[..., 1::2]
         grid = torch.cat([a + b, a - b], dim=-1)
-    return grid.float() * _pow2(2 * 127 - shift) + (x * 0.0).sum(dim=-1, keepdim=True)
+    poison = torch.where(amax < float("inf"), 0.0, float("nan"))
+    return grid.float() * (_pow2(2 * 127 - shift) + poison)
 
 
 def _pow2(biased: torch.Tensor) -> torch.Tensor:
