@@ -339,11 +339,13 @@ def test_gluon_import_failure_falls_back():
     assert "do not import with Triton" in proc.stdout and "AttributeError" in proc.stdout
 
 
-@pytest.mark.parametrize("case", ["fp8", "fp16-bool-mask", "int8-static", "fp16-gqa-bshd"])
+@pytest.mark.parametrize("case", ["fp8", "fp16-bool-mask", "int8-static", "fp16-gqa-bshd", "fp8-rotate"])
 def test_replayed_launch_plans(kdev, case):
     # The first call of a signature records its launches; later calls with other tensors of the same signature
-    # replay them with only the pointers changed (launch.Plan). Every call must still compute its own inputs.
+    # replay them with only the pointers changed (launch.Plan), the rotation's constant matrix as it was.
+    # Every call must still compute its own inputs.
     from diffusion_int8.kernels import attention
+    from diffusion_int8.kernels.launch import Plan
 
     B, H, H_kv, Sq, Sk, D, layout = 2, 4, 4, 130, 200, 64, "BHSD"
     kw = dict(pv=PV.FP8)
@@ -354,6 +356,8 @@ def test_replayed_launch_plans(kdev, case):
         kw_call = dict(kw, layout=layout)
         if case == "fp16-bool-mask":
             kw_call.update(pv=PV.FP16, attn_mask=torch.rand(B, 1, 1, Sk, device=kdev) > 0.2)
+        if case == "fp8-rotate":
+            kw_call.update(qk_rotate=True)
         if case == "int8-static":
             kb = R.to_bhsd(k, layout).float()
             mean = kb.mean(2)
@@ -365,6 +369,7 @@ def test_replayed_launch_plans(kdev, case):
         check(run_kernel(q, k, v, **kw_call), emu, ref, kw_call["pv"], q.dtype)
         if call == 0:
             assert len(attention._PLANS) == before + 1  # recorded
+            assert isinstance(list(attention._PLANS.values())[-1], Plan)  # and replayable
         else:
             assert len(attention._PLANS) == before  # replayed
 

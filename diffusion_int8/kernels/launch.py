@@ -42,6 +42,10 @@ class Runner:
     def launch(self, fn, grid: tuple[int, ...], args: tuple, options: dict) -> None:
         fn[grid](*args, **options)
 
+    def constant(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, a tensor that outlives every call (a lookup table kept per device), to pass to a launch."""
+        return t
+
 
 EAGER = Runner()
 
@@ -60,6 +64,11 @@ class Recorder(Runner):
     def __init__(self):
         self.buffers: list[tuple[torch.Tensor, bool]] = []
         self.launches: list[_Launch] = []
+        self.constants: set[int] = set()  # data pointers of ``constant`` tensors: replayed as they are
+
+    def constant(self, t):
+        self.constants.add(t.data_ptr())
+        return t
 
     def empty(self, shape, dtype, device, zero=False):
         t = super().empty(shape, dtype, device, zero)
@@ -130,11 +139,14 @@ class Plan:
                     return _Hole(pos, -1, off + p - start, (t.shape, t.stride(), t.dtype), desc)
             raise NotReplayable(f"argument {pos} points at memory that is neither an input nor a buffer")
 
+        self.interpret = interpreting()
         steps = []
         for launch in rec.launches:
             holes, args = [], list(launch.args)
             for pos, a in enumerate(launch.args):
-                if isinstance(a, torch.Tensor):
+                if isinstance(a, torch.Tensor) and a.data_ptr() in rec.constants:
+                    args[pos] = a if self.interpret else a.data_ptr()  # kept alive by its owner
+                elif isinstance(a, torch.Tensor):
                     holes.append(hole(pos, a))
                     args[pos] = None  # the plan keeps no tensor alive
                 elif hasattr(a, "base") and isinstance(getattr(a, "base", None), torch.Tensor):  # tensor descriptor
@@ -149,7 +161,6 @@ class Plan:
                             tuple((h.pos, h.ref, h.offset) for h in st.holes if h.desc is None),
                             tuple((h.pos, h.ref, h.offset, h.desc) for h in st.holes if h.desc is not None))
                            for st in steps)
-        self.interpret = interpreting()
         if not self.interpret:
             from triton import knobs
             from triton.runtime import driver

@@ -573,7 +573,7 @@ def quantize_qkv(
         moments = runner.empty((3, B, H_kv, dp), torch.float32, dev)
         runner.launch(_quant_fused_kernel, (B * H_kv,), (
             q, q8, qs, k, k8, ks, v, k8 if v8 is None else v8, qs if vs is None else vs, partials, moments,
-            _hadamard_int8(dp, dev) if qk_rotate else q8, qs,
+            runner.constant(_hadamard_int8(dp, dev)) if qk_rotate else q8, qs,
             *q.stride(), *k.stride(), *v.stride(),
             H_kv, H // H_kv, Sq, Sk, D, sq_pad, sk_pad, n_chunks, chunk, chunk_q, partials[0].numel(),
             moments[0].numel(), q_scale_mult(sm_scale, dp, qk_rotate),
@@ -602,7 +602,7 @@ def quantize_qkv(
     runner.launch(_quant_qkv_kernel, (nq + sk_pad // block_n * B * H_kv,), (
         q, qa, q8, qs, k, kmean, ka, k8, ks,
         v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs, qs if bal is None else bal,
-        _hadamard_int8(dp, dev) if qk_rotate else q8,
+        runner.constant(_hadamard_int8(dp, dev)) if qk_rotate else q8,
         *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides, *km_strides,
         *((0, 0, 0) if bal is None else bal.stride()), H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq,
         q_scale_mult(sm_scale, dp, qk_rotate),
