@@ -49,7 +49,7 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
     # contiguous (B, H, S, D) inputs, as most calls give them: unit channel strides
     ones, divisible = ("stride_qd", "stride_kd", "stride_vd"), ("SQ_PAD", "SK_PAD") + (("D",) if D % 16 == 0 else ())
     dp = padded_head_dim(D)
-    cfg = tile_config(D, PV.FP8)
+    cfg = tile_config(D, {pv.code: pv for pv in PV}[v_fmt])  # the K tile the launcher uses for this V
     block = Qz.stats_block(dp)
     n = 0
     for balance in (False, True):  # static: a calibrated balance; else measured

@@ -154,7 +154,7 @@ def test_given_balance_quantizes_as_the_measured_one(kdev, layout, monkeypatch):
 
 
 @pytest.mark.parametrize("dp", [32, 128, 256])
-def test_hadamard_is_the_matrix_product_on_a_15_bit_grid(dp):
+def test_hadamard_is_the_matrix_product_on_a_grid(dp):
     # reference.hadamard (the kernels' numerics): x·H within the grid's rounding, at most 2^-14 of the row's range a
     # channel; rows of any scale, a zero row stays zero, a row holding NaN or Inf comes out NaN
     i = torch.arange(dp)

@@ -64,10 +64,10 @@ class Recorder(Runner):
     def __init__(self):
         self.buffers: list[tuple[torch.Tensor, bool]] = []
         self.launches: list[_Launch] = []
-        self.constants: set[int] = set()  # data pointers of ``constant`` tensors: replayed as they are
+        self.constants: dict[int, torch.Tensor] = {}  # ``constant`` tensors by data pointer: replayed as they are
 
     def constant(self, t):
-        self.constants.add(t.data_ptr())
+        self.constants[t.data_ptr()] = t
         return t
 
     def empty(self, shape, dtype, device, zero=False):
@@ -140,15 +140,16 @@ class Plan:
             raise NotReplayable(f"argument {pos} points at memory that is neither an input nor a buffer")
 
         self.interpret = interpreting()
+        self.constants = tuple(rec.constants.values())  # kept alive here: the replay passes their pointers
         steps = []
         for launch in rec.launches:
             holes, args = [], list(launch.args)
             for pos, a in enumerate(launch.args):
                 if isinstance(a, torch.Tensor) and a.data_ptr() in rec.constants:
-                    args[pos] = a if self.interpret else a.data_ptr()  # kept alive by its owner
+                    args[pos] = a if self.interpret else a.data_ptr()
                 elif isinstance(a, torch.Tensor):
                     holes.append(hole(pos, a))
-                    args[pos] = None  # the plan keeps no tensor alive
+                    args[pos] = None  # the plan keeps no input or buffer alive
                 elif hasattr(a, "base") and isinstance(getattr(a, "base", None), torch.Tensor):  # tensor descriptor
                     desc = copy.copy(a)
                     desc.base = None

@@ -22,7 +22,7 @@ from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation,
 from .reference import q_scale_mult
 from .tl_helpers import rdiv, round_to_int8
 
-_ROW_BLOCK = 64  # tokens of Q a block (scales per token)
+_ROW_BLOCK = 64  # Q's tokens per block of the quantization launch (one scale per token)
 # Compiled kernels may only read globals that are constexpr.
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _INT8_MAX = tl.constexpr(INT8_MAX)
@@ -65,6 +65,7 @@ def _per_group(x, GROUPS: tl.constexpr, reduce: tl.constexpr):
 
 @triton.jit
 def _max_nan(a, b):
+    """max that keeps a NaN (the GPU's max drops it), to reduce with."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -595,9 +596,11 @@ def quantize_qkv(
         kmean, km_strides = _static_amax(k_mean, (B, H_kv, D), qs)
     else:
         km_strides = kmean.stride()
-    # Q's programs as long as K's (whose tiles also hold V at 8-bit V): 9% off the launch at 8-bit V and D = 128,
-    # whose K programs take 128 tokens; with the rotation, whose Q blocks hold more registers, one block a program
-    q_tiles = 1 if qk_rotate else block_n // _ROW_BLOCK
+    # Q's programs as long as K's: at D = 128 with FP8 P·V, whose K programs take 128 tokens (and V's), two Q blocks
+    # a program took 5-9% off the launch; with the rotation, whose Q blocks hold more registers, one block
+    q_tiles = 1 if qk_rotate else max(1, block_n // _ROW_BLOCK)
+    if sq_pad % (_ROW_BLOCK * q_tiles):
+        q_tiles = 1
     nq = sq_pad // (_ROW_BLOCK * q_tiles) * B * H
     runner.launch(_quant_qkv_kernel, (nq + sk_pad // block_n * B * H_kv,), (
         q, qa, q8, qs, k, kmean, ka, k8, ks,
@@ -627,7 +630,7 @@ def _hadamard_int8(dp: int, device: torch.device) -> torch.Tensor:
         i = torch.arange(dp)
         p = i[:, None] & i[None, :]
         parity = sum((p >> b) & 1 for b in range(dp.bit_length())) & 1
-        h = _HADAMARD[(dp, device)] = (1 - 2 * parity).to(torch.int8).to(device)
+        h = _HADAMARD.setdefault((dp, device), (1 - 2 * parity).to(torch.int8).to(device))  # first thread's wins
     return h
 
 

@@ -10,7 +10,7 @@ Numerics shared by both backends (``q``, ``k``, ``v`` in (B, H, S, D), D padded 
 * Q·Kᵀ balance (``balance_scales``; optional, ``layout.balance_applies`` says where): Q's channel c divided by a power of
   two s_c and K's multiplied by it, which leaves Q·Kᵀ unchanged exactly and evens out channels that are large
   in one of the two (outlier channels), so one per-token or per-block range no longer follows them.
-* Q·Kᵀ rotation (``hadamard``; optional): Q's and K's rows, each on a 15-bit grid, times a ±1 Hadamard matrix in
+* Q·Kᵀ rotation (``hadamard``; optional): Q's and K's rows, each on a grid of integers up to 2^14, times a ±1 Hadamard matrix in
   exact integer sums, which spreads every channel over all of them, so outlier channels, shared by Q and K or not,
   no longer set a token's range; Q·Kᵀ is multiplied by DP (exactly), which Q's scale divides out.
 * Q, per token: ``q8 = round(clamp(q · 127/amax, ±127))``, scale ``amax/127 · sm_scale · log2(e)``.
