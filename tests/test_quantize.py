@@ -225,6 +225,8 @@ def test_rotation_matrix_is_made_outside_graph_capture(monkeypatch):
     h = TQ._hadamard_int8(64, torch.device("cpu"))
     assert h.dtype == torch.int8 and torch.equal(h.float() @ h.float().T, 64.0 * torch.eye(64))
     assert torch.equal(R.hadamard(torch.eye(64)), h.float())  # the emulation's transform is this matrix
+    i = torch.arange(64)
+    assert torch.equal(h, (1 - 2 * (sum(((i[:, None] & i[None, :]) >> b) & 1 for b in range(6)) & 1)).to(torch.int8))
     monkeypatch.setattr(TQ, "_HADAMARD", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="once outside CUDA graph capture"):

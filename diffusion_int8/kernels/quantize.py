@@ -19,7 +19,7 @@ from .config import (
 )
 from .launch import EAGER, Runner
 from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation, chunking, padded_len, stats_block, v_channel_amax
-from .reference import q_scale_mult
+from .reference import hadamard, q_scale_mult
 from .tl_helpers import rdiv, round_to_int8
 
 _ROW_BLOCK = 64  # Q's tokens per block of the quantization launch (one scale per token)
@@ -627,10 +627,8 @@ def _hadamard_int8(dp: int, device: torch.device) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("int8_attention(..., qk_rotate=True): call it once outside CUDA graph capture first (as "
                                "for any new shape: that call also compiles the kernels)")
-        i = torch.arange(dp)
-        p = i[:, None] & i[None, :]
-        parity = sum((p >> b) & 1 for b in range(dp.bit_length())) & 1
-        h = _HADAMARD.setdefault((dp, device), (1 - 2 * parity).to(torch.int8).to(device))  # first thread's wins
+        h = hadamard(torch.eye(dp)).to(torch.int8)  # the emulation's transform of the unit rows: H itself
+        h = _HADAMARD.setdefault((dp, device), h.to(device))  # the first thread's, if two get here
     return h
 
 
