@@ -44,7 +44,8 @@ def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict, divisible=(), 
 def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
     """The quantization kernel and the statistics pass, or (not ``static``) the one-launch kernel for short
     sequences too; every one with and without the Q·Kᵀ balance where it applies."""
-    ptrs = {n: "*fp32" for n in ("QAMAX", "QS", "KMEAN", "KAMAX", "KS", "VRANGE", "VAMAX", "VS", "BAL")}
+    ptrs = {n: "*fp32" for n in ("QAMAX", "QS", "KMEAN", "KAMAX", "KS", "VRANGE", "VAMAX", "VS", "BAL", "QSUM", "QSQ",
+                                 "KSUM", "KSQ")}
     ptrs.update(Q="*" + dt, K="*" + dt, V="*" + dt, Q8="*i8", K8="*i8", V8="*fp8e4nv" if v_fmt == 1 else "*i8", HAD="*i8")
     # contiguous (B, H, S, D) inputs, as most calls give them: unit channel strides
     ones, divisible = ("stride_qd", "stride_kd", "stride_vd"), ("SQ_PAD", "SK_PAD") + (("D",) if D % 16 == 0 else ())
@@ -55,7 +56,8 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
     for balance in (False, True):  # static: a calibrated balance; else measured
         compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
             Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=smooth, Q_STATIC=static,
-            K_STATIC=static, V_FMT=v_fmt, V_STATIC=static, BALANCE=balance, ROTATE=rotate, Q_TILES=1 if rotate else cfg.block_n // 64),
+            K_STATIC=static, V_FMT=v_fmt, V_STATIC=static, BALANCE=balance, ROTATE=rotate,
+            Q_TILES=1 if rotate else cfg.block_n // 64, POOL=not balance),  # the predictor's sums in half of them
             divisible=divisible, ones=ones)
         stats = dict(Q="*" + dt, K="*" + dt, V="*" + dt, PART="*fp32", DONE="*i32", MOM="*fp32")
         compile_kernel(Qz._stats_kernel, stats, set(), dict(BLOCK=block, DP=dp, HAS_K=smooth or balance,
@@ -65,7 +67,7 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
         if not static and rotate:  # the calibrated rotated call: V's range and K's mean given, Q's and K's measured
             compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
                 Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=True, Q_STATIC=False,
-                K_STATIC=False, V_FMT=v_fmt, V_STATIC=True, BALANCE=balance, ROTATE=True, Q_TILES=1),
+                K_STATIC=False, V_FMT=v_fmt, V_STATIC=True, BALANCE=balance, ROTATE=True, Q_TILES=1, POOL=False),
                 divisible=divisible, ones=ones)
             n += 1
         if not static:
@@ -90,14 +92,19 @@ def attention_variant(D, pv, mask, dt="fp16", sparse=False):
 
 
 def sparse_variants() -> int:
-    """The block lists and the predictor's pooling and selection."""
+    """The block lists and the standalone predictor's pooling, and the prediction from pooled sums."""
     compile_kernel(A._block_list_kernel, dict(MASK="*u8", CNT="*i32", IDX="*i32"), set(), dict(NKB_P2=256))
     for mu in (False, True):
-        compile_kernel(Pool._pool_kernel, dict(X="*fp16", MU="*fp32", SUM="*fp32", UNIT="*fp32"), set(),
-                       dict(HAS_MU=mu, BLOCK=128, DP=128))
-    ptrs = dict(LOGITS="*fp32", LOG_COUNT="*fp32", SIM_Q="*fp32", SIM_K="*fp32", KEEP="*u8", MASK="*i8")
-    compile_kernel(Pool._select_kernel, ptrs, {"tau", "min_sim"}, dict(GUARD=True, HAS_KEEP=True, NKB_P2=256))
-    return 4
+        compile_kernel(Pool._pool_kernel, dict(X="*fp16", MU="*fp32", SUM="*fp32", SQ="*fp32"), set(),
+                       dict(HAS_MU=mu, DP=128, CHANNELS_FIRST=mu))
+    sums = dict(QSUM="*fp32", QSQ="*fp32", KSUM="*fp32", KSQ="*fp32", LOGITS="*fp32", SIM_Q="*fp32", SIM_K="*fp32")
+    for dp in (64, 128):
+        compile_kernel(Pool._scores_kernel, sums, {"scale"}, dict(DP=dp, BM=64, BN=64, DC=16))
+    ptrs = dict(LOGITS="*fp32", SIM_Q="*fp32", SIM_K="*fp32", KEEP="*u8", MASK="*i8", CNT="*i32", IDX="*i32")
+    for lists in (False, True):
+        compile_kernel(Pool._select_kernel, ptrs, {"tau", "min_sim"}, dict(NKB_P2=256, GUARD=True, HAS_KEEP=lists,
+                                                                          LISTS=lists))
+    return 7
 
 
 def hopper_variant(pv, dt="fp16", sparse=False, lse=False):

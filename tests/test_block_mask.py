@@ -9,7 +9,8 @@ from diffusion_int8.kernels import int8_attention
 from diffusion_int8.kernels import reference as R
 from diffusion_int8.kernels.api import expand_block_mask
 from diffusion_int8.kernels.config import PV, SPARSE_BLOCK
-from diffusion_int8.testing import realistic_qkv
+from diffusion_int8.kernels.sparsity import predict_block_mask
+from diffusion_int8.testing import local_qkv, realistic_qkv
 from test_attention import check, run_kernel
 
 
@@ -126,3 +127,61 @@ def test_bad_block_masks_are_refused_before_any_work():
         int8_attention(q, k, v, mode="int8", block_mask=torch.ones(1, 2, 300, 260, dtype=torch.bool))
     with pytest.raises(TypeError, match="block_mask must be a torch.Tensor"):
         int8_attention(q, k, v, mode="fp16", block_mask=[[True]])
+
+
+# -- the mask predicted inside the call: int8_attention(..., sparsity=tau) --
+
+@pytest.mark.parametrize("pv, D", [(PV.FP8, 64), (PV.FP16, 128), (PV.INT8, 40)])
+def test_predicted_in_the_call_matches_the_predictor(kdev, pv, D):
+    # The quantization launch's block sums and one more launch give predict_block_mask's mask (float32 sums in
+    # another order: a block exactly at a threshold could differ, none does on these draws), and the call runs
+    # exactly the sparse kernel of that mask (bit for bit). Odd lengths, GQA, both layouts; K tiles of 64 and 128.
+    n = 1 if kdev == "cpu" else 8
+    for B, H, H_kv, Sq, Sk, layout, tau in [(1, 2, 1, 700 * n, 1000 * n, "BHSD", 0.9), (2, 2, 2, 1100 * n, 650 * n, "BSHD", 0.6)]:
+        q, k, v = local_qkv(B, H, Sq, Sk, D, H_kv=H_kv, layout=layout, device=kdev)
+        kw = dict(layout=layout, pv=pv)
+        out, mask = run_kernel(q, k, v, sparsity=tau, return_block_mask=True, **kw)
+        want = predict_block_mask(q, k, tau, layout=layout)
+        assert torch.equal(mask, want)
+        assert 0.2 < 1 - want.float().mean().item() < 0.9  # something to predict, not the whole row
+        assert torch.equal(out, run_kernel(q, k, v, block_mask=mask, **kw))
+        check(out, R.emulate_attention(q, k, v, block_mask=mask, **kw), _sparse_ref(q, k, v, mask, layout), pv, q.dtype)
+
+
+def test_predicted_keeps_the_always_kept_blocks_and_tau_one_is_dense(kdev):
+    q, k, v = local_qkv(1, 2, 600, 900, 64, device=kdev)
+    keep = torch.zeros(_blocks(900), dtype=torch.bool, device=kdev)
+    keep[3] = True
+    _, mask = run_kernel(q, k, v, layout="BHSD", pv=PV.FP8, sparsity=0.7, keep_kv_blocks=keep, return_block_mask=True)
+    assert torch.equal(mask, predict_block_mask(q, k, 0.7, keep_kv_blocks=keep))
+    assert mask[..., 3].all() and not mask.all()
+    out, mask = run_kernel(q, k, v, layout="BHSD", pv=PV.FP8, sparsity=1.0, return_block_mask=True)
+    assert mask.all() and torch.equal(out, run_kernel(q, k, v, layout="BHSD", pv=PV.FP8))
+
+
+def test_predicted_on_the_public_op_every_backend_and_mode():
+    # CPU tensors: the emulation backend predicts with predict_block_mask; mode fp16 applies the same mask exactly
+    q, k, v = local_qkv(1, 2, 500, 700, 64, layout="BSHD")
+    mask = predict_block_mask(q, k, 0.8, layout="BSHD")
+    out, lse, got = int8_attention(q, k, v, mode="int8", layout="BSHD", sparsity=0.8, return_lse=True,
+                                   return_block_mask=True)
+    assert torch.equal(got, mask)
+    want, want_lse = int8_attention(q, k, v, mode="int8", layout="BSHD", block_mask=mask, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    exact, got = int8_attention(q, k, v, mode="fp16", layout="BSHD", sparsity=0.8, return_block_mask=True)
+    assert torch.equal(got, mask) and torch.equal(exact, int8_attention(q, k, v, mode="fp16", layout="BSHD", block_mask=mask))
+    assert torch.equal(int8_attention(q, k, v, mode="int8", layout="BSHD", sparsity=0.8), want)
+
+
+def test_bad_sparsity_arguments_are_refused_before_any_work():
+    q, k, v = realistic_qkv(1, 2, 300, 260, 64)
+    with pytest.raises(ValueError, match=r"sparsity must be a number in \(0, 1\]"):
+        int8_attention(q, k, v, sparsity=1.5)
+    with pytest.raises(ValueError, match="not both"):
+        int8_attention(q, k, v, sparsity=0.9, block_mask=torch.ones(1, 2, 3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="keep_kv_blocks goes with sparsity"):
+        int8_attention(q, k, v, keep_kv_blocks=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="return_block_mask goes with sparsity"):
+        int8_attention(q, k, v, return_block_mask=True)
+    with pytest.raises(ValueError, match=r"does not broadcast to \(B, Hq, nQB, nKB\) = \(1, 2, 3, 3\)"):
+        int8_attention(q, k, v, sparsity=0.9, keep_kv_blocks=torch.ones(4, dtype=torch.bool))

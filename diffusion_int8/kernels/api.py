@@ -14,6 +14,7 @@ from .config import (ENV_BACKEND, ENV_PV8, MAX_HEAD_DIM, PV, SPARSE_BLOCK, Backe
 from .launch import signature
 from .layout import check_rotation, to_bhsd
 from .ops import dispatch
+from .sparsity import check_keep, check_tau, predict_block_mask
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _LAYOUTS = ("BHSD", "BSHD")
@@ -36,9 +37,12 @@ def int8_attention(
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
+    sparsity: float | None = None,
+    keep_kv_blocks: torch.Tensor | None = None,
     check_finite: bool = False,
     return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return_block_mask: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention with Q·Kᵀ on INT8 tensor cores.
 
     Args:
@@ -57,6 +61,15 @@ def int8_attention(
             never load its K and V, so the call's time follows the kept fraction. ``kernels.sparsity`` predicts
             one from Q and K. Query rows whose block keeps no key block give 0; a mask that keeps every block
             gives the dense result bit for bit. Mode ``fp16`` applies it as an element mask (exact, not faster).
+        sparsity: block-sparse attention with the mask predicted in the call: the level tau in (0, 1] of
+            ``kernels.sparsity.predict_block_mask`` (per query block, the key blocks holding the pooled attention
+            mass tau; 1 keeps every block). On a GPU the quantization launch sums Q's and K's blocks as it reads
+            them, and one small launch turns the sums into the block lists: no pass of its own over Q and K
+            (``predict_block_mask`` then ``block_mask=`` reads them twice more). Its masks equal
+            ``predict_block_mask``'s up to the order of float32 sums (a block at the threshold may fall either
+            way); with ``smooth_k=False`` the similarity guard sees K with its token mean. Not with ``block_mask``.
+        keep_kv_blocks: with ``sparsity``: bool, broadcastable to (B, Hq, nQB, nKB), pairs always kept (e.g.
+            ``(nKB,)`` True where key blocks hold text tokens).
         scale: softmax scale; default ``D ** -0.5``.
         smooth_k: subtract K's token mean per (batch, head) before quantizing (softmax is invariant
             to it; it removes the channel bias that breaks naive INT8 K).
@@ -98,26 +111,29 @@ def int8_attention(
             partial results with. Every kernel writes it in its epilogue; adding the smoothing back reads K and Q
             once more (0.13 ms at Flux's shape on an H100). Mode ``fp16`` computes it exactly (flash attention's on
             a GPU, else a float32 Q·Kᵀ).
+        return_block_mask: with ``sparsity``, also return the mask it predicted: bool (B, Hq, nQB, nKB), True =
+            computed (e.g. to count the skipped blocks).
 
     Returns:
         Attention output shaped like ``q`` (contiguous in ``layout``), in ``q``'s dtype; with ``return_lse``, the
         pair (output, log-sum-exp) where the log-sum-exp is float32 (B, Hq, Sq) in natural-log units, -inf for a
         row without keys (in either layout, as ``torch.nn.functional.scaled_dot_product_attention``'s kernels
-        give it).
+        give it); with ``return_block_mask``, the predicted mask after those.
     """
     try:  # the call's signature; one seen before skips every check and selection below (the hot path)
         plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
             mode, layout, scale, smooth_k, balance_key(qk_balance), balance_key(qk_rotate), return_lse,
-            os.environ.get(ENV_BACKEND),
+            balance_key(sparsity), balance_key(return_block_mask), os.environ.get(ENV_BACKEND),
             os.environ.get(ENV_PV8), signature(q), signature(k), signature(v), signature(attn_mask),
-            signature(block_mask), signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean))
+            signature(block_mask), signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean),
+            signature(keep_kv_blocks))
         call = _CALLS.get(key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, tensors without storage, unhashable options
         key, call = None, None
     if call is None:
         call = _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax,
-                        k_amax, v_amax, k_mean)
+                        k_amax, v_amax, k_mean, sparsity, keep_kv_blocks, return_block_mask)
         if key is not None:
             if len(_CALLS) >= 4096:
                 _CALLS.clear()
@@ -131,33 +147,45 @@ def int8_attention(
         _check_range_values(q_amax, k_amax, v_amax, k_mean, given_bal)
     if call.mode is Mode.FP16:
         qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
+        if sparsity is not None:
+            block_mask = predict_block_mask(qb, kb, sparsity, sm_scale=call.scale, keep_kv_blocks=keep_kv_blocks)
         if block_mask is not None:
             out = _sdpa_block_sparse(qb, kb, vb, attn_mask, block_mask, call, layout)
-            return (out, exact_lse(qb, kb, attn_mask, block_mask, call.scale)) if return_lse else out
+            lse = (exact_lse(qb, kb, attn_mask, block_mask, call.scale),) if return_lse else ()
+            return _results(out, *lse, *((block_mask,) if return_block_mask else ()))
         if return_lse:
             out, lse = sdpa_with_lse(qb, kb, vb, attn_mask, call.scale)
             return (out if layout == "BHSD" else out.transpose(1, 2)), lse
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=call.scale, enable_gqa=call.gqa)
         return out if layout == "BHSD" else out.transpose(1, 2)
     if call.empty:  # no batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-        if not return_lse:
-            return out
         B, H, Sq = to_bhsd(q, layout).shape[:3]
-        return out, torch.full((B, H, Sq), float("-inf"), device=q.device)
+        Sk = to_bhsd(k, layout).shape[2]
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = (torch.full((B, H, Sq), float("-inf"), device=q.device),) if return_lse else ()
+        mask = torch.ones((B, H, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)), dtype=torch.bool, device=q.device)
+        return _results(out, *lse, *((mask,) if return_block_mask else ()))
     if key is not None and call.backend is Backend.TRITON and not _dispatch_mode():
         # plain eager tensors: straight to the launch plan of this signature (the custom op's dispatch layers do
         # nothing here but cost host time)
         from .attention import triton_attention
 
         return triton_attention(q, k, v, layout=layout, pv=call.pv, sm_scale=call.scale, smooth_k=smooth_k,
-                                qk_balance=qk_balance, qk_rotate=qk_rotate, attn_mask=attn_mask, block_mask=block_mask, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
-                                return_lse=return_lse, key=key)
-    out, lse = dispatch(
-        q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, given_bal, layout, call.pv.value, call.scale,
-        smooth_k, qk_balance is True, qk_rotate, call.backend.value, bool(return_lse),
+                                qk_balance=qk_balance, qk_rotate=qk_rotate, attn_mask=attn_mask, block_mask=block_mask,
+                                q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean, sparsity=sparsity,
+                                keep_kv_blocks=keep_kv_blocks, return_lse=return_lse,
+                                return_block_mask=return_block_mask, key=key)
+    out, lse, mask = dispatch(
+        q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, given_bal, keep_kv_blocks, layout,
+        call.pv.value, call.scale, smooth_k, qk_balance is True, qk_rotate, sparsity, call.backend.value,
+        bool(return_lse), bool(return_block_mask),
     )
-    return (out, lse) if return_lse else out
+    return _results(out, *((lse,) if return_lse else ()), *((mask,) if return_block_mask else ()))
+
+
+def _results(out: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The output alone, or with the log-sum-exp and/or the block mask asked for, in that order."""
+    return (out, *extra) if extra else out
 
 
 class _Call(NamedTuple):
@@ -176,10 +204,11 @@ _CALLS: dict[tuple, _Call] = {}
 
 
 def _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax, k_amax,
-             v_amax, k_mean) -> _Call:
+             v_amax, k_mean, sparsity, keep_kv_blocks, return_block_mask) -> _Call:
     """Check a call and choose its backend and P·V format (raises on bad arguments)."""
     mode, scale, gqa, empty = _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance,
                                           qk_rotate, q_amax, k_amax, v_amax, k_mean)
+    _check_sparsity(q, k, layout, block_mask, sparsity, keep_kv_blocks, return_block_mask)
     if mode is Mode.FP16:
         return _Call(mode, scale, gqa, empty, None, None)
     return _Call(mode, scale, gqa, empty, select_backend(q.device), pv_for_mode(mode, q.device))
@@ -318,6 +347,23 @@ def _check_block_mask(mask: torch.Tensor, q: torch.Tensor, full: tuple[int, int,
             f"block_mask of shape {tuple(mask.shape)} does not broadcast to (B, H, ceil(Sq / {SPARSE_BLOCK}), "
             f"ceil(Sk / {SPARSE_BLOCK})) = {full}"
         )
+
+
+def _check_sparsity(q, k, layout, block_mask, sparsity, keep_kv_blocks, return_block_mask) -> None:
+    if sparsity is None:
+        if keep_kv_blocks is not None or return_block_mask is not False:
+            name = "keep_kv_blocks" if keep_kv_blocks is not None else "return_block_mask"
+            raise ValueError(f"{name} goes with sparsity=tau (a predicted block mask); give sparsity too")
+        return
+    check_tau(sparsity, "sparsity")
+    if block_mask is not None:
+        raise ValueError("give block_mask (a mask of your own) or sparsity (a predicted one), not both")
+    if not isinstance(return_block_mask, bool):
+        raise TypeError(f"return_block_mask must be True or False, got {type(return_block_mask).__name__}")
+    q_b, k_b = to_bhsd(q, layout), to_bhsd(k, layout)
+    full = (q_b.shape[0], q_b.shape[1], -(-q_b.shape[2] // SPARSE_BLOCK), -(-k_b.shape[2] // SPARSE_BLOCK))
+    if keep_kv_blocks is not None:
+        check_keep(keep_kv_blocks, q, full)
 
 
 def expand_block_mask(block_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:

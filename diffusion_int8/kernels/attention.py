@@ -14,11 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pool
 from . import quantize as tq
-from .config import FP8_P_SHIFT, FP_FUSION, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, TESTED_TRITON, Kernel, tile_config
+from .config import (FP8_P_SHIFT, FP_FUSION, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, TESTED_TRITON, Kernel,
+                     padded_head_dim, tile_config)
 from .launch import EAGER, Runner, plan_or_run, signature
 from .layout import cdiv, padded_len, rows_16b_aligned, to_bhsd
 from .reference import smoothing_offset
+from .sparsity import MIN_SIMILARITY
 from .tl_helpers import rdiv, round_to_int8
 
 try:  # the sm_90 Gluon kernels; a Triton whose Gluon API they do not cover runs the portable kernel
@@ -300,8 +303,11 @@ def triton_attention(
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
+    sparsity: float | None = None,
+    keep_kv_blocks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    return_block_mask: bool = False,
     sm90: bool = True,
     key: tuple | None = None,
     _ablate: int = 0,
@@ -309,7 +315,10 @@ def triton_attention(
     """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
 
     Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype), and with ``return_lse``
-    each query row's log-sum-exp (``reference.emulate_attention``'s). Three launches
+    each query row's log-sum-exp (``reference.emulate_attention``'s), with ``return_block_mask`` the mask that
+    ``sparsity`` predicted (after the other outputs). ``sparsity``: the predictor's level tau
+    (``sparsity.predict_block_mask``'s, with ``keep_kv_blocks``), from sums the quantization launch makes as it
+    reads Q and K, in two more launches before the attention's (``pool.predict``). Three launches
     (statistics, Q/K/V quantization, attention; two when nothing is measured, or when both sequences are
     short and the statistics and the quantization run in one) and no host synchronization. On sm_90 the attention launch is the Gluon kernel of ``hopper`` where
     it applies (``sm90=False`` forces the portable Triton kernel, for comparisons). The first call of each
@@ -321,39 +330,55 @@ def triton_attention(
         key = (*key, return_lse, sm90, _ablate)  # out is allocated below, so its signature follows from q's
     else:
         given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
-        key = (layout, pv, sm_scale, smooth_k, given_bal is None and qk_balance, qk_rotate, return_lse, sm90, _ablate,
-               *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out, given_bal)))
+        key = (layout, pv, sm_scale, smooth_k, given_bal is None and qk_balance, qk_rotate, sparsity, return_lse,
+               return_block_mask, sm90, _ablate, *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax,
+                                                                  v_amax, k_mean, keep_kv_blocks, out, given_bal)))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = None
+    B, H, Sq = to_bhsd(q, layout).shape[:3]
+    Sk = to_bhsd(k, layout).shape[2]
+    lse = mask_out = None
     if return_lse:
-        B, H, Sq = to_bhsd(q, layout).shape[:3]
         lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    if return_block_mask:
+        mask_out = (torch.ones if sparsity is not None and sparsity >= 1 else torch.empty)(
+            (B, H, cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK)), dtype=torch.bool, device=q.device)
+    if sparsity is not None and sparsity >= 1:  # every block kept: the dense call
+        sparsity = None
     inputs = [q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out, lse,
-              qk_balance if isinstance(qk_balance, torch.Tensor) else None]
+              qk_balance if isinstance(qk_balance, torch.Tensor) else None, keep_kv_blocks, mask_out]
 
     def record(runner):
         qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
         blocks = None
         if block_mask is not None:
-            blocks = block_lists(block_mask, qb.shape[0], qb.shape[1], qb.shape[2], kb.shape[2], runner)
+            blocks = block_lists(block_mask, B, H, Sq, Sk, runner)
+        pooled = None
+        if sparsity is not None:
+            pooled = pool.pooled_buffers(B, H, kb.shape[1], Sq, Sk, padded_head_dim(qb.shape[3]), q.device, runner)
         quantized = tq.quantize_qkv(  # K quantized in the tile table's K tiles, which attend() runs
-            qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, qk_balance=qk_balance, qk_rotate=qk_rotate, q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean,
-            runner=runner,
+            qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, qk_balance=qk_balance, qk_rotate=qk_rotate, q_amax=q_amax,
+            k_amax=k_amax, v_amax=v_amax, k_mean=k_mean, pooled=pooled, runner=runner,
         )
+        if sparsity is not None:
+            mask = mask_out if mask_out is not None else runner.empty(
+                (B, H, cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK)), torch.bool, q.device)
+            blocks = pool.predict(pooled, B, H, Sq, Sk, sm_scale, sparsity, MIN_SIMILARITY, keep_kv_blocks, mask,
+                                  lists=True, runner=runner)
         attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, blocks=blocks, lse=lse, sm90=sm90,
                runner=runner, _ablate=_ablate)
 
     plan_or_run(_PLANS, key, inputs, record)
+    extra = () if mask_out is None else (mask_out,)
     if lse is None:
-        return out
+        return (out, *extra) if extra else out
     # the kernel's log-sum-exp is of the smoothed scores; what smoothing took off each row goes back on. K's mean
     # from the statistics pass (one launch; the emulation's token_mean gives the same bits in a dozen)
     kb = to_bhsd(k, layout)
     if smooth_k and k_mean is None:
         k_mean = tq.kv_stats(kb, None)[0]
     offset = smoothing_offset(to_bhsd(q, layout), kb, sm_scale, smooth_k, k_mean)
-    return out, lse if offset is None else lse.add_(offset)
+    return out, (lse if offset is None else lse.add_(offset)), *extra
 
 
 # Launch plans by call signature (launch.Plan): compiled kernels and argument templates, no tensors

@@ -14,9 +14,10 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .config import PV, Backend
+from .config import PV, SPARSE_BLOCK, Backend
 from .layout import to_bhsd
 from .reference import emulate_attention
+from .sparsity import predict_block_mask
 
 
 def _quantized_attention(
@@ -30,19 +31,23 @@ def _quantized_attention(
     v_amax: Optional[torch.Tensor],
     k_mean: Optional[torch.Tensor],
     balance: Optional[torch.Tensor],
+    keep_kv_blocks: Optional[torch.Tensor],
     layout: str,
     pv: str,
     sm_scale: float,
     smooth_k: bool,
     qk_balance: bool,
     qk_rotate: bool,
+    sparsity: Optional[float],
     backend: str,
     return_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_block_mask: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """INT8 Q·Kᵀ attention on validated inputs; ``backend`` is a ``Backend`` value, ``pv`` a ``PV`` value.
     ``balance``: a given Q·Kᵀ balance (``int8_attention``'s ``qk_balance`` tensor), else None and ``qk_balance``
-    says whether to measure one. Returns the output and, with ``return_lse``, each query row's log-sum-exp
-    (float32 (B, H, Sq); else empty)."""
+    says whether to measure one. Returns the output, with ``return_lse`` each query row's log-sum-exp (float32
+    (B, H, Sq)) and with ``return_block_mask`` the mask ``sparsity`` predicted (bool (B, H, nQB, nKB)); each empty
+    when not asked for."""
     kwargs = dict(
         layout=layout, pv=PV(pv), sm_scale=sm_scale, smooth_k=smooth_k,
         qk_balance=qk_balance if balance is None else balance, qk_rotate=qk_rotate,
@@ -52,24 +57,39 @@ def _quantized_attention(
     if backend == Backend.TRITON.value:
         from .attention import triton_attention  # imports triton lazily: CPU-only installs never need it
 
-        res = triton_attention(q, k, v, **kwargs)
+        res = triton_attention(q, k, v, sparsity=sparsity, keep_kv_blocks=keep_kv_blocks,
+                               return_block_mask=return_block_mask, **kwargs)
     else:
+        mask = None
+        if sparsity is not None:  # the emulation predicts with the standalone predictor
+            mask = kwargs["block_mask"] = predict_block_mask(q, k, sparsity, layout=layout, sm_scale=sm_scale,
+                                                             keep_kv_blocks=keep_kv_blocks)
         res = emulate_attention(q, k, v, **kwargs)
-    return res if return_lse else (res, q.new_empty(0, dtype=torch.float32))
+        if return_block_mask:
+            res = (*res, mask) if return_lse else (res, mask)
+    res = list(res) if isinstance(res, tuple) else [res]
+    empty = q.new_empty(0, dtype=torch.float32)
+    if not return_lse:
+        res.insert(1, empty)
+    if not return_block_mask:
+        res.append(empty.bool())
+    return tuple(res)
 
 
 quantized_attention = torch.library.custom_op("diffusion_int8::quantized_attention", mutates_args=())(_quantized_attention)
 
 
 @quantized_attention.register_fake
-def _(q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, balance, layout, pv, sm_scale, smooth_k, qk_balance,
-      qk_rotate, backend, return_lse):
+def _(q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, balance, keep_kv_blocks, layout, pv, sm_scale,
+      smooth_k, qk_balance, qk_rotate, sparsity, backend, return_lse, return_block_mask):
     B, H, Sq = to_bhsd(q, layout).shape[:3]
+    Sk = to_bhsd(k, layout).shape[2]
     lse = q.new_empty((B, H, Sq) if return_lse else (0,), dtype=torch.float32)
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
+    nb = (B, H, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)) if return_block_mask else (0,)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse, q.new_empty(nb, dtype=torch.bool)
 
 
-def dispatch(q: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
+def dispatch(q: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantized_attention(q, *args)``: the op when something may be tracing, the implementation otherwise."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or is_fake(q):
         return quantized_attention(q, *args)

@@ -15,10 +15,12 @@ import triton
 import triton.language as tl
 
 from .config import (
-    AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP_FUSION, INT8_MAX, PV, padded_head_dim, tile_config,
+    AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP_FUSION, INT8_MAX, PV, SPARSE_BLOCK, padded_head_dim,
+    tile_config,
 )
 from .launch import EAGER, Runner
 from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation, chunking, padded_len, stats_block, v_channel_amax
+from .pool import Pooled, pool_tile
 from .reference import hadamard, q_scale_mult
 from .tl_helpers import rdiv, round_to_int8
 
@@ -27,6 +29,7 @@ _ROW_BLOCK = 64  # Q's tokens per block of the quantization launch (one scale pe
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _INT8_MAX = tl.constexpr(INT8_MAX)
 _FP8_MAX = tl.constexpr(FP8_MAX)
+_SPARSE_BLOCK = tl.constexpr(SPARSE_BLOCK)
 _BALANCE_MAX_LOG2 = tl.constexpr(BALANCE_MAX_LOG2)
 _BALANCE_DEAD_BAND = tl.constexpr(BALANCE_DEAD_BAND)
 # Both sequences at most this long (queries counted over the query heads of a K/V head): one program per
@@ -123,7 +126,7 @@ def _quant_int8(x, AMAX, GROUPS: tl.constexpr, STATIC: tl.constexpr):
 
 @triton.jit
 def _quant_qkv_kernel(
-    Q, QAMAX, Q8, QS, K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL, HAD,
+    Q, QAMAX, Q8, QS, K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL, HAD, QSUM, QSQ, KSUM, KSQ,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -132,10 +135,11 @@ def _quant_qkv_kernel(
     H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, scale_mult,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, K_GROUPS: tl.constexpr, DP: tl.constexpr,
     SMOOTH: tl.constexpr, Q_STATIC: tl.constexpr, K_STATIC: tl.constexpr, V_FMT: tl.constexpr,
-    V_STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr, Q_TILES: tl.constexpr,
+    V_STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr, Q_TILES: tl.constexpr, POOL: tl.constexpr,
 ):
     # One launch for Q, K and V: programs [0, NQ) take Q_TILES blocks of Q_BLOCK tokens of Q, the rest one K tile
-    # of K_BLOCK tokens (K_GROUPS scales) and the same tokens of V. (K and V in separate programs, with fewer
+    # of K_BLOCK tokens (K_GROUPS scales) and the same tokens of V. POOL: each block's sums for the block-sparse
+    # predictor too (``pool.Pooled``), of Q as loaded and of K as smoothed. (K and V in separate programs, with fewer
     # registers each, were 4-8% slower at 8-bit V: the launch is memory-bound, and a program with both tiles keeps
     # more loads in flight.)
     pid = tl.program_id(0)
@@ -143,17 +147,17 @@ def _quant_qkv_kernel(
         n_s = SQ_PAD // (Q_BLOCK * Q_TILES)
         for t in range(0, Q_TILES):
             _quant_q_block(
-                Q, QAMAX, Q8, QS, BAL, HAD, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
-                stride_bb, stride_bh, stride_bd, pid % n_s * Q_TILES + t, pid // n_s, H, H_KV, SQ, D, SQ_PAD,
-                scale_mult, Q_BLOCK, DP, Q_STATIC, BALANCE, ROTATE,
+                Q, QAMAX, Q8, QS, BAL, HAD, QSUM, QSQ, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab,
+                stride_qah, stride_bb, stride_bh, stride_bd, pid % n_s * Q_TILES + t, pid // n_s, H, H_KV, SQ, D,
+                SQ_PAD, scale_mult, Q_BLOCK, DP, Q_STATIC, BALANCE, ROTATE, POOL,
             )
     else:
         n_s = SK_PAD // K_BLOCK
         pid_s, pid_bh = (pid - NQ) % n_s, (pid - NQ) // n_s
         _quant_k_tile(
-            K, KMEAN, KAMAX, K8, KS, BAL, HAD, stride_kb, stride_kh, stride_ks, stride_kd, stride_kab, stride_kah,
-            stride_kmb, stride_kmh, stride_kmd, stride_bb, stride_bh, stride_bd, pid_s, pid_bh,
-            H_KV, SK, D, SK_PAD, K_BLOCK, K_GROUPS, DP, SMOOTH, K_STATIC, BALANCE, ROTATE,
+            K, KMEAN, KAMAX, K8, KS, BAL, HAD, KSUM, KSQ, stride_kb, stride_kh, stride_ks, stride_kd, stride_kab,
+            stride_kah, stride_kmb, stride_kmh, stride_kmd, stride_bb, stride_bh, stride_bd, pid_s, pid_bh,
+            H_KV, SK, D, SK_PAD, K_BLOCK, K_GROUPS, DP, SMOOTH, K_STATIC, BALANCE, ROTATE, POOL,
         )
         if V_FMT != 0:
             _quant_v_tile(
@@ -172,11 +176,14 @@ def _load_balance(BAL, stride_bb, stride_bh, stride_bd, b, h_kv, D, DP: tl.const
 
 @triton.jit
 def _quant_q_block(
-    Q, QAMAX, Q8, QS, BAL, HAD, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
+    Q, QAMAX, Q8, QS, BAL, HAD, QSUM, QSQ, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
     stride_bb, stride_bh, stride_bd, pid_s, pid_bh, H, H_KV, SQ, D, SQ_PAD, scale_mult,
     BLOCK: tl.constexpr, DP: tl.constexpr, STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr,
+    POOL: tl.constexpr,
 ):
     x, offs_s, offs_d, _ = _load_tile(Q, stride_qb, stride_qh, stride_qs, stride_qd, pid_s, pid_bh, H, SQ, D, BLOCK, DP)
+    if POOL:
+        pool_tile(x, QSUM, QSQ, pid_bh, SQ_PAD // _SPARSE_BLOCK, pid_s * BLOCK, DP, False)
     if BALANCE:  # Q's channels divided by the (power-of-two) balance of their K/V head's channels: exact
         bal = _load_balance(BAL, stride_bb, stride_bh, stride_bd, pid_bh // H, pid_bh % H // (H // H_KV), D, DP)
         x = x * rdiv(1.0, bal)[None, :]
@@ -189,10 +196,10 @@ def _quant_q_block(
 
 @triton.jit
 def _quant_k_tile(
-    K, KMEAN, KAMAX, K8, KS, BAL, HAD, stride_kb, stride_kh, stride_ks, stride_kd, stride_kab, stride_kah,
+    K, KMEAN, KAMAX, K8, KS, BAL, HAD, KSUM, KSQ, stride_kb, stride_kh, stride_ks, stride_kd, stride_kab, stride_kah,
     stride_kmb, stride_kmh, stride_kmd, stride_bb, stride_bh, stride_bd, pid_s, pid_bh, H, S, D, S_PAD,
     BLOCK: tl.constexpr, GROUPS: tl.constexpr, DP: tl.constexpr, SMOOTH: tl.constexpr, STATIC: tl.constexpr,
-    BALANCE: tl.constexpr, ROTATE: tl.constexpr,
+    BALANCE: tl.constexpr, ROTATE: tl.constexpr, POOL: tl.constexpr,
 ):
     # One K tile, less K's mean (measured by the statistics pass or static, read through strides), times K's
     # channel balance (BALANCE), rotated (ROTATE), in GROUPS scales.
@@ -201,6 +208,8 @@ def _quant_k_tile(
     if SMOOTH:  # padded channels stay 0 (mean 0 there); a row mask, as a (BLOCK, DP) one holds more registers
         mean = tl.load(KMEAN + b * stride_kmb + h * stride_kmh + offs_d * stride_kmd, mask=offs_d < D, other=0.0)
         x = tl.where(offs_s[:, None] < S, x - mean[None, :], 0.0)
+    if POOL:
+        pool_tile(x, KSUM, KSQ, pid_bh, S_PAD // _SPARSE_BLOCK, pid_s * BLOCK, DP, True)
     if BALANCE:
         x = x * _load_balance(BAL, stride_bb, stride_bh, stride_bd, b, h, D, DP)[None, :]
     if ROTATE:
@@ -429,9 +438,9 @@ def _quant_fused_kernel(
     tl.debug_barrier()
     for t in range(0, SK_PAD // K_BLOCK):
         _quant_k_tile(
-            K, MOM, DUMMY, K8, KS, MOM + 2 * mom_slot, HAD, stride_kb, stride_kh, stride_ks, stride_kd, 0, 0,
-            H_KV * DP, DP, 1, H_KV * DP, DP, 1, t, pid_bh, H_KV, SK, D, SK_PAD, K_BLOCK, K_GROUPS, DP, SMOOTH, False,
-            BALANCE, ROTATE,
+            K, MOM, DUMMY, K8, KS, MOM + 2 * mom_slot, HAD, DUMMY, DUMMY, stride_kb, stride_kh, stride_ks, stride_kd, 0,
+            0, H_KV * DP, DP, 1, H_KV * DP, DP, 1, t, pid_bh, H_KV, SK, D, SK_PAD, K_BLOCK, K_GROUPS, DP, SMOOTH,
+            False, BALANCE, ROTATE, False,
         )
         if V_FMT != 0:
             _quant_v_tile(
@@ -442,8 +451,9 @@ def _quant_fused_kernel(
         qh = pid_bh // H_KV * H_KV * G + pid_bh % H_KV * G + g
         for t in range(0, SQ_PAD // Q_BLOCK):
             _quant_q_block(
-                Q, DUMMY, Q8, QS, MOM + 2 * mom_slot, HAD, stride_qb, stride_qh, stride_qs, stride_qd, 0, 0,
-                H_KV * DP, DP, 1, t, qh, H_KV * G, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, False, BALANCE, ROTATE,
+                Q, DUMMY, Q8, QS, MOM + 2 * mom_slot, HAD, DUMMY, DUMMY, stride_qb, stride_qh, stride_qs, stride_qd, 0,
+                0, H_KV * DP, DP, 1, t, qh, H_KV * G, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, False, BALANCE,
+                ROTATE, False,
             )
 
 
@@ -519,6 +529,7 @@ def quantize_qkv(
     k_amax: torch.Tensor | None = None,
     v_amax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
+    pooled: Pooled | None = None,
     runner: Runner = EAGER,
 ):
     """Triton twin of ``reference.quantize_q``, ``quantize_k`` and ``quantize_v``: Q, K and V in one
@@ -539,8 +550,9 @@ def quantize_qkv(
     1/DP with ``qk_rotate``: ``reference.q_scale_mult``),
     k8 (B, H_kv, Sk_pad, DP) int8, ks (B, H_kv, Sk_pad) float32 (``k_groups`` scales per tile of
     ``block_n`` keys, stored per key), and v8 / vs as
-    ``reference.quantize_v`` gives them (None, None for fp16 P·V). ``runner`` allocates and launches
-    (``launch.Runner``).
+    ``reference.quantize_v`` gives them (None, None for fp16 P·V). ``pooled``: zeroed buffers
+    (``pool.pooled_buffers``) that the launch adds the block-sparse predictor's sums of Q and of K (as smoothed) to, as
+    it reads them. ``runner`` allocates and launches (``launch.Runner``).
     """
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
@@ -567,7 +579,8 @@ def quantize_qkv(
         shape = (B, H_kv, dp, sk_pad) if v_fmt == 1 else (B, H_kv, sk_pad, dp)
         v8 = runner.empty(shape, torch.float8_e4m3fn if v_fmt == 1 else torch.int8, dev)
         vs = runner.empty((B, H_kv, dp), torch.float32, dev)
-    if (measure_k or measure_v or measure_bal) and not static and max(Sk, Sq * (H // H_kv)) <= _FUSED_MAX_TOKENS:
+    fused = pooled is None and max(Sk, Sq * (H // H_kv)) <= _FUSED_MAX_TOKENS
+    if (measure_k or measure_v or measure_bal) and not static and fused:
         block = stats_block(dp)
         chunk, chunk_q, n_chunks = _chunking(Sq, Sk, block)
         partials = runner.empty((_N_SLOTS, B, H_kv, n_chunks, dp), torch.float32, dev)
@@ -605,13 +618,13 @@ def quantize_qkv(
     runner.launch(_quant_qkv_kernel, (nq + sk_pad // block_n * B * H_kv,), (
         q, qa, q8, qs, k, kmean, ka, k8, ks,
         v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs, qs if bal is None else bal,
-        runner.constant(_hadamard_int8(dp, dev)) if qk_rotate else q8,
+        runner.constant(_hadamard_int8(dp, dev)) if qk_rotate else q8, *(pooled if pooled is not None else (qs,) * 4),
         *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides, *km_strides,
         *((0, 0, 0) if bal is None else bal.stride()), H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq,
         q_scale_mult(sm_scale, dp, qk_rotate),
-        # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC, BALANCE, ROTATE, Q_TILES
+        # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC, BALANCE, ROTATE, Q_TILES, POOL
         _ROW_BLOCK, block_n, k_groups, dp, smooth_k, q_amax is not None, k_amax is not None, v_fmt, v_amax is not None,
-        balance, qk_rotate, q_tiles,
+        balance, qk_rotate, q_tiles, pooled is not None,
     ), dict(enable_fp_fusion=FP_FUSION))
     return Quantized(q8, qs, k8, ks, v8, vs)
 

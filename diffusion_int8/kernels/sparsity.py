@@ -7,8 +7,10 @@ cumulative mass ``tau`` is kept. A block whose tokens point in different directi
 mean, so it is never skipped on the estimate's word: a dissimilar query block keeps its whole row, a dissimilar
 key block its whole column.
 
-Everything is a handful of PyTorch operations on static shapes: no host synchronization, so it runs under CUDA
-graph capture and ``torch.compile``.
+On a GPU it is four Triton launches (``pool``), elsewhere a handful of PyTorch operations on static shapes: no host
+synchronization either way, so it runs under CUDA graph capture and ``torch.compile``. ``int8_attention(...,
+sparsity=tau)`` predicts the same way inside the call, from sums its quantization launch makes as it reads Q and K
+(``pool``): no pass of its own over them.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import torch
 from .config import SPARSE_BLOCK
 from .layout import cdiv, to_bhsd
 
-# A block is represented by its mean when its tokens' mean cosine to that mean is at least this. Independent
-# random tokens give about 1/sqrt(128) = 0.09 in a 128-token block; tokens of one smooth image region, 0.7-1.
+# A block is represented by its mean when its ``block_similarity`` is at least this. Independent random tokens give
+# about 1/sqrt(128) = 0.09 in a 128-token block; tokens of one smooth image region, 0.7-1.
 MIN_SIMILARITY = 0.5
 _LAYOUTS = ("BHSD", "BSHD")
 _TINY = 1e-30
@@ -49,8 +51,8 @@ def predict_block_mask(
         sm_scale: the attention's softmax scale; default ``D ** -0.5``.
         keep_kv_blocks: bool, broadcastable to (B, Hq, nQB, nKB): pairs always kept (e.g. ``(nKB,)`` True
             where key blocks hold text tokens).
-        min_similarity: a block whose tokens' mean cosine to the block mean (K after subtracting its token mean,
-            which softmax ignores) is below this is kept dense: its row (Q) or column (K). None: no such guard.
+        min_similarity: a block whose ``block_similarity`` (of K after subtracting its token mean, which softmax
+            ignores) is below this is kept dense: its row (Q) or column (K). None: no such guard.
 
     Returns:
         bool (B, Hq, nQB, nKB), nQB = ceil(Sq / SPARSE_BLOCK), nKB = ceil(Sk / SPARSE_BLOCK); True = compute.
@@ -63,26 +65,26 @@ def predict_block_mask(
     Hkv, Sk = kb.shape[1], kb.shape[2]
     nqb, nkb = cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK)
     if keep_kv_blocks is not None:
-        _check_keep(keep_kv_blocks, q, (B, Hq, nqb, nkb))
+        check_keep(keep_kv_blocks, q, (B, Hq, nqb, nkb))
     if tau >= 1 or 0 in (B, nqb, nkb):
         return torch.ones((B, Hq, nqb, nkb), dtype=torch.bool, device=q.device)
     scale = D**-0.5 if sm_scale is None else float(sm_scale)
+    if q.is_cuda:
+        from .pool import predict_bhsd
+
+        return predict_bhsd(qb, kb, tau, scale, min_similarity, keep_kv_blocks)
     pq, sim_q, _ = _pool(qb, smooth=False)
     pk, sim_k, count_k = _pool(kb, smooth=True)
     # -- pooled scores per K/V head: its G query heads' blocks as G·nQB rows --
     G = Hq // Hkv
     logits = (pq.view(B, Hkv, G * nqb, D) @ pk.transpose(-1, -2)).mul_(scale).view(B, Hq, nqb, nkb)
-    if q.is_cuda:  # one launch instead of some fifteen
-        from .pool import select_blocks
-
-        return select_blocks(logits, count_k.log(), tau, sim_q, sim_k, min_similarity, keep_kv_blocks)
     return select_blocks_torch(logits, count_k.log(), tau, sim_q, sim_k, min_similarity, keep_kv_blocks)
 
 
 def select_blocks_torch(logits: torch.Tensor, log_count: torch.Tensor, tau: float, sim_q: torch.Tensor | None,
                         sim_k: torch.Tensor | None, min_similarity: float | None,
                         keep: torch.Tensor | None) -> torch.Tensor:
-    """The mask from pooled scores (``pool.select_blocks``'s arguments; its twin on the GPU): per query block, the
+    """The mask from pooled scores (``pool.predict`` is its twin on the GPU): per query block, the
     softmax over key blocks; sorted by mass, a block is in the kept set while the mass before it is short of tau,
     and every block with at least the set's smallest mass is kept (ties at the threshold included); then the rows of
     dissimilar query blocks, the columns of dissimilar key blocks and ``keep``."""
@@ -102,32 +104,27 @@ def select_blocks_torch(logits: torch.Tensor, log_count: torch.Tensor, tau: floa
 
 
 def _pool(x: torch.Tensor, smooth: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per block of ``SPARSE_BLOCK`` tokens of x (B, H, S, D): the mean (B, H, nB, D), the tokens' mean cosine to
-    it (B, H, nB) and the token count (nB,), all float32. ``smooth``: x less its token mean (softmax over keys
-    ignores it; it is K's channel bias, which would make every block look alike)."""
+    """Per block of ``SPARSE_BLOCK`` tokens of x (B, H, S, D): the mean (B, H, nB, D), ``block_similarity``
+    (B, H, nB) and the token count (nB,), all float32. ``smooth``: x less its token mean (softmax over keys ignores
+    it; it is K's channel bias, which would make every block look alike)."""
     S = x.shape[2]
     count = (S - torch.arange(cdiv(S, SPARSE_BLOCK), device=x.device, dtype=torch.float32) * SPARSE_BLOCK).clamp(
         max=SPARSE_BLOCK)
-    if x.is_cuda:  # one pass over x per pooling in a Triton kernel, instead of float32 copies
-        from .pool import block_sums
-
-        sums, units = block_sums(x)
-        mean = sums / count[:, None]
-        if smooth:
-            token_mean = sums.sum(2) / S
-            mean = mean - token_mean[:, :, None]
-            units = block_sums(x, token_mean)[1]
-        sim = (units * mean).sum(-1) / (count * torch.linalg.vector_norm(mean, dim=-1)).clamp_min(_TINY)
-        return mean, sim, count
     xf = x.float()
-    mean = _block_sums(xf) / count[:, None]
+    sums = _block_sums(xf)
     if smooth:
-        token_mean = (mean * count[:, None]).sum(2, keepdim=True) / S
-        mean = mean - token_mean
+        token_mean = sums.sum(2, keepdim=True) / S
+        sums = sums - count[:, None] * token_mean
         xf = xf - token_mean
-    unit = xf / torch.linalg.vector_norm(xf, dim=-1, keepdim=True).clamp_min(_TINY)
-    sim = (_block_sums(unit) * mean).sum(-1) / (count * torch.linalg.vector_norm(mean, dim=-1)).clamp_min(_TINY)
-    return mean, sim, count
+    norms_sq = _block_sums(xf.square().sum(-1, keepdim=True))[..., 0]
+    return sums / count[:, None], block_similarity(sums, norms_sq, count), count
+
+
+def block_similarity(sums: torch.Tensor, norms_sq: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """How well a block's mean represents its tokens: |mean| / the tokens' RMS norm, from their sum (..., D), their
+    squared norms summed (...) and their count; in [0, 1]. 1 where every token is the same vector, about
+    1/sqrt(count) for independent ones; for tokens of equal norm, their mean cosine to the mean."""
+    return sums.norm(dim=-1) / (count * norms_sq).sqrt().clamp_min(_TINY)
 
 
 def _block_sums(x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +174,7 @@ def _check(q, k, tau, layout, sm_scale, min_similarity) -> None:
         raise ValueError(f"min_similarity must be a cosine in [-1, 1] or None (no guard), got {min_similarity!r}")
 
 
-def _check_keep(keep: torch.Tensor, q: torch.Tensor, full: tuple[int, int, int, int]) -> None:
+def check_keep(keep: torch.Tensor, q: torch.Tensor, full: tuple[int, int, int, int]) -> None:
     if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
         raise TypeError(f"keep_kv_blocks must be a bool tensor broadcastable to (B, Hq, nQB, nKB) = {full}")
     if keep.device != q.device:
