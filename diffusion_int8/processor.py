@@ -123,9 +123,10 @@ class Int8DiffusionProcessor:
         speed_gate: True (default) runs an INT8 mode only for call shapes where it is faster than SDPA on the
             GPU (``speed_gate.SpeedGate``; elsewhere SDPA, exact); False forces INT8 wherever the mode says;
             a ``SpeedGate``, or a crossover table file, gates by that table.
-        sparsity: a constant sparsity level tau in (0, 1] for every INT8 call: ``predict_block_mask`` keeps per
-            query block the key blocks that hold ``tau`` of the pooled attention mass, and the kernel skips the
-            rest (1 or None: dense). A schedule with levels of its own (``PrecisionSchedule.sparse``) sets them
+        sparsity: a constant sparsity level tau in (0, 1] for every INT8 call: the call predicts which key blocks
+            hold ``tau`` of each query block's pooled attention mass (``int8_attention(..., sparsity=tau)``, as
+            ``predict_block_mask`` does, from sums its quantization makes) and the kernel skips the rest (1 or None:
+            dense). A schedule with levels of its own (``PrecisionSchedule.sparse``) sets them
             instead, and giving both is an error. Calls that run SDPA (``fp16``, or sent there by the speed gate),
             calls with an ``attn_mask`` and calls of at most ``SPARSE_BLOCK`` keys stay dense. In joint text+image
             attention (the stock processor receives ``encoder_hidden_states`` and attends over both), the key
@@ -374,20 +375,27 @@ class Int8DiffusionProcessor:
         if counting:
             self.state.int8_calls += 1
             self._outcomes[0] += 1
-        block_mask = self.block_mask_for(query, key, attn_mask, scale, self.current_tau())
-        if blocks:
-            total = _block_pairs(query, key)
-            self.state.count_blocks(total if block_mask is None else block_mask.sum(), total)
+        tau = self.current_tau()
+        if not _sparse(tau, key, attn_mask):
+            tau = None
         ranges = self._static_ranges(query.device)
         if ranges is not None and share is not None:
             ranges = heads_share(ranges, *share)
-        return int8_core(mode, query, key, value, attn_mask, scale, ranges, block_mask=block_mask,
-                         qk_balance=self.qk_balance, qk_rotate=self.qk_rotate)
+        res = int8_core(mode, query, key, value, attn_mask, scale, ranges, qk_balance=self.qk_balance,
+                        qk_rotate=self.qk_rotate, sparsity=tau,
+                        keep_kv_blocks=None if tau is None else self._text_blocks(query, key),
+                        return_block_mask=blocks and tau is not None)
+        out, block_mask = res if isinstance(res, tuple) else (res, None)
+        if blocks:
+            total = _block_pairs(query, key)
+            self.state.count_blocks(total if block_mask is None else block_mask.sum(), total)
+        return out
 
     def block_mask_for(self, query, key, attn_mask, scale, tau: float | None) -> torch.Tensor | None:
-        """The block mask this processor predicts for an INT8 call (BHSD inputs) at level ``tau`` (bool (B, H, nQB,
-        nKB)), or None where the call runs dense: no level or 1, an ``attn_mask``, or one key block."""
-        if tau is None or tau >= 1 or attn_mask is not None or key.shape[2] <= SPARSE_BLOCK:
+        """The block mask this processor's INT8 calls (BHSD inputs) predict at level ``tau`` (bool (B, H, nQB,
+        nKB); standalone, as the calibration measures it), or None where the call runs dense: no level or 1, an
+        ``attn_mask``, or one key block."""
+        if not _sparse(tau, key, attn_mask):
             return None
         return predict_block_mask(query, key, tau, sm_scale=scale, keep_kv_blocks=self._text_blocks(query, key))
 
@@ -479,6 +487,12 @@ class Int8DiffusionProcessor:
             out, lse = int8_core(mode, q, k, v, None, scale, self._static_ranges(q.device),
                                  qk_balance=self.qk_balance, qk_rotate=self.qk_rotate, return_lse=True)
         return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _sparse(tau: float | None, key, attn_mask) -> bool:
+    """Whether an INT8 call (BHSD ``key``) runs block-sparse at level ``tau``: a level below 1, no ``attn_mask`` and
+    more than one key block."""
+    return tau is not None and tau < 1 and attn_mask is None and key.shape[2] > SPARSE_BLOCK
 
 
 def skipped_fractions(totals: dict[int, tuple[float, int]]) -> dict | None:

@@ -328,26 +328,30 @@ def long_dit():
 
 
 class Spy:
-    """Wraps a function, keeping the keyword arguments of every call."""
+    """Wraps a function, keeping the keyword arguments of every call (and, where a call returns a predicted block
+    mask, that mask as ``"predicted"``)."""
 
     def __init__(self, fn):
         self.fn, self.calls = fn, []
 
     def __call__(self, *args, **kwargs):
-        self.calls.append(kwargs)
-        return self.fn(*args, **kwargs)
+        self.calls.append(dict(kwargs))
+        res = self.fn(*args, **kwargs)
+        if kwargs.get("return_block_mask"):
+            self.calls[-1]["predicted"] = res[-1]
+        return res
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    from diffusion_int8 import processor, routing
+    from diffusion_int8 import routing
+    from diffusion_int8.kernels import ops
 
     spy = Spy(routing.int8_attention)
     monkeypatch.setattr(routing, "int8_attention", spy)
     # random weights give keys with little in common within a block: without the similarity guard, so that the
-    # predictor's masks skip blocks here (the guard is tested in test_sparsity.py)
-    monkeypatch.setattr(processor, "predict_block_mask", functools.partial(processor.predict_block_mask,
-                                                                           min_similarity=None))
+    # predictor's masks (the emulation's, on CPU) skip blocks here (the guard is tested in test_sparsity.py)
+    monkeypatch.setattr(ops, "predict_block_mask", functools.partial(ops.predict_block_mask, min_similarity=None))
     return spy.calls
 
 
@@ -360,8 +364,9 @@ def test_sparsity_passes_predicted_masks_and_counts_skipped_blocks(kernel_calls)
     dense = at(model, x, 500)
     handle = enable(model, mode="int8_fp16v", sparsity=0.5, record=True, speed_gate=False)
     out = at(model, x, 500)
-    masks = [c["block_mask"] for c in kernel_calls]
-    assert len(masks) == 2 and all(m is not None and m.shape == (2, 2, 5, 5) and m.dtype == torch.bool for m in masks)
+    assert [c["sparsity"] for c in kernel_calls] == [0.5, 0.5]  # predicted in the call
+    masks = [c["predicted"] for c in kernel_calls]
+    assert len(masks) == 2 and all(m.shape == (2, 2, 5, 5) and m.dtype == torch.bool for m in masks)
     kept = sum(int(m.sum()) for m in masks)
     skipped = handle.state.skipped_blocks()
     assert skipped["steps"] == [0] and skipped["overall"] == pytest.approx(1 - kept / 200)
@@ -375,7 +380,7 @@ def test_sparsity_passes_predicted_masks_and_counts_skipped_blocks(kernel_calls)
         handle = enable(model, mode="int8_fp16v", speed_gate=False, **kwargs)
         outs = at(model, x, 500)
         handle.disable()
-        assert all(c["block_mask"] is None for c in kernel_calls)
+        assert all(c["sparsity"] is None for c in kernel_calls)
         torch.testing.assert_close(outs, run_dense_int8(model, x), rtol=0, atol=0)
 
 
@@ -398,7 +403,7 @@ def test_schedule_levels_apply_per_noise_level_and_sdpa_calls_stay_dense(kernel_
         at(model, x, t)
     skipped = handle.state.skipped_blocks()
     handle.disable()
-    assert [c["block_mask"] is not None for c in kernel_calls] == [True, True, False, False]
+    assert [c["sparsity"] for c in kernel_calls] == [0.5, 0.5, None, None]
     assert skipped["per_step"][0] == 0 and skipped["per_step"][1] > 0 and skipped["per_step"][2] == 0
     assert skipped["overall"] == pytest.approx(skipped["per_step"][1] / 3)  # every step has the same 100 pairs
 
@@ -469,10 +474,10 @@ def test_qk_rotate_reaches_the_op_and_drops_static_q_k_ranges(kernel_calls):
 
 @pytest.mark.parametrize("family, first", [("flux", True), ("sd3", False), ("cogvideox", True)])
 def test_joint_attention_always_keeps_the_text_key_blocks(monkeypatch, family, first):
-    from diffusion_int8 import processor
+    from diffusion_int8 import routing
 
-    spy = Spy(processor.predict_block_mask)
-    monkeypatch.setattr(processor, "predict_block_mask", lambda *a, **kw: spy(*a, **kw))
+    spy = Spy(routing.int8_attention)
+    monkeypatch.setattr(routing, "int8_attention", spy)
     model, x = build(family)
     g = torch.Generator().manual_seed(2)
     if family == "flux":  # 300 image tokens and 7 text tokens: three blocks, the text in the first
@@ -503,7 +508,7 @@ def test_sparse_processors_compile_without_graph_breaks(kernel_calls):
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, backend="eager")(**x, return_dict=False)[0]
     handle.disable()
-    assert all(c["block_mask"] is not None for c in kernel_calls)
+    assert all(c["sparsity"] == 0.5 for c in kernel_calls)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     model, x = build("flux")
     g = torch.Generator().manual_seed(2)
