@@ -16,9 +16,9 @@ recorded on the same Euler trajectory (in-sample: the best case for its deviatio
 pass runs.
 
 A variant ``<mode> sparse=F`` runs block-sparse attention skipping the fraction F of each query block's key
-blocks in every INT8 call: the processor runs its predictor (``enable(..., sparsity=0.9)``), whose cost stays in
-the time, but random weights have no attention structure to predict, so the benchmark replaces the predicted mask
-by a fixed one skipping exactly F (drawn once per shape).
+blocks in every INT8 call: every call predicts its mask (``enable(..., sparsity=0.9)``), whose cost stays in the
+time, but random weights have no attention structure to predict, so the benchmark hands the kernel a fixed mask
+skipping exactly F (drawn once per shape) instead of the predicted one.
 """
 
 from __future__ import annotations
@@ -121,28 +121,33 @@ def _enable(model, variant: str):
         kw["sparsity"] = 0.9
     handle = diffusion_int8.enable(model, mode, **kw)
     if skip is not None:
-        _fix_sparsity(handle, skip)
+        _fix_sparsity(skip)
     return handle
 
 
-def _fix_sparsity(handle, skip: float) -> None:
-    """Every INT8 call of ``handle``'s processors keeps round((1 - skip) · blocks) key blocks per query block, at
-    random (fixed per shape), after running the predictor as usual."""
-    masks = {}
-    for name in handle.originals:
-        proc = handle.model.get_submodule(name).processor
-        predict = proc.block_mask_for
+def _fix_sparsity(skip: float) -> None:
+    """Every INT8 call that predicts a block mask keeps round((1 - skip) · blocks) key blocks per query block, at
+    random (fixed per shape): the call's predictor still runs (its launch stays in the call's launch plan, so its cost
+    is in the time), and the attention kernel then gets the fixed mask's block lists instead of the predicted ones."""
+    from diffusion_int8.kernels import attention, pool
 
-        def fixed(query, key, attn_mask, scale, tau, predict=predict):
-            mask = predict(query, key, attn_mask, scale, tau)
-            if mask is None:
-                return None
-            if mask.shape not in masks:
-                nkb = mask.shape[-1]
-                order = torch.rand(mask.shape, generator=torch.Generator().manual_seed(0)).argsort(-1)
-                masks[mask.shape] = (order < max(1, round((1 - skip) * nkb))).to(mask.device)
-            return masks[mask.shape]
-        proc.block_mask_for = fixed
+    if hasattr(pool.predict, "skip"):  # installed by an earlier round of this variant
+        if pool.predict.skip != skip:
+            raise SystemExit("one sparse=F per run: the fixed masks replace the predictor's for every sparse call")
+        return
+    predict, masks = pool.predict, {}
+
+    def fixed(pooled, B, Hq, Sq, Sk, *args, runner, **kwargs):
+        predict(pooled, B, Hq, Sq, Sk, *args, runner=runner, **kwargs)
+        shape = (B, Hq, -(-Sq // 128), -(-Sk // 128))
+        if shape not in masks:
+            order = torch.rand(shape, generator=torch.Generator().manual_seed(0)).argsort(-1)
+            masks[shape] = (order < max(1, round((1 - skip) * shape[-1]))).to(pooled.qsum.device)
+        return attention.block_lists(runner.constant(masks[shape]), B, Hq, Sq, Sk, runner)
+
+    fixed.skip = skip
+    pool.predict = fixed
+    attention._PLANS.clear()
 
 
 def _cast(x, dtype):

@@ -6,9 +6,14 @@
 Each (query block, key block) pair of 128 × 128 tokens is kept or skipped; a row of the mask keeps exactly
 ``round((1 - skip) · blocks)`` key blocks, drawn at random (the kernel's time depends on how many, not which).
 Every time is the whole call (statistics, quantization, the block lists, attention), replayed from a CUDA graph
-(*graph*) or called back to back (*eager*, median of rounds of timed loops). Where the predictor
-(``kernels.sparsity.predict_block_mask``) is importable, the *with predictor* column adds its pass over Q and K to
-the graph: it runs before the sparse call (whose mask stays the fixed one), so its cost is in the time.
+(*graph*: every call of a shape and mode captured first, then timed in rounds that take turns, the order reversed
+every other round; the median of the rounds' medians) or called back to back (*eager*, median of rounds of timed
+loops).
+
+*Predicted*: the mask predicted inside the call (``int8_attention(..., sparsity=tau)``), on inputs whose attention
+is local in the sequence (``testing.local_qkv``, wavelengths scaled with the length), at the level tau that skips
+about the same fraction over the whole call (found by bisection beforehand); against the dense call on the same
+inputs, and against the same call given the predicted mask (``mask given``): the difference is the predictor's cost.
 Ratios compare times of one run: ``÷ dense`` is the sparse call's time over the dense INT8 call's, ``× cuDNN``
 cuDNN's time over the call's.
 """
@@ -25,12 +30,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.config import SPARSE_BLOCK
-from diffusion_int8.testing import graph_ms, realistic_qkv
-
-try:
-    from diffusion_int8.kernels.sparsity import predict_block_mask
-except ImportError:  # the predictor is optional here: the kernel's rows need only a mask
-    predict_block_mask = None
+from diffusion_int8.kernels.sparsity import predict_block_mask
+from diffusion_int8.testing import graph_ms, graphed, local_qkv, realistic_qkv
 
 SHAPES = {
     "wan": (1, 12, 32760, 128),
@@ -47,6 +48,42 @@ def fixed_mask(B, H, Sq, Sk, skip, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     order = torch.rand(B, H, nqb, nkb, generator=g).argsort(-1)
     return (order < keep).to(device), keep / nkb
+
+
+def tau_for(q, k, skip, steps=16):
+    """The level tau whose predicted mask skips about ``skip`` of the blocks (bisection: fewer skipped as tau grows),
+    and the fraction it skips."""
+    lo, hi = 1e-4, 1.0
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        if 1 - predict_block_mask(q, k, mid).float().mean().item() > skip:
+            lo = mid
+        else:
+            hi = mid
+    return hi, 1 - predict_block_mask(q, k, hi).float().mean().item()
+
+
+def interleaved_ms(fns: dict, reps: int, rounds: int = 5) -> dict:
+    """GPU ms of each callable replayed from its CUDA graph: the median over ``rounds`` of each round's median of
+    ``reps`` replays, the callables taking turns (reversed every other round), so a drift of the GPU's clock or of
+    its neighbours' load reaches them all alike."""
+    replays = {name: graphed(fn) for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for r in range(rounds):
+        for name in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
+            replays[name]()
+            one = []
+            for _ in range(reps):
+                start.record()
+                replays[name]()
+                end.record()
+                end.synchronize()
+                one.append(start.elapsed_time(end))
+            times[name].append(sorted(one)[len(one) // 2])
+    del replays
+    torch.cuda.empty_cache()
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def eager_ms(fn, calls=20, rounds=5):
@@ -70,46 +107,47 @@ def main():
     ap.add_argument("--skip", default="0.5,0.75", help="fractions of blocks skipped")
     ap.add_argument("--modes", default="int8,int8_fp16v")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
-    ap.add_argument("--tau", type=float, default=0.9, help="the predictor's mass in the 'with predictor' column")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "dtype": args.dtype, "predictor": predict_block_mask is not None, "tau": args.tau}
+            "dtype": args.dtype}
     rows = []
     print(f"# {meta}")
-    print("| shape | mode | skipped | cuDNN ms | dense ms | sparse ms (graph) | ÷ dense | × cuDNN | with predictor ÷ dense "
-          "| eager ÷ dense |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | mode | skipped | cuDNN ms | dense ms | sparse ms (graph) | ÷ dense | × cuDNN | eager ÷ dense "
+          "| predicted: tau, skipped | predicted ÷ dense | mask given ÷ dense | predicted, eager ÷ dense |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
         B, H, S, D = SHAPES[name]
         q, k, v = realistic_qkv(B, H, S, S, D, dtype=dtype, device="cuda", seed=0)
+        lq, lk, lv = local_qkv(B, H, S, S, D, dtype=dtype, device="cuda", seed=0, wavelength=0.075 * S)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             cudnn = graph_ms(lambda: F.scaled_dot_product_attention(q, k, v), args.reps)
         for mode in args.modes.split(","):
-            dense_fn = lambda: int8_attention(q, k, v, mode=mode)  # noqa: E731
-            dense, dense_eager = graph_ms(dense_fn, args.reps), eager_ms(dense_fn)
             for skip in map(float, args.skip.split(",")):
                 mask, kept = fixed_mask(B, H, S, S, skip, "cuda")
-                sparse_fn = lambda: int8_attention(q, k, v, mode=mode, block_mask=mask)  # noqa: E731
-                sparse = graph_ms(sparse_fn, args.reps)
-                sparse_eager = eager_ms(sparse_fn)
-                with_pred = None
-                if predict_block_mask is not None:
-                    def both():
-                        predict_block_mask(q, k, args.tau)
-                        return sparse_fn()
-                    with_pred = graph_ms(both, args.reps)
+                tau, pred_skip = tau_for(lq, lk, skip)
+                pred_mask = int8_attention(lq, lk, lv, mode=mode, sparsity=tau, return_block_mask=True)[1]
+                fns = dict(
+                    dense=lambda: int8_attention(q, k, v, mode=mode),
+                    sparse=lambda: int8_attention(q, k, v, mode=mode, block_mask=mask),
+                    local_dense=lambda: int8_attention(lq, lk, lv, mode=mode),
+                    predicted=lambda: int8_attention(lq, lk, lv, mode=mode, sparsity=tau),
+                    mask_given=lambda: int8_attention(lq, lk, lv, mode=mode, block_mask=pred_mask),
+                )
+                t = interleaved_ms(fns, args.reps)
+                eager = {name: eager_ms(fns[name]) for name in ("dense", "sparse", "local_dense", "predicted")}
                 row = dict(shape=name, B=B, H=H, S=S, D=D, mode=mode, skipped=round(1 - kept, 4), cudnn_ms=cudnn,
-                           dense_ms=dense, sparse_ms=sparse, dense_eager_ms=dense_eager, sparse_eager_ms=sparse_eager,
-                           with_predictor_ms=with_pred)
+                           tau=tau, predicted_skipped=round(pred_skip, 4), **{f"{n}_ms": v for n, v in t.items()},
+                           **{f"{n}_eager_ms": v for n, v in eager.items()})
                 rows.append(row)
-                pred = f"{with_pred / dense:.3f}" if with_pred else "—"
-                print(f"| {name} {(B, H, S, D)} | {mode} | {1 - kept:.0%} | {cudnn:.3f} | {dense:.3f} | {sparse:.3f} | "
-                      f"{sparse / dense:.3f} | {cudnn / sparse:.2f}× | {pred} | {sparse_eager / dense_eager:.3f} |",
-                      flush=True)
-        del q, k, v
+                print(f"| {name} {(B, H, S, D)} | {mode} | {1 - kept:.0%} | {cudnn:.3f} | {t['dense']:.3f} | "
+                      f"{t['sparse']:.3f} | {t['sparse'] / t['dense']:.3f} | {cudnn / t['sparse']:.2f}× | "
+                      f"{eager['sparse'] / eager['dense']:.3f} | {tau:.4f}, {pred_skip:.1%} | "
+                      f"{t['predicted'] / t['local_dense']:.3f} | {t['mask_given'] / t['local_dense']:.3f} | "
+                      f"{eager['predicted'] / eager['local_dense']:.3f} |", flush=True)
+        del q, k, v, lq, lk, lv
         torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

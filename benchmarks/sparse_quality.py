@@ -3,9 +3,9 @@
     python benchmarks/sparse_quality.py --levels 0.99,0.95,0.9,0.8 --out bench_out/sparse_quality.json
 
 For each level τ, the images of ``enable(pipe, "int8", sparsity=τ)`` (INT8 forced) against FP16 from the same
-seeds: PSNR and the fraction of blocks skipped, with the masks of ``kernels.sparsity.predict_block_mask`` and with
-an oracle's: the true block mass of the call (exact attention in float32), the smallest set of key blocks per
-query block holding τ of it. Where the oracle loses as much quality as the predictor at the same fraction
+seeds: PSNR and the fraction of blocks skipped, with the masks the calls predict (``int8_attention(...,
+sparsity=τ)``) and with an oracle's: the true block mass of the call (exact attention in float32), the smallest set
+of key blocks per query block holding τ of it. Where the oracle loses as much quality as the predictor at the same fraction
 skipped, the model's attention, not the predictor, sets the limit.
 """
 
@@ -25,10 +25,8 @@ from diffusion_int8.eval.metrics import psnr
 from diffusion_int8.kernels.config import SPARSE_BLOCK
 
 
-def oracle_mask(self, query, key, attn_mask, scale, tau):
-    """``Int8DiffusionProcessor.block_mask_for`` from the call's true attention (BHSD query and key)."""
-    if tau is None or tau >= 1:
-        return None
+def oracle_mask(query, key, scale, tau):
+    """The block mask at level ``tau`` from the call's true attention (BHSD query and key)."""
     p = ((query.float() @ key.float().transpose(-1, -2)) * (scale or query.shape[-1] ** -0.5)).softmax(-1)
     B, H, Sq, Sk = p.shape
     nq, nk = -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)
@@ -37,6 +35,20 @@ def oracle_mask(self, query, key, attn_mask, scale, tau):
     ordered, order = mass.sort(-1, descending=True)
     keep = ~((ordered.cumsum(-1) - ordered) >= tau)
     return torch.empty_like(keep).scatter_(-1, order, keep)
+
+
+def oracle_core(core):
+    """``routing.int8_core`` with the oracle's masks where a call would predict its own."""
+    def run(mode, query, key, value, attn_mask, scale, ranges, *, sparsity=None, keep_kv_blocks=None,
+            return_block_mask=False, **kwargs):
+        if sparsity is None:
+            return core(mode, query, key, value, attn_mask, scale, ranges, **kwargs)
+        mask = oracle_mask(query, key, scale, sparsity)
+        if keep_kv_blocks is not None:
+            mask = mask | keep_kv_blocks
+        out = core(mode, query, key, value, attn_mask, scale, ranges, block_mask=mask, **kwargs)
+        return (out, mask) if return_block_mask else out
+    return run
 
 
 def main():
@@ -60,10 +72,10 @@ def main():
     p = psnr(generate(), ref)
     handle.disable()
     rows.append(dict(masks="dense", tau=1.0, psnr_mean=p.mean().item(), psnr_min=p.min().item(), skipped=0.0))
-    predictor = P.Int8DiffusionProcessor.block_mask_for
+    predictor = P.int8_core
     try:
-        for masks, fn in (("predictor", predictor), ("oracle", oracle_mask)):
-            P.Int8DiffusionProcessor.block_mask_for = fn
+        for masks, fn in (("predictor", predictor), ("oracle", oracle_core(predictor))):
+            P.int8_core = fn
             for tau in map(float, args.levels.split(",")):
                 handle = diffusion_int8.enable(pipe, "int8", sparsity=tau, speed_gate=False, record=True)
                 p = psnr(generate(), ref)
@@ -72,7 +84,7 @@ def main():
                 rows.append(dict(masks=masks, tau=tau, psnr_mean=p.mean().item(), psnr_min=p.min().item(),
                                  skipped=skipped))
     finally:
-        P.Int8DiffusionProcessor.block_mask_for = predictor
+        P.int8_core = predictor
     print("| masks | τ | PSNR mean (min) dB | skipped |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['masks']} | {r['tau']} | {r['psnr_mean']:.2f} ({r['psnr_min']:.2f}) | {r['skipped']:.1%} |")
