@@ -185,3 +185,27 @@ def test_bad_sparsity_arguments_are_refused_before_any_work():
         int8_attention(q, k, v, return_block_mask=True)
     with pytest.raises(ValueError, match=r"does not broadcast to \(B, Hq, nQB, nKB\) = \(1, 2, 3, 3\)"):
         int8_attention(q, k, v, sparsity=0.9, keep_kv_blocks=torch.ones(4, dtype=torch.bool))
+
+
+def test_predicted_guard_sees_k_less_its_own_mean(kdev):
+    # The launch sums K as it quantizes it: less its measured mean, a static one, or nothing (smooth_k=False). The
+    # guard must judge K less its own token mean whichever: noise blocks around K's mean are dissimilar, and their
+    # columns stay dense (the guard changes the mask here), with any smoothing vector.
+    g = torch.Generator().manual_seed(1)
+    q, k, v = local_qkv(1, 2, 600, 900, 64, device=kdev)
+    k = k.float().cpu()
+    k[:, :, 512:768] = torch.randn(1, 2, 256, 64, generator=g) * 0.5 + k.mean(2, keepdim=True)
+    k = k.half().to(kdev)
+    want = predict_block_mask(q, k, 0.7)
+    assert not torch.equal(want, predict_block_mask(q, k, 0.7, min_similarity=None))
+    for kw in ({}, dict(k_mean=torch.zeros(1, 2, 64, device=kdev)), dict(k_mean=torch.full((1, 2, 64), 0.4, device=kdev)),
+               dict(smooth_k=False)):
+        _, mask = run_kernel(q, k, v, layout="BHSD", pv=PV.FP8, sparsity=0.7, return_block_mask=True, **kw)
+        assert torch.equal(mask, want), kw
+
+
+def test_predicted_with_an_attention_mask_is_refused():
+    # the predictor does not see attn_mask: it could keep only masked blocks and leave rows with nothing
+    q, k, v = realistic_qkv(1, 2, 300, 260, 64)
+    with pytest.raises(ValueError, match="sparsity does not take an attn_mask"):
+        int8_attention(q, k, v, sparsity=0.9, attn_mask=torch.ones(1, 1, 1, 260, dtype=torch.bool))

@@ -64,10 +64,10 @@ def int8_attention(
         sparsity: block-sparse attention with the mask predicted in the call: the level tau in (0, 1] of
             ``kernels.sparsity.predict_block_mask`` (per query block, the key blocks holding the pooled attention
             mass tau; 1 keeps every block). On a GPU the quantization launch sums Q's and K's blocks as it reads
-            them, and one small launch turns the sums into the block lists: no pass of its own over Q and K
+            them, and two small launches turn the sums into the block lists: no pass of its own over Q and K
             (``predict_block_mask`` then ``block_mask=`` reads them twice more). Its masks equal
             ``predict_block_mask``'s up to the order of float32 sums (a block at the threshold may fall either
-            way); with ``smooth_k=False`` the similarity guard sees K with its token mean. Not with ``block_mask``.
+            way). Not with ``block_mask`` or ``attn_mask`` (the predictor does not see the mask).
         keep_kv_blocks: with ``sparsity``: bool, broadcastable to (B, Hq, nQB, nKB), pairs always kept (e.g.
             ``(nKB,)`` True where key blocks hold text tokens).
         scale: softmax scale; default ``D ** -0.5``.
@@ -208,7 +208,7 @@ def _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_b
     """Check a call and choose its backend and P·V format (raises on bad arguments)."""
     mode, scale, gqa, empty = _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance,
                                           qk_rotate, q_amax, k_amax, v_amax, k_mean)
-    _check_sparsity(q, k, layout, block_mask, sparsity, keep_kv_blocks, return_block_mask)
+    _check_sparsity(q, k, layout, attn_mask, block_mask, sparsity, keep_kv_blocks, return_block_mask)
     if mode is Mode.FP16:
         return _Call(mode, scale, gqa, empty, None, None)
     return _Call(mode, scale, gqa, empty, select_backend(q.device), pv_for_mode(mode, q.device))
@@ -349,7 +349,7 @@ def _check_block_mask(mask: torch.Tensor, q: torch.Tensor, full: tuple[int, int,
         )
 
 
-def _check_sparsity(q, k, layout, block_mask, sparsity, keep_kv_blocks, return_block_mask) -> None:
+def _check_sparsity(q, k, layout, attn_mask, block_mask, sparsity, keep_kv_blocks, return_block_mask) -> None:
     if sparsity is None:
         if keep_kv_blocks is not None or return_block_mask is not False:
             name = "keep_kv_blocks" if keep_kv_blocks is not None else "return_block_mask"
@@ -358,6 +358,9 @@ def _check_sparsity(q, k, layout, block_mask, sparsity, keep_kv_blocks, return_b
     check_tau(sparsity, "sparsity")
     if block_mask is not None:
         raise ValueError("give block_mask (a mask of your own) or sparsity (a predicted one), not both")
+    if attn_mask is not None:
+        raise ValueError("sparsity does not take an attn_mask: the predictor does not see it, and could keep only masked "
+                         "blocks; give a block_mask made with the attn_mask in mind instead")
     if not isinstance(return_block_mask, bool):
         raise TypeError(f"return_block_mask must be True or False, got {type(return_block_mask).__name__}")
     q_b, k_b = to_bhsd(q, layout), to_bhsd(k, layout)

@@ -137,7 +137,22 @@ def _scores_kernel(QSUM, QSQ, KSUM, KSQ, LOGITS, SIM_Q, SIM_K, HQ, G, SQ, SK, NQ
         q_sq = tl.load(QSQ + rows, mask=q_ok, other=0.0)
         tl.store(SIM_Q + rows, _similarity(q_norm, q_sq, q_cnt), mask=q_ok)
     if pid_m == 0:
-        k_sq = tl.load(KSQ + row_kv * NKB + offs_n, mask=k_ok, other=0.0)
+        # K's sums are of K less the vector it was smoothed with (its measured token mean, a static one, or none
+        # with smooth_k=False); its similarity is of K less its own token mean, so the rest of that mean, delta
+        # (the blocks' sums over Sk), is taken off here: sum - n·delta, and sq - 2·delta·sum + n·|delta|²
+        k_dot = tl.zeros([BN], tl.float32)
+        d_sq = tl.sum(tl.zeros([DC], tl.float32), 0)
+        offs_b = tl.arange(0, BN)
+        for d in range(0, DP, DC):
+            delta = tl.zeros([DC], tl.float32)
+            for n in range(0, NKB, BN):
+                delta += tl.sum(tl.load(k_ptrs - pid_n * BN + d * NKB + n, mask=(n + offs_b < NKB)[None, :],
+                                        other=0.0), 1)
+            delta = delta / SK
+            k_dot += tl.sum(tl.load(k_ptrs + d * NKB, mask=k_ok[None, :], other=0.0) * delta[:, None], 0)
+            d_sq += tl.sum(delta * delta, 0)
+        k_norm = tl.maximum(k_norm - 2.0 * k_cnt * k_dot + k_cnt * k_cnt * d_sq, 0.0)
+        k_sq = tl.maximum(tl.load(KSQ + row_kv * NKB + offs_n, mask=k_ok, other=0.0) - 2.0 * k_dot + k_cnt * d_sq, 0.0)
         tl.store(SIM_K + row_q * NKB + offs_n, _similarity(k_norm, k_sq, k_cnt), mask=k_ok)
 
 
