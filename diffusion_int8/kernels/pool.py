@@ -8,7 +8,7 @@ predictor inside the attention call reads neither again; ``block_sums`` makes th
 standalone predictor. A program whose tile holds part of a block adds its share atomically: at most two shares
 reach a block, and two float additions onto zero give the same result in either order.
 
-``predict``: from the partials to the mask (and the attention kernel's block lists) in two launches: the pooled
+``predict``: from the sums to the mask (and the attention kernel's block lists) in two launches: the pooled
 scores, tiled as a matrix product; then per query block a softmax, the kept set, the similarity guards and the
 always-kept blocks.
 """
