@@ -13,7 +13,8 @@ loops).
 *Predicted*: the mask predicted inside the call (``int8_attention(..., sparsity=tau)``), on inputs whose attention
 is local in the sequence (``testing.local_qkv``, wavelengths scaled with the length), at the level tau that skips
 about the same fraction over the whole call (found by bisection beforehand); against the dense call on the same
-inputs, and against the same call given the predicted mask (``mask given``): the difference is the predictor's cost.
+inputs, and against the same call given the predicted mask (``mask given``). Their difference, the predictor's cost,
+is smaller than the rows' noise at long shapes; time its launches alone to measure it.
 Ratios compare times of one run: ``÷ dense`` is the sparse call's time over the dense INT8 call's, ``× cuDNN``
 cuDNN's time over the call's.
 """
