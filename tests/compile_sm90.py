@@ -94,9 +94,9 @@ def attention_variant(D, pv, mask, dt="fp16", sparse=False):
 def sparse_variants() -> int:
     """The block lists and the standalone predictor's pooling, and the prediction from pooled sums."""
     compile_kernel(A._block_list_kernel, dict(MASK="*u8", CNT="*i32", IDX="*i32"), set(), dict(NKB_P2=256))
-    for mu in (False, True):
-        compile_kernel(Pool._pool_kernel, dict(X="*fp16", MU="*fp32", SUM="*fp32", SQ="*fp32"), set(),
-                       dict(HAS_MU=mu, DP=128, CHANNELS_FIRST=mu))
+    for channels_first in (False, True):
+        compile_kernel(Pool._pool_kernel, dict(X="*fp16", SUM="*fp32", SQ="*fp32"), set(),
+                       dict(DP=128, CHANNELS_FIRST=channels_first))
     sums = dict(QSUM="*fp32", QSQ="*fp32", KSUM="*fp32", KSQ="*fp32", LOGITS="*fp32", SIM_Q="*fp32", SIM_K="*fp32")
     for dp in (64, 128):
         compile_kernel(Pool._scores_kernel, sums, {"scale"}, dict(DP=dp, BM=64, BN=64, DC=16))

@@ -268,8 +268,7 @@ def _block_list_kernel(MASK, stride_b, stride_h, stride_q, stride_k, CNT, IDX, H
     ptrs = (MASK + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
             + (row % NQB).to(tl.int64) * stride_q + offs * stride_k)
     keep = (tl.load(ptrs, mask=offs < NKB, other=0) != 0).to(tl.int32)
-    tl.store(IDX + row.to(tl.int64) * NKB + tl.cumsum(keep, 0) - 1, offs, mask=keep != 0)
-    tl.store(CNT + row, tl.sum(keep, 0))
+    pool.store_block_list(keep, offs, CNT, IDX, row.to(tl.int64), NKB)
 
 
 def block_lists(block_mask: torch.Tensor, B: int, H: int, Sq: int, Sk: int, runner: Runner = EAGER):

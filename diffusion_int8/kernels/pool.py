@@ -63,8 +63,16 @@ def pool_tile(x, SUM, SQ, pid_bh, n_blocks, first, DP: tl.constexpr, CHANNELS_FI
 
 
 @triton.jit
-def _pool_kernel(X, MU, SUM, SQ, stride_xb, stride_xh, stride_xs, stride_xd, H, S, D, NB,
-                 HAS_MU: tl.constexpr, DP: tl.constexpr, CHANNELS_FIRST: tl.constexpr):
+def store_block_list(keep, offs, CNT, IDX, row, NKB):
+    """The attention kernel's form of one mask row (``attention.block_lists``): at ``row`` of CNT, how many key
+    blocks ``keep`` (int32 0/1 over ``offs``) keeps; at ``row`` of IDX (NKB a row), which, ascending."""
+    tl.store(IDX + row * NKB + tl.cumsum(keep, 0) - 1, offs, mask=keep != 0)
+    tl.store(CNT + row, tl.sum(keep, 0))
+
+
+@triton.jit
+def _pool_kernel(X, SUM, SQ, stride_xb, stride_xh, stride_xs, stride_xd, H, S, D, NB,
+                 DP: tl.constexpr, CHANNELS_FIRST: tl.constexpr):
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -75,26 +83,22 @@ def _pool_kernel(X, MU, SUM, SQ, stride_xb, stride_xh, stride_xs, stride_xd, H, 
     ptrs = (X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
             + offs_s[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd)
     x = tl.load(ptrs, mask=valid, other=0.0).to(tl.float32)
-    if HAS_MU:
-        mu = tl.load(MU + pid_bh * DP + offs_d)
-        x = tl.where(valid, x - mu[None, :], 0.0)
     pool_tile(x, SUM, SQ, pid_bh, NB, pid_s * _SPARSE_BLOCK, DP, CHANNELS_FIRST)
 
 
-def block_sums(x: torch.Tensor, mu: torch.Tensor | None = None, channels_first: bool = False):
-    """x: (B, H, S, D), any strides and float dtype, on a GPU; mu: None or float32 (B, H, DP) contiguous (DP:
-    ``padded_head_dim(D)``), subtracted from every token. Per block of ``SPARSE_BLOCK`` tokens (the last partial),
-    the sum of the (shifted) tokens, float32 (B, H, nB, DP), or (B, H, DP, nB) if ``channels_first``, and of their
-    squared norms (B, H, nB): ``Pooled``'s layouts, zeros in the padded channels. One launch, no host
-    synchronization."""
+def block_sums(x: torch.Tensor, channels_first: bool = False):
+    """x: (B, H, S, D), any strides and float dtype, on a GPU. Per block of ``SPARSE_BLOCK`` tokens (the last
+    partial), the sum of the tokens, float32 (B, H, nB, DP) (DP: ``padded_head_dim(D)``), or (B, H, DP, nB) if
+    ``channels_first``, and of their squared norms (B, H, nB): ``Pooled``'s layouts, zeros in the padded channels.
+    One launch, no host synchronization."""
     B, H, S, D = x.shape
     nb, dp = cdiv(S, SPARSE_BLOCK), padded_head_dim(D)
     sums = torch.zeros((B, H, dp, nb) if channels_first else (B, H, nb, dp), dtype=torch.float32, device=x.device)
     sq = torch.zeros((B, H, nb), dtype=torch.float32, device=x.device)
     # 4 warps: at Wan's shape 0.056 ms a pass (1.8 TB/s) against 0.078 with 8 warps; tiles of fewer tokens, looped
     # over, were slower still (0.08-0.13 ms)
-    _pool_kernel[(nb, B * H)](x, sums if mu is None else mu, sums, sq, *x.stride(), H, S, D, nb,
-                              HAS_MU=mu is not None, DP=dp, CHANNELS_FIRST=channels_first, num_warps=4)
+    _pool_kernel[(nb, B * H)](x, sums, sq, *x.stride(), H, S, D, nb, DP=dp, CHANNELS_FIRST=channels_first,
+                              num_warps=4)
     return sums, sq
 
 
@@ -183,9 +187,8 @@ def _select_kernel(LOGITS, SIM_Q, SIM_K, KEEP, stride_eb, stride_eh, stride_eq, 
         keep = keep | (tl.load(kp, mask=valid, other=0) != 0).to(tl.int32)
     keep = tl.where(valid, keep, 0)
     tl.store(MASK + row * NKB + offs, keep.to(tl.int8), mask=valid)
-    if LISTS:  # the attention kernel's form (``attention.block_lists``): count and kept indices, ascending
-        tl.store(IDX + row * NKB + tl.cumsum(keep, 0) - 1, offs, mask=keep != 0)
-        tl.store(CNT + row, tl.sum(keep, 0))
+    if LISTS:
+        store_block_list(keep, offs, CNT, IDX, row, NKB)
 
 
 def predict(pooled: Pooled, B: int, Hq: int, Sq: int, Sk: int, sm_scale: float, tau: float,
@@ -224,13 +227,14 @@ def predict(pooled: Pooled, B: int, Hq: int, Sq: int, Sk: int, sm_scale: float, 
 
 def predict_bhsd(qb: torch.Tensor, kb: torch.Tensor, tau: float, sm_scale: float, min_similarity: float | None,
                  keep: torch.Tensor | None) -> torch.Tensor:
-    """``sparsity.predict_block_mask`` of (B, H, S, D) views on a GPU (its checks done): one pooling pass over Q, two
-    over K (its token mean first, which its blocks' norms are taken after), then ``predict``. Five launches."""
+    """``sparsity.predict_block_mask`` of (B, H, S, D) views on a GPU (its checks done): one pooling pass over Q and
+    one over K (as it is: ``predict`` takes K's token mean off for the similarity), then ``predict``. Four
+    launches."""
     B, Hq, Sq, _ = qb.shape
     Sk = kb.shape[2]
     mask = torch.empty((B, Hq, cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK)), dtype=torch.bool, device=qb.device)
     qsum, qsq = block_sums(qb)
-    ksum, ksq = block_sums(kb, block_sums(kb)[0].sum(2) / Sk, channels_first=True)
+    ksum, ksq = block_sums(kb, channels_first=True)
     pooled = Pooled(*(t.flatten(0, 1) for t in (qsum, qsq, ksum, ksq)))
     predict(pooled, B, Hq, Sq, Sk, sm_scale, tau, min_similarity, keep, mask)
     return mask

@@ -7,7 +7,7 @@ cumulative mass ``tau`` is kept. A block whose tokens point in different directi
 mean, so it is never skipped on the estimate's word: a dissimilar query block keeps its whole row, a dissimilar
 key block its whole column.
 
-On a GPU it is five Triton launches (``pool``), elsewhere a handful of PyTorch operations on static shapes: no host
+On a GPU it is four Triton launches (``pool``), elsewhere a handful of PyTorch operations on static shapes: no host
 synchronization either way, so it runs under CUDA graph capture and ``torch.compile``. ``int8_attention(...,
 sparsity=tau)`` predicts the same way inside the call, from sums its quantization launch makes as it reads Q and K
 (``pool``): no pass of its own over them.
