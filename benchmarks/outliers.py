@@ -10,8 +10,8 @@ the extreme of each ``gain`` times larger in the same channels (products ``gain`
 worst cosine against float64 attention over the seeds. ``--static`` adds static per-head ranges (a calibration's
 kind, here the maxima of the same inputs) with and without a given balance (``Calibration.ranges(...,
 balance=True)``'s, from the channel maxima). On the GPU the last rows time the whole call at Flux's
-and SDXL's shapes with and without the balance, replayed from CUDA graphs in one run (``--timing-only``
-skips the accuracy grid).
+and SDXL's shapes without either, with the balance and with the rotation, replayed from CUDA graphs in one run,
+the variants taking turns in every round (``--timing-only`` skips the accuracy grid).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.reference import attention_ref, balance_from_ranges, token_mean
-from diffusion_int8.testing import cosine, graph_ms, realistic_qkv
+from diffusion_int8.testing import cosine, interleaved_ms, realistic_qkv
 
 KINDS = {"separate": dict(outliers="separate"), "shared": dict(outliers="shared"),
          "shared, both ×gain": dict(outliers="shared", square=True)}
@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--gain", type=float, default=20.0)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--timing-only", action="store_true", help="only the timing rows (GPU)")
+    ap.add_argument("--rounds", type=int, default=7, help="timing rounds, the variants taking turns in each")
     ap.add_argument("--static", action="store_true", help="also static ranges, with and without a given balance")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args()
@@ -100,22 +101,20 @@ def main():
             sel = [r for r in rows if r["kind"] == kind]
             print(f"worst over {kind}: " + ", ".join(f"{c} {min(r[c] for r in sel):.5f}" for c in cols))
     timing = {}
-    if dev.type == "cuda":  # what the balance costs: the whole call, graph-replayed, variants in turns
+    if dev.type == "cuda":  # what the balance and the rotation cost: the whole call, graph-replayed, in turns
         for shape_name, shape in (("flux", (2, 24, 4608, 128)), ("sdxl", (2, 10, 4096, 64))):
             B, H, N, D = shape
             q, k, v = realistic_qkv(B, H, N, N, D, device=dev)
-            times = timing[shape_name] = {}
-            for _ in range(3):
-                for mode, how in itertools.product(("int8_fp16v", "int8"), ("no balance", "balance", "rotation")):
-                    label = f"{mode}, {how}"
-                    kw = dict(qk_balance=how == "balance", qk_rotate=how == "rotation")
-                    ms = graph_ms(lambda: int8_attention(q, k, v, mode=mode, **kw), 50)
-                    times.setdefault(label, []).append(ms)
-            print(f"\n{shape_name} {shape}, whole call replayed from a CUDA graph, median of 3 rounds:")
+            fns = {f"{mode}, {how}": (lambda mode=mode, how=how: int8_attention(
+                       q, k, v, mode=mode, qk_balance=how == "balance", qk_rotate=how == "rotation"))
+                   for mode, how in itertools.product(("int8_fp16v", "int8"), ("no balance", "balance", "rotation"))}
+            times = timing[shape_name] = interleaved_ms(fns, 50, rounds=args.rounds)
+            print(f"\n{shape_name} {shape}, whole call replayed from a CUDA graph, median of {args.rounds} rounds "
+                  "taking turns:")
             for mode in ("int8_fp16v", "int8"):
-                off = sorted(times[f"{mode}, no balance"])[1]
+                off = times[f"{mode}, no balance"]
                 for how in ("balance", "rotation"):
-                    on = sorted(times[f"{mode}, {how}"])[1]
+                    on = times[f"{mode}, {how}"]
                     print(f"  {mode}: {on:.3f} ms with the {how}, {off:.3f} ms without: {on / off - 1:+.1%}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.config import SPARSE_BLOCK
 from diffusion_int8.kernels.sparsity import predict_block_mask
-from diffusion_int8.testing import graph_ms, graphed, local_qkv, realistic_qkv
+from diffusion_int8.testing import graph_ms, interleaved_ms, local_qkv, realistic_qkv
 
 SHAPES = {
     "wan": (1, 12, 32760, 128),
@@ -62,29 +62,6 @@ def tau_for(q, k, skip, steps=16):
         else:
             hi = mid
     return hi, 1 - predict_block_mask(q, k, hi).float().mean().item()
-
-
-def interleaved_ms(fns: dict, reps: int, rounds: int = 5) -> dict:
-    """GPU ms of each callable replayed from its CUDA graph: the median over ``rounds`` of each round's median of
-    ``reps`` replays, the callables taking turns (reversed every other round), so a drift of the GPU's clock or of
-    its neighbours' load reaches them all alike."""
-    replays = {name: graphed(fn) for name, fn in fns.items()}
-    times = {name: [] for name in fns}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(rounds):
-        for name in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
-            replays[name]()
-            one = []
-            for _ in range(reps):
-                start.record()
-                replays[name]()
-                end.record()
-                end.synchronize()
-                one.append(start.elapsed_time(end))
-            times[name].append(sorted(one)[len(one) // 2])
-    del replays
-    torch.cuda.empty_cache()
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def eager_ms(fn, calls=20, rounds=5):

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["realistic_qkv", "local_qkv", "cosine", "rel_l1", "cos_l1", "graphed", "graph_ms"]
+__all__ = ["realistic_qkv", "local_qkv", "cosine", "rel_l1", "cos_l1", "graphed", "graph_ms", "interleaved_ms"]
 
 
 def realistic_qkv(
@@ -153,3 +153,26 @@ def graph_ms(fn: Callable[[], object], reps: int) -> float:
     del replay
     torch.cuda.empty_cache()  # the graph's private memory pool, before the next measurement allocates
     return sorted(times)[len(times) // 2]
+
+
+def interleaved_ms(fns: dict, reps: int, rounds: int = 5) -> dict:
+    """GPU ms of each callable replayed from its CUDA graph: the median over ``rounds`` of each round's median of
+    ``reps`` replays, the callables taking turns (reversed every other round), so a drift of the GPU's clock or of
+    its neighbours' load reaches them all alike."""
+    replays = {name: graphed(fn) for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for r in range(rounds):
+        for name in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
+            replays[name]()
+            one = []
+            for _ in range(reps):
+                start.record()
+                replays[name]()
+                end.record()
+                end.synchronize()
+                one.append(start.elapsed_time(end))
+            times[name].append(sorted(one)[len(one) // 2])
+    del replays
+    torch.cuda.empty_cache()
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
