@@ -138,7 +138,7 @@ class Int8DiffusionProcessor:
         qk_rotate: ``int8_attention``'s Hadamard rotation of Q and K, for outlier channels, Q and K sharing them or
             not (with ``qk_balance`` too, both apply). With a calibration, Q's and K's ranges are then measured per
             call (the calibrated ones are of the unrotated tensors); its V ranges, K mean and balance still apply.
-            The speed gate's table was measured without the rotation's cost (+5-6% a call at Flux's shape): with it
+            The speed gate's table was measured without the rotation's cost (up to +6% a call at Flux's shape): with it
             on, calls the gate sends to INT8 may be slower than SDPA, and a warning says so once.
     """
 
@@ -518,8 +518,8 @@ def check_sparsity(sparsity, schedule) -> float | None:
 
 @functools.lru_cache(maxsize=None)
 def _warn_rotation_cost() -> None:
-    warnings.warn("diffusion_int8: qk_rotate costs 0-7% of an INT8 call (H100: +5-6% at Flux's shape, "
-                  "+3% at SDXL's; 0.2-2% at Wan's), which the speed gate's crossover table does not include: "
+    warnings.warn("diffusion_int8: qk_rotate costs 0-7% of an INT8 call (H100: +3-6% at Flux's shape, "
+                  "+3-4% at SDXL's; 0.2-2% at Wan's), which the speed gate's crossover table does not include: "
                   "calls it sends to INT8 may be slower than SDPA. Time your model with and without it "
                   "(benchmarks/pipeline.py).", UserWarning, stacklevel=4)
 

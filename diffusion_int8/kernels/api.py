@@ -89,9 +89,9 @@ def int8_attention(
             that Q and K share, which the balance cannot move (20x in both, H100: worst cos 0.9982 -> 0.9997
             against float64 with 16-bit P·V). With ``qk_balance`` too, the balance applies first: together they
             cover both kinds of outlier channels (in the emulation at 1,024 tokens, D = 64 and 128: worst cos
-            0.99987 / 0.99952 with 16-bit / FP8 P·V). Costs two INT8 MMAs per tile in the quantization launch: +5-6%
-            of a call at Flux's shape, +3% at SDXL's on an H100, 0.2-2% at Wan's (BENCHMARKS.md), so it is off by
-            default. Needs Q's and K's ranges measured (no ``q_amax``/``k_amax``).
+            0.99987 / 0.99952 with 16-bit / FP8 P·V). Costs two INT8 MMAs per tile in the quantization launch: +2.8% /
+            +5.8% of a call at Flux's shape with 16-bit / FP8 P·V, 3-4% at SDXL's on an H100 (BENCHMARKS.md), so
+            it is off by default. Needs Q's and K's ranges measured (no ``q_amax``/``k_amax``).
         q_amax, k_amax: static quantization ranges broadcastable to (B, Hq) / (B, Hkv), e.g. per-head
             calibrated ranges (``Calibration.ranges``; ``k_amax`` is of the smoothed K). Values beyond
             are clipped. Ranges must be finite and positive: on CPU tensors (and with ``check_finite``)

@@ -78,10 +78,10 @@ def _hadamard(x, HAD, DP: tl.constexpr):
 
     Each row on its grid ``g = hi·256 + lo`` (|g| <= 2^14, so hi and lo are int8), and ``g·H`` as two INT8 MMAs:
     exact in int32, so the tensor cores' order of sums does not matter. A butterfly network in registers would be
-    as exact, but Triton moves the data of every stage through shared memory. The launch is bound by instructions
-    issued once the rotation is on, so it is written for few of them: H read (from L2) rather than built from
-    parity bits, which cost more than the rest of the rotation; no clamp on the grid (it cannot overflow); a
-    NaN/Inf row caught by the max the shift needs anyway, and poisoned through the row's scale."""
+    as exact, but Triton moves the data of every stage through shared memory. Written for few instructions, which
+    paid down to this form (docs/DESIGN.md): H read (from L2) rather than built from parity bits, which cost more
+    than the rest of the rotation; no clamp on the grid (it cannot overflow); a NaN/Inf row caught by the max the
+    shift needs anyway, and poisoned through the row's scale."""
     amax = tl.reduce(tl.abs(x), 1, _max_nan)  # NaN or Inf iff the row holds one
     poison = tl.where(amax < float("inf"), 0.0, float("nan"))
     shift = tl.minimum(127 + 140 - _exponent(amax), 127 + 126)
