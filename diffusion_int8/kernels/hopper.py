@@ -332,6 +332,13 @@ def _attn_fwd_sm90(
 # ---- FP8 P·V: two consumer warpgroups in ping-pong and a producer warp ----
 
 @gluon.jit
+def _stage_k_scale(ks_bufs, j, STAGES: gl.constexpr, s_layout: gl.constexpr):
+    """K tile j's scale as a row vector, from its stage's slot (the producer's; valid once the tile's K barrier
+    was waited for)."""
+    return ks_bufs.index(j % STAGES).load(gl.SliceLayout(1, s_layout))
+
+
+@gluon.jit
 def _turn_wait(my_turn, cid: gl.constexpr, r):
     # round r of consumer 1 follows round r of consumer 0, which follows round r-1 of consumer 1; consumer
     # 0's barrier starts out as if completed
@@ -339,20 +346,17 @@ def _turn_wait(my_turn, cid: gl.constexpr, r):
 
 
 @gluon.jit
-def _pp_step(acc, m_i, l_i, alpha_prev, ks_j, pos_next, j, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs,
-             my_turn, other_turn, qs, ks_ptr, SK, N_BLOCKS, idx_row, n_kept, cid: gl.constexpr, BLOCK_M: gl.constexpr,
+def _pp_step(acc, m_i, l_i, alpha_prev, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs,
+             my_turn, other_turn, qs, SK, N_BLOCKS, idx_row, n_kept, cid: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, DP: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, SPARSE: gl.constexpr):
-    """One consumer's step j: Q·Kᵀ_j and P·V_{j-1} issued in its turn, block j's softmax under the other's MMAs.
-    ``pos_next``: tile j+1's first key; the step reads tile j+2's, for the next step (a load with a block mask)."""
-    pos_after = _key_pos(gl.minimum(j + 2, N_BLOCKS - 1), idx_row, n_kept, BLOCK_N, SPARSE)
+    """One consumer's step j: Q·Kᵀ_j and P·V_{j-1} issued in its turn, block j's softmax under the other's MMAs."""
     _turn_wait(my_turn, cid, j)
     s_tok = _issue_qk(q_smem, k_bufs, k_ready, j, BLOCK_M, BLOCK_N, STAGES, s_layout)
     mbarrier.wait(v_ready.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
     pv_tok = _issue_pv(p_bufs, j - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, 1, o_layout)
     mbarrier.arrive(other_turn, count=1)
-    # block j+1's K scale, read now so that its latency hides under this step (3% at Flux)
-    ks_next = gl.load(ks_ptr + pos_next)
+    ks_j = _stage_k_scale(ks_bufs, j, STAGES, s_layout)
     qk = warpgroup_mma_wait(1, deps=[s_tok])
     if MASKED:  # the column mask's only use of the position
         start_n = _key_pos(j, idx_row, n_kept, BLOCK_N, SPARSE)
@@ -368,13 +372,13 @@ def _pp_step(acc, m_i, l_i, alpha_prev, ks_j, pos_next, j, q_smem, k_bufs, k_rea
     # the whole warpgroup is past its wgmmas on K_j and V_{j-1} before their stages are released
     _cta_barrier()
     mbarrier.arrive(kv_free.index(j % STAGES), count=1)
-    return acc, m_i, l_i, alpha, ks_next, pos_after
+    return acc, m_i, l_i, alpha
 
 
 @gluon.jit
-def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs, my_turn, other_turn,
-                 QS, KS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H, off_kv,
-                 SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, idx_row, n_kept,
+def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn, other_turn,
+                 QS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H, off_kv,
+                 SQ, SK, SQ_PAD, D, N_BLOCKS, idx_row, n_kept,
                  cid: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr,
                  STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, st_layout: gl.constexpr,
                  SPARSE: gl.constexpr, RETURN_LSE: gl.constexpr):
@@ -382,35 +386,32 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bu
     q_smem = q_bufs.index(cid)
     row0 = pid_m * (2 * BLOCK_M) + cid * BLOCK_M
     qs = gl.load(QS + off_bh * SQ_PAD + row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))
-    ks_ptr = KS + off_kv * SK_PAD
 
     # round 0: block 0's Q·Kᵀ alone (masked: it may be the only block)
+    start0 = _key_pos(0, idx_row, n_kept, BLOCK_N, SPARSE)
     mbarrier.wait(q_bars.index(cid), 0)
     _turn_wait(my_turn, cid, 0)
     s_tok = _issue_qk(q_smem, k_bufs, k_ready, 0, BLOCK_M, BLOCK_N, STAGES, s_layout)
     mbarrier.arrive(other_turn, count=1)
-    ks_j = gl.load(ks_ptr + _key_pos(gl.minimum(1, N_BLOCKS - 1), idx_row, n_kept, BLOCK_N, SPARSE))
-    pos_next = _key_pos(gl.minimum(2, N_BLOCKS - 1), idx_row, n_kept, BLOCK_N, SPARSE)
-    start0 = _key_pos(0, idx_row, n_kept, BLOCK_N, SPARSE)
+    ks0 = _stage_k_scale(ks_bufs, 0, STAGES, s_layout)
     qk = warpgroup_mma_wait(0, deps=[s_tok])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    p, m_i, l_i, alpha = _softmax(qk, qs, gl.load(ks_ptr + start0), m_i, l_i, start0, SK, BLOCK_N, _P_SHIFT, True,
-                                  s_layout)
+    p, m_i, l_i, alpha = _softmax(qk, qs, ks0, m_i, l_i, start0, SK, BLOCK_N, _P_SHIFT, True, s_layout)
     _stage_p(p, p_bufs, 0)
     _cta_barrier()
     mbarrier.arrive(kv_free.index(0), count=1)
     acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
 
     for j in range(1, N_BLOCKS - 1):
-        acc, m_i, l_i, alpha, ks_j, pos_next = _pp_step(
-            acc, m_i, l_i, alpha, ks_j, pos_next, j, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs, my_turn,
-            other_turn, qs, ks_ptr, SK, N_BLOCKS, idx_row, n_kept, cid, BLOCK_M, BLOCK_N, DP, STAGES, False, s_layout,
+        acc, m_i, l_i, alpha = _pp_step(
+            acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
+            other_turn, qs, SK, N_BLOCKS, idx_row, n_kept, cid, BLOCK_M, BLOCK_N, DP, STAGES, False, s_layout,
             o_layout, SPARSE)
     if N_BLOCKS > 1:  # the last block holds the sequence's tail
-        acc, m_i, l_i, alpha, ks_j, pos_next = _pp_step(
-            acc, m_i, l_i, alpha, ks_j, pos_next, N_BLOCKS - 1, q_smem, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs,
-            my_turn, other_turn, qs, ks_ptr, SK, N_BLOCKS, idx_row, n_kept, cid, BLOCK_M, BLOCK_N, DP, STAGES, True,
+        acc, m_i, l_i, alpha = _pp_step(
+            acc, m_i, l_i, alpha, N_BLOCKS - 1, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs,
+            my_turn, other_turn, qs, SK, N_BLOCKS, idx_row, n_kept, cid, BLOCK_M, BLOCK_N, DP, STAGES, True,
             s_layout, o_layout, SPARSE)
     # last round: the last block's P·V alone
     last = N_BLOCKS - 1
@@ -425,10 +426,13 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bu
 
 
 @gluon.jit
-def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free,
+def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, ks_ptr,
                  pid_m, off_bh, b, h_kv, k_row, v_row, SQ_PAD, N_BLOCKS, idx_row, n_kept,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr):
-    """One warp: both consumers' Q tiles, then K/V tiles by TMA as ring stages free up."""
+    """One warp: both consumers' Q tiles, then K/V tiles by TMA as ring stages free up, each K tile with its
+    scale in the stage's slot of ``ks_bufs`` (what the consumers would otherwise load from global memory in
+    every step: with a block mask that load waits on the kept-block list's, which cost 6% at Wan's length)."""
+    ks_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     for c in gl.static_range(2):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
         _tma_load(q_desc, [off_bh * SQ_PAD + pid_m * (2 * BLOCK_M) + c * BLOCK_M, 0],
@@ -438,8 +442,12 @@ def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, v_bufs
         # t = j-S+1 = u-S: completion t // S of kv_free[t % S], of parity ((u // S) & 1) ^ 1; for j < S-1 the
         # wait is for parity 1 on a fresh barrier, which passes
         u = j + 1
-        pos = _key_pos(j, idx_row, n_kept, BLOCK_N, SPARSE)  # read before the wait, which hides its latency
+        # the tile's position and K scale, read before the wait, which hides their latency
+        pos = _key_pos(j, idx_row, n_kept, BLOCK_N, SPARSE)
+        ks = gl.load(ks_ptr + pos + gl.zeros([BLOCK_M], gl.int32, ks_layout))
         mbarrier.wait(kv_free.index(u % STAGES), ((u // STAGES) & 1) ^ 1)
+        ks_bufs.index(j % STAGES).store(ks)
+        _cta_barrier()  # every lane's store before the K barrier's arrive (in _load_k), which publishes them
         _load_k(k_desc, k_bufs, k_ready, j, pos, k_row, N_BLOCKS, STAGES)
         _load_v(v_desc, v_bufs, v_ready, j, pos, v_row, b, h_kv, N_BLOCKS, STAGES, 1)
 
@@ -474,6 +482,8 @@ def _attn_fwd_sm90_pingpong(
 
     q_bufs = gl.allocate_shared_memory(gl.int8, [2, BLOCK_M, DP], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, DP], k_desc.layout)
+    # each K tile's scale, once per query row of a consumer (so it loads as a row vector)
+    ks_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, DP, BLOCK_N], v_desc.layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv)
     p_bufs0 = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], p_layout)
@@ -495,16 +505,16 @@ def _attn_fwd_sm90_pingpong(
     mbarrier.init(turn1, count=1)
 
     gl.warp_specialize([
-        (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs0, turn0, turn1,
-                        QS, KS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
-                        off_kv, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, idx_row, n_kept,
+        (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs0, turn0, turn1,
+                        QS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
+                        off_kv, SQ, SK, SQ_PAD, D, N_BLOCKS, idx_row, n_kept,
                         0, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, SPARSE, RETURN_LSE)),
-        (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free, p_bufs1, turn1, turn0,
-                        QS, KS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
-                        off_kv, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, idx_row, n_kept,
+        (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs1, turn1, turn0,
+                        QS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
+                        off_kv, SQ, SK, SQ_PAD, D, N_BLOCKS, idx_row, n_kept,
                         1, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, SPARSE, RETURN_LSE)),
-        (_pp_producer, (q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, v_bufs, v_ready, kv_free,
-                        pid_m, off_bh, b, h_kv, off_kv * SK_PAD, off_kv * DP, SQ_PAD, N_BLOCKS, idx_row, n_kept,
+        (_pp_producer, (q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free,
+                        KS + off_kv * SK_PAD, pid_m, off_bh, b, h_kv, off_kv * SK_PAD, off_kv * DP, SQ_PAD, N_BLOCKS, idx_row, n_kept,
                         BLOCK_M, BLOCK_N, STAGES, SPARSE)),
     ], [4, 1], [240, 24])
 
