@@ -514,8 +514,8 @@ def _attn_fwd_sm90_pingpong(
                         off_kv, SQ, SK, SQ_PAD, D, N_BLOCKS, idx_row, n_kept,
                         1, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, SPARSE, RETURN_LSE)),
         (_pp_producer, (q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free,
-                        KS + off_kv * SK_PAD, pid_m, off_bh, b, h_kv, off_kv * SK_PAD, off_kv * DP, SQ_PAD, N_BLOCKS, idx_row, n_kept,
-                        BLOCK_M, BLOCK_N, STAGES, SPARSE)),
+                        KS + off_kv * SK_PAD, pid_m, off_bh, b, h_kv, off_kv * SK_PAD, off_kv * DP, SQ_PAD, N_BLOCKS,
+                        idx_row, n_kept, BLOCK_M, BLOCK_N, STAGES, SPARSE)),
     ], [4, 1], [240, 24])
 
 
