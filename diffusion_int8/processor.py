@@ -519,7 +519,7 @@ def check_sparsity(sparsity, schedule) -> float | None:
 @functools.lru_cache(maxsize=None)
 def _warn_rotation_cost() -> None:
     warnings.warn("diffusion_int8: qk_rotate costs 0-7% of an INT8 call (H100: +3-6% at Flux's shape, "
-                  "+3-4% at SDXL's; 0.2-2% at Wan's), which the speed gate's crossover table does not include: "
+                  "+3-4% at SDXL's), which the speed gate's crossover table does not include: "
                   "calls it sends to INT8 may be slower than SDPA. Time your model with and without it "
                   "(benchmarks/pipeline.py).", UserWarning, stacklevel=4)
 
