@@ -224,20 +224,27 @@ def _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od
 
 
 @gluon.jit
-def _step(acc, m_i, l_i, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc, v_desc, qs, ks_ptr,
+def _tile_scale(ks_ptr, j, N_BLOCKS, idx_row, n_kept, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
+    """K tile j's scale (one a tile, stored per key: the tile's first), or tile N_BLOCKS-1's past the last."""
+    return gl.load(ks_ptr + _key_pos(gl.minimum(j, N_BLOCKS - 1), idx_row, n_kept, BLOCK_N, SPARSE))
+
+
+@gluon.jit
+def _step(acc, m_i, l_i, ks, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc, v_desc, qs, ks_ptr,
           k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr, STAGES: gl.constexpr, PV: gl.constexpr,
           MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, SPARSE: gl.constexpr):
-    """Block j's Q·Kᵀ and block j-1's P·V in flight together; block j's softmax runs under the P·V."""
+    """Block j's Q·Kᵀ and block j-1's P·V in flight together; block j's softmax runs under the P·V. ``ks``: block
+    j's K scale, loaded a step ahead; returns block j+1's with the state."""
     # the positions this step needs, read first: with a block mask each is a load, whose latency then hides
     start_n = _key_pos(j, idx_row, n_kept, BLOCK_N, SPARSE)
     pos_k = _key_pos(j + STAGES, idx_row, n_kept, BLOCK_N, SPARSE)
     pos_v = _key_pos(j - 1 + STAGES, idx_row, n_kept, BLOCK_N, SPARSE)
+    ks_next = _tile_scale(ks_ptr, j + 1, N_BLOCKS, idx_row, n_kept, BLOCK_N, SPARSE)
     s_tok = _issue_qk(q_smem, k_bufs, k_bars, j, BLOCK_M, BLOCK_N, STAGES, s_layout)
     mbarrier.wait(v_bars.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
     pv_tok = _issue_pv(p_bufs, j - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, PV, o_layout)
     qk = warpgroup_mma_wait(1, deps=[s_tok])
-    ks = gl.load(ks_ptr + start_n)  # one K scale per block: stored per key, read from the block's first
     p, m_i, l_i, alpha = _softmax(qk, qs, ks, m_i, l_i, start_n, SK, BLOCK_N, 0.0, MASKED, s_layout)
     # P's other buffer was last read by block j-2's P·V, waited for in the previous step
     _stage_p(p, p_bufs, j)
@@ -247,7 +254,7 @@ def _step(acc, m_i, l_i, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_de
     _cta_barrier()
     _load_k(k_desc, k_bufs, k_bars, j + STAGES, pos_k, k_row, N_BLOCKS, STAGES)
     _load_v(v_desc, v_bufs, v_bars, j - 1 + STAGES, pos_v, v_row, b, h_kv, N_BLOCKS, STAGES, PV)
-    return acc, m_i, l_i
+    return acc, m_i, l_i, ks_next
 
 
 @gluon.jit
@@ -301,6 +308,7 @@ def _attn_fwd_sm90(
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     start0 = _key_pos(0, idx_row, n_kept, BLOCK_N, SPARSE)
+    ks = _tile_scale(ks_ptr, 1, N_BLOCKS, idx_row, n_kept, BLOCK_N, SPARSE)  # the loop's first, a step ahead
     p, m_i, l_i, _ = _softmax(qk, qs, gl.load(ks_ptr + start0), m_i, l_i, start0, SK, BLOCK_N, 0.0, True, s_layout)
     _stage_p(p, p_bufs, 0)
     _cta_barrier()
@@ -309,11 +317,11 @@ def _attn_fwd_sm90(
     acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
 
     for j in range(1, N_BLOCKS - 1):
-        acc, m_i, l_i = _step(acc, m_i, l_i, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc, v_desc,
+        acc, m_i, l_i, ks = _step(acc, m_i, l_i, ks, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc, v_desc,
                               qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept, BLOCK_M, BLOCK_N,
                               DP, STAGES, PV, False, s_layout, o_layout, SPARSE)
     if N_BLOCKS > 1:  # the last block holds the sequence's tail
-        acc, m_i, l_i = _step(acc, m_i, l_i, N_BLOCKS - 1, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc,
+        acc, m_i, l_i, ks = _step(acc, m_i, l_i, ks, N_BLOCKS - 1, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc,
                               v_desc, qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept, BLOCK_M,
                               BLOCK_N, DP, STAGES, PV, True, s_layout, o_layout, SPARSE)
     mbarrier.wait(v_bars.index((N_BLOCKS - 1) % STAGES), ((N_BLOCKS - 1) // STAGES) & 1)
