@@ -20,6 +20,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
+def _v_bits(v8: torch.Tensor, pv: PV, block_n: int) -> torch.Tensor:
+    """The bits of the kernels' 8-bit V with its keys in the emulation's order (FP8 Vᵀ (B, H, DP, S_pad) stores
+    them in ``layout.v8_key_order`` at head dim 128 with 128-key tiles)."""
+    from diffusion_int8.kernels import layout as L
+
+    if pv is PV.FP8 and L.fp8_v_keys_permuted(v8.shape[2], block_n):
+        return _bits(v8).index_select(-1, L.v8_key_order(v8.shape[-1]).to(v8.device))
+    return _bits(v8)
+
+
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
@@ -49,7 +59,7 @@ def test_quantization_bit_exact(kdev, D, dtype, layout, monkeypatch):
             assert v8 is None and vs is None
         else:
             want_v = R.quantize_v(v, pv, R.v_channel_amax(v, va))
-            assert torch.equal(_bits(v8), _bits(want_v[0])) and torch.equal(vs, want_v[1]), pv
+            assert torch.equal(_v_bits(v8, pv, bn), _bits(want_v[0])) and torch.equal(vs, want_v[1]), pv
 
 
 def test_gqa_and_static_k_range_bit_exact(kdev):
@@ -88,14 +98,14 @@ def test_static_k_mean_bit_exact_and_skips_the_statistics_pass(kdev, pv, monkeyp
     assert not torch.equal(k8, R.quantize_k(k, *tiles, True)[0])  # the static mean was used
     if pv is PV.FP8:
         want_v = R.quantize_v(v, pv, R.v_channel_amax(v, v_amax))
-        assert torch.equal(_bits(v8), _bits(want_v[0])) and torch.equal(vs, want_v[1])
+        assert torch.equal(_v_bits(v8, pv, cfg.block_n), _bits(want_v[0])) and torch.equal(vs, want_v[1])
         # static mean, measured V range: the pass reads V only
         measured.clear()
         _, _, k8, _, v8, vs = TQ.quantize_qkv(q, k, v, 0.2, pv, k_mean=mean)
         assert measured == [(True, False)]
         assert torch.equal(k8, want_k[0])
         want_v = R.quantize_v(v, pv, R.v_channel_amax(v))
-        assert torch.equal(_bits(v8), _bits(want_v[0])) and torch.equal(vs, want_v[1])
+        assert torch.equal(_v_bits(v8, pv, cfg.block_n), _bits(want_v[0])) and torch.equal(vs, want_v[1])
 
 
 @pytest.mark.parametrize("smooth", [True, False])

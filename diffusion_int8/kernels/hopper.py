@@ -163,7 +163,15 @@ def _stage_p(p, p_bufs, j):
     # P goes to the MMA through shared memory: an A operand in registers would be read by the wgmma
     # while the next softmax runs, and ptxas, which does not keep such registers reserved, then waits
     # for the wgmma before the softmax (SASS checked), so nothing would overlap
-    p_bufs.index(j % 2).store(p.to(p_bufs.dtype))
+    p = p.to(p_bufs.dtype)
+    if p_bufs.dtype == gl.float8e4nv:
+        # FP8 V's keys are stored in layout.v8_key_order, so P's columns go in the same order: the thread's
+        # columns 8i + 2t + e land at 32t + 2i + e, its row's 32 bytes contiguous (two 16-byte stores)
+        M: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        gl.static_assert(N == 128)
+        p = gl.reshape(gl.permute(gl.reshape(p, [M, N // 8, 4, 2]), (0, 2, 1, 3)), [M, N])
+    p_bufs.index(j % 2).store(p)
     fence_async_shared()
 
 

@@ -32,6 +32,22 @@ def rows_16b_aligned(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
 
 
+def fp8_v_keys_permuted(dp: int, block_n: int) -> bool:
+    """Whether FP8 Vᵀ stores each tile's keys in ``v8_key_order``: at padded head dim 128 with 128-key tiles
+    (the tile table's for FP8 P·V there), which the sm_90 kernel runs."""
+    return dp == 128 and block_n == 128
+
+
+def v8_key_order(s_pad: int) -> torch.Tensor:
+    """Where FP8 Vᵀ (with ``fp8_v_keys_permuted``) stores key k, (s_pad,) int64: in each 128-key tile, key
+    8i + 2t + e (i < 16, t < 4, e < 2) at 32t + 2i + e. The sm_90 wgmma's accumulator gives the thread of a
+    quad at place t the columns 8i + 2t + e of its rows; with V's keys in this order the kernels multiply P
+    with its columns in the same order, and a thread's row of P is 32 contiguous bytes, two 16-byte stores to
+    shared memory instead of sixteen 2-byte ones. The product is the same sum."""
+    k = torch.arange(s_pad)
+    return k // 128 * 128 + k % 8 // 2 * 32 + k % 128 // 8 * 2 + k % 2
+
+
 def static_range(amax: torch.Tensor) -> torch.Tensor:
     """A given range as the kernels read it: itself where finite and positive, NaN elsewhere, so an invalid
     range makes NaN of every output it reaches rather than finite, wrong values."""

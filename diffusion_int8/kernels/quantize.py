@@ -241,6 +241,8 @@ def _quant_v_tile(
     if V_FMT == 1:
         inv = rdiv(_FP8_MAX, amax)
         y = tl.minimum(tl.maximum(v * inv[None, :], -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
+        if DP == 128 and BLOCK == 128:  # the keys in layout.v8_key_order: key 8i + 2t + e at 32t + 2i + e
+            y = tl.reshape(tl.permute(tl.reshape(y, [BLOCK // 8, 4, 2, DP]), (1, 0, 2, 3)), [BLOCK, DP])
         # stored transposed, (DP, S_PAD): the FP8 MMA wants V K-major
         tl.store(V8 + base + offs_d[:, None] * S_PAD + offs_s[None, :], tl.trans(y))
         qmax = _FP8_MAX
