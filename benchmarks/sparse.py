@@ -15,7 +15,8 @@ is local in the sequence (``testing.local_qkv``, wavelengths scaled with the len
 about the same fraction over the whole call (found by bisection beforehand); against the dense call on the same
 inputs, and against the same call given the predicted mask (``mask given``). Their difference, the predictor's cost,
 is smaller than the rows' noise at long shapes; time its launches alone to measure it.
-Ratios compare times of one run: ``÷ dense`` is the sparse call's time over the dense INT8 call's, ``× cuDNN``
+Ratios compare times of one run: ``÷ dense`` is the sparse call's time over the dense INT8 call's, taken within
+each graph round (the two timed side by side) and given as the median over rounds with their range; ``× cuDNN``
 cuDNN's time over the call's.
 """
 
@@ -32,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.config import SPARSE_BLOCK
 from diffusion_int8.kernels.sparsity import predict_block_mask
-from diffusion_int8.testing import graph_ms, interleaved_ms, local_qkv, realistic_qkv
+from diffusion_int8.testing import graph_ms, interleaved_rounds, local_qkv, paired_ratio, realistic_qkv
 
 SHAPES = {
     "wan": (1, 12, 32760, 128),
@@ -86,6 +87,7 @@ def main():
     ap.add_argument("--modes", default="int8,int8_fp16v")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=9, help="rounds of the graph timings, the variants taking turns")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
@@ -93,8 +95,8 @@ def main():
             "dtype": args.dtype}
     rows = []
     print(f"# {meta}")
-    print("| shape | mode | skipped | cuDNN ms | dense ms | sparse ms (graph) | ÷ dense | × cuDNN | eager ÷ dense "
-          "| predicted: tau, skipped | predicted ÷ dense | mask given ÷ dense | predicted, eager ÷ dense |")
+    print("| shape | mode | skipped | cuDNN ms | dense ms | sparse ms (graph) | ÷ dense (range) | × cuDNN | eager ÷ dense "
+          "| predicted: tau, skipped | predicted ÷ dense (range) | mask given ÷ dense | predicted, eager ÷ dense |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
         B, H, S, D = SHAPES[name]
@@ -114,16 +116,22 @@ def main():
                     predicted=lambda: int8_attention(lq, lk, lv, mode=mode, sparsity=tau),
                     mask_given=lambda: int8_attention(lq, lk, lv, mode=mode, block_mask=pred_mask),
                 )
-                t = interleaved_ms(fns, args.reps)
+                # ratios within each round (the variants side by side), then their median and range over rounds
+                per_round = interleaved_rounds(fns, args.reps, args.rounds)
+                t = {n: sorted(x)[len(x) // 2] for n, x in per_round.items()}
+                sparse_r = paired_ratio(per_round["sparse"], per_round["dense"])
+                pred_r = paired_ratio(per_round["predicted"], per_round["local_dense"])
+                given_r = paired_ratio(per_round["mask_given"], per_round["local_dense"])
                 eager = {name: eager_ms(fns[name]) for name in ("dense", "sparse", "local_dense", "predicted")}
                 row = dict(shape=name, B=B, H=H, S=S, D=D, mode=mode, skipped=round(1 - kept, 4), cudnn_ms=cudnn,
                            tau=tau, predicted_skipped=round(pred_skip, 4), **{f"{n}_ms": v for n, v in t.items()},
-                           **{f"{n}_eager_ms": v for n, v in eager.items()})
+                           **{f"{n}_eager_ms": v for n, v in eager.items()}, sparse_over_dense=sparse_r,
+                           predicted_over_dense=pred_r, mask_given_over_dense=given_r, rounds=args.rounds)
                 rows.append(row)
                 print(f"| {name} {(B, H, S, D)} | {mode} | {1 - kept:.0%} | {cudnn:.3f} | {t['dense']:.3f} | "
-                      f"{t['sparse']:.3f} | {t['sparse'] / t['dense']:.3f} | {cudnn / t['sparse']:.2f}× | "
-                      f"{eager['sparse'] / eager['dense']:.3f} | {tau:.4f}, {pred_skip:.1%} | "
-                      f"{t['predicted'] / t['local_dense']:.3f} | {t['mask_given'] / t['local_dense']:.3f} | "
+                      f"{t['sparse']:.3f} | {sparse_r[0]:.3f} ({sparse_r[1]:.3f}–{sparse_r[2]:.3f}) | "
+                      f"{cudnn / t['sparse']:.2f}× | {eager['sparse'] / eager['dense']:.3f} | {tau:.4f}, {pred_skip:.1%} | "
+                      f"{pred_r[0]:.3f} ({pred_r[1]:.3f}–{pred_r[2]:.3f}) | {given_r[0]:.3f} | "
                       f"{eager['predicted'] / eager['local_dense']:.3f} |", flush=True)
         del q, k, v, lq, lk, lv
         torch.cuda.empty_cache()

@@ -3,7 +3,8 @@
 * ``realistic_qkv``: attention inputs with the structure diffusion models show (a K channel bias, outlier
   channels, an attention sink), never zeros or plain N(0, 1), which hide quantization errors.
 * ``cosine``, ``rel_l1``, ``cos_l1``: the accuracy of an output against a reference, in float64.
-* ``graphed``, ``graph_ms``: GPU time of a call replayed from a CUDA graph (no Python or launch overhead).
+* ``graphed``, ``graph_ms``: GPU time of a call replayed from a CUDA graph (no Python or launch overhead);
+  ``interleaved_ms``, ``interleaved_rounds``, ``paired_ratio``: several calls timed taking turns.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["realistic_qkv", "local_qkv", "cosine", "rel_l1", "cos_l1", "graphed", "graph_ms", "interleaved_ms"]
+__all__ = ["realistic_qkv", "local_qkv", "cosine", "rel_l1", "cos_l1", "graphed", "graph_ms", "interleaved_ms",
+           "interleaved_rounds", "paired_ratio"]
 
 
 def realistic_qkv(
@@ -159,6 +161,12 @@ def interleaved_ms(fns: dict, reps: int, rounds: int = 5) -> dict:
     """GPU ms of each callable replayed from its CUDA graph: the median over ``rounds`` of each round's median of
     ``reps`` replays, the callables taking turns (reversed every other round), so a drift of the GPU's clock or of
     its neighbours' load reaches them all alike."""
+    return {name: _median(t) for name, t in interleaved_rounds(fns, reps, rounds).items()}
+
+
+def interleaved_rounds(fns: dict, reps: int, rounds: int = 5) -> dict:
+    """``interleaved_ms``'s timings before the median over rounds: each callable's list of ``rounds`` round medians,
+    in round order, so a ratio of two callables can be taken within each round (``paired_ratio``)."""
     replays = {name: graphed(fn) for name, fn in fns.items()}
     times = {name: [] for name in fns}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -172,7 +180,18 @@ def interleaved_ms(fns: dict, reps: int, rounds: int = 5) -> dict:
                 end.record()
                 end.synchronize()
                 one.append(start.elapsed_time(end))
-            times[name].append(sorted(one)[len(one) // 2])
+            times[name].append(_median(one))
     del replays
     torch.cuda.empty_cache()
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    return times
+
+
+def paired_ratio(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """(median, lowest, highest) over rounds of num[r] / den[r], from ``interleaved_rounds``: a ratio whose two
+    times were taken side by side, so a drift between rounds cancels."""
+    ratios = sorted(a / b for a, b in zip(num, den))
+    return _median(ratios), ratios[0], ratios[-1]
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
