@@ -140,7 +140,8 @@ def main(everything: bool) -> int:
                                        (False, True)))
         attn = list(itertools.product((40, 64, 72, 128, 256), list(PV), (0, 1, 2), ("fp16", "bf16")))
     else:  # every branch at least once
-        quant = [(40, 1, True, False), (72, 2, False, True, "bf16"), (128, 0, True, False), (256, 1, True, True),
+        quant = [(40, 1, True, False), (72, 2, False, True, "bf16"), (128, 0, True, False), (128, 1, True, False),
+                 (256, 1, True, True),
                  (64, 1, True, False, "fp16", True), (128, 0, True, False, "bf16", True)]
         attn = [(40, PV.FP16, 0), (36, PV.FP16, 1), (64, PV.FP8, 1, "bf16"), (72, PV.INT8, 2), (128, PV.FP8, 0), (256, PV.INT8, 0),
                 (64, PV.FP8, 0, "fp16", True), (128, PV.FP16, 1, "bf16", True), (40, PV.INT8, 0, "fp16", True)]

@@ -119,22 +119,25 @@ def test_two_paths_agree_bit_for_bit(kdev, smooth, monkeypatch):
     monkeypatch.setattr(L, "BALANCE_MIN_QUERIES", 0)
     q, k, v = realistic_qkv(1, 2, 77, 203, 72, H_kv=1, device=kdev, outliers="separate", n_outliers=3,
                             outlier_gain=100)
-    results, passes = [], []
-    real = TQ.kv_moments
-    monkeypatch.setattr(TQ, "kv_moments", lambda *a, **kw: passes.append(1) or real(*a, **kw))
-    for limit in (TQ._FUSED_MAX_TOKENS, 0):
-        monkeypatch.setattr(TQ, "_FUSED_MAX_TOKENS", limit)
-        results.append(TQ.quantize_qkv(q, k, v, 0.3, PV.INT8, k_tile=(64, 4), smooth_k=smooth, qk_balance=True))
-    assert passes == [1]  # the short call ran no separate statistics pass, the forced one did
-    for got, other in zip(*results):
-        assert torch.equal(got, other)
     mean = R.token_mean(k) if smooth else None
     bal = R.balance_scales(q, k, mean)
     assert (bal[..., :72] != 1).sum() >= 4
-    want = (*R.quantize_q(q, 0.3, None, bal), *R.quantize_k(k, 64, 4, smooth, k_mean=mean, balance=bal),
-            *R.quantize_v(v, PV.INT8, R.v_channel_amax(v)))
-    for got, w in zip(results[0], want):
-        assert torch.equal(got, w)
+    real, fused_max = TQ.kv_moments, TQ._FUSED_MAX_TOKENS
+    # INT8 V, and FP8 V in 128-key tiles at padded head dim 128, whose keys are stored in layout.v8_key_order
+    for pv, (bn, groups) in ((PV.INT8, (64, 4)), (PV.FP8, (128, 1))):
+        results, passes = [], []
+        monkeypatch.setattr(TQ, "kv_moments", lambda *a, **kw: passes.append(1) or real(*a, **kw))
+        for limit in (fused_max, 0):
+            monkeypatch.setattr(TQ, "_FUSED_MAX_TOKENS", limit)
+            results.append(TQ.quantize_qkv(q, k, v, 0.3, pv, k_tile=(bn, groups), smooth_k=smooth, qk_balance=True))
+        assert passes == [1]  # the short call ran no separate statistics pass, the forced one did
+        for got, other in zip(*results):
+            assert torch.equal(_bits(got), _bits(other)), pv
+        want = (*R.quantize_q(q, 0.3, None, bal), *R.quantize_k(k, bn, groups, smooth, k_mean=mean, balance=bal),
+                *R.quantize_v(v, pv, R.v_channel_amax(v)))
+        got = (*results[0][:4], _v_bits(results[0].v8, pv, bn), results[0].vs)
+        for g, w in zip(got, (*want[:4], _bits(want[4]), want[5])):
+            assert torch.equal(g, w), pv
 
 
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])

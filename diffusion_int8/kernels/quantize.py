@@ -1,7 +1,8 @@
 """Triton kernels that quantize Q, K and V for the attention kernel.
 
 They produce bit for bit what ``reference.quantize_q/k/v`` produce (see that module for the
-numerics). Inputs are read through their strides, so (B, S, H, D) views need no copy; outputs are
+numerics); FP8 V in 128-key tiles at padded head dim 128 stores each tile's keys in ``layout.v8_key_order``,
+the order the attention kernels multiply P's columns in. Inputs are read through their strides, so (B, S, H, D) views need no copy; outputs are
 contiguous, padded to ``SEQ_PAD`` tokens and a power-of-two head dim, so the attention kernel loads
 whole tiles without masks.
 """
@@ -552,7 +553,8 @@ def quantize_qkv(
     1/DP with ``qk_rotate``: ``reference.q_scale_mult``),
     k8 (B, H_kv, Sk_pad, DP) int8, ks (B, H_kv, Sk_pad) float32 (``k_groups`` scales per tile of
     ``block_n`` keys, stored per key), and v8 / vs as
-    ``reference.quantize_v`` gives them (None, None for fp16 P·V). ``pooled``: zeroed buffers
+    ``reference.quantize_v`` gives them (None, None for fp16 P·V), FP8 v8's keys in ``layout.v8_key_order`` where
+    ``layout.fp8_v_keys_permuted(DP, block_n)``. ``pooled``: zeroed buffers
     (``pool.pooled_buffers``) that the launch adds the block-sparse predictor's sums of Q and of K (as smoothed) to, as
     it reads them. ``runner`` allocates and launches (``launch.Runner``).
     """
