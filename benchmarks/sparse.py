@@ -95,8 +95,9 @@ def main():
             "dtype": args.dtype}
     rows = []
     print(f"# {meta}")
-    print("| shape | mode | skipped | cuDNN ms | dense ms | sparse ms (graph) | ÷ dense (range) | × cuDNN | eager ÷ dense "
-          "| predicted: tau, skipped | predicted ÷ dense (range) | mask given ÷ dense | predicted, eager ÷ dense |")
+    print("| shape | mode | skipped | cuDNN ms | dense ms | sparse ms (graph) | ÷ dense (range) | × cuDNN "
+          "| eager ÷ dense | predicted: tau, skipped | predicted ÷ dense (range) | mask given ÷ dense "
+          "| predicted, eager ÷ dense |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
         B, H, S, D = SHAPES[name]
@@ -130,7 +131,8 @@ def main():
                 rows.append(row)
                 print(f"| {name} {(B, H, S, D)} | {mode} | {1 - kept:.0%} | {cudnn:.3f} | {t['dense']:.3f} | "
                       f"{t['sparse']:.3f} | {sparse_r[0]:.3f} ({sparse_r[1]:.3f}–{sparse_r[2]:.3f}) | "
-                      f"{cudnn / t['sparse']:.2f}× | {eager['sparse'] / eager['dense']:.3f} | {tau:.4f}, {pred_skip:.1%} | "
+                      f"{cudnn / t['sparse']:.2f}× | {eager['sparse'] / eager['dense']:.3f} | "
+                      f"{tau:.4f}, {pred_skip:.1%} | "
                       f"{pred_r[0]:.3f} ({pred_r[1]:.3f}–{pred_r[2]:.3f}) | {given_r[0]:.3f} | "
                       f"{eager['predicted'] / eager['local_dense']:.3f} |", flush=True)
         del q, k, v, lq, lk, lv

@@ -60,7 +60,8 @@ def main():
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "shape": (B, H, S, D), "mode": args.mode, "rounds": args.rounds}
     print(f"# {meta}\n# dense call {med['dense']:.3f} ms, dense launch {med['dense launch']:.3f} ms")
-    print("| mask | kept | call ms | ÷ dense call (range) | launch ms | ÷ dense launch (range) |\n|---|---|---|---|---|---|")
+    print("| mask | kept | call ms | ÷ dense call (range) | launch ms | ÷ dense launch (range) |")
+    print("|---|---|---|---|---|---|")
     rows = []
     for name, m in masks.items():
         call, launch = paired_ratio(rounds[name], rounds["dense"]), paired_ratio(rounds[name + " launch"],

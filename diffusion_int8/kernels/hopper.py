@@ -325,13 +325,13 @@ def _attn_fwd_sm90(
     acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
 
     for j in range(1, N_BLOCKS - 1):
-        acc, m_i, l_i, ks = _step(acc, m_i, l_i, ks, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc, v_desc,
-                              qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept, BLOCK_M, BLOCK_N,
-                              DP, STAGES, PV, False, s_layout, o_layout, SPARSE)
+        acc, m_i, l_i, ks = _step(acc, m_i, l_i, ks, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc,
+                                  v_desc, qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept, BLOCK_M,
+                                  BLOCK_N, DP, STAGES, PV, False, s_layout, o_layout, SPARSE)
     if N_BLOCKS > 1:  # the last block holds the sequence's tail
-        acc, m_i, l_i, ks = _step(acc, m_i, l_i, ks, N_BLOCKS - 1, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc,
-                              v_desc, qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept, BLOCK_M,
-                              BLOCK_N, DP, STAGES, PV, True, s_layout, o_layout, SPARSE)
+        acc, m_i, l_i, ks = _step(acc, m_i, l_i, ks, N_BLOCKS - 1, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs,
+                                  k_desc, v_desc, qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept,
+                                  BLOCK_M, BLOCK_N, DP, STAGES, PV, True, s_layout, o_layout, SPARSE)
     mbarrier.wait(v_bars.index((N_BLOCKS - 1) % STAGES), ((N_BLOCKS - 1) // STAGES) & 1)
     pv_tok = _issue_pv(p_bufs, N_BLOCKS - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, PV, o_layout)
     acc = warpgroup_mma_wait(0, deps=[pv_tok])

@@ -2,9 +2,9 @@
 
 They produce bit for bit what ``reference.quantize_q/k/v`` produce (see that module for the
 numerics); FP8 V in 128-key tiles at padded head dim 128 stores each tile's keys in ``layout.v8_key_order``,
-the order the attention kernels multiply P's columns in. Inputs are read through their strides, so (B, S, H, D) views need no copy; outputs are
-contiguous, padded to ``SEQ_PAD`` tokens and a power-of-two head dim, so the attention kernel loads
-whole tiles without masks.
+the order the attention kernels multiply P's columns in. Inputs are read through their strides, so
+(B, S, H, D) views need no copy; outputs are contiguous, padded to ``SEQ_PAD`` tokens and a power-of-two
+head dim, so the attention kernel loads whole tiles without masks.
 """
 
 from __future__ import annotations
