@@ -133,13 +133,20 @@ def run_shape(name, shape, dtype, sweep):
 
     # Eager: the public op called back to back as a pipeline calls it, each call's host time overlapping the GPU
     # work of the one before (a host-bound call shows its host time); compared with SDPA's default backend
-    def eager(fn, n=200):
-        for _ in range(10):
+    def back_to_back(fn, calls=200, seconds=None):
+        """ms a call of ``fn`` called back to back (host clock, synchronized at both ends): ``calls`` calls after 10,
+        or with ``seconds``, as many as that takes after 0.5 s of the same."""
+        end = time.perf_counter() + 0.5
+        for i in itertools.count():
             fn()
+            if (seconds is None and i == 9) or (seconds is not None and time.perf_counter() > end):
+                break
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
+        n, t0 = 0, time.perf_counter()
+        while (n < calls) if seconds is None else (time.perf_counter() - t0 < seconds):
+            for _ in range(10):
+                fn()
+            n += 10
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * 1e3
 
@@ -150,32 +157,19 @@ def run_shape(name, shape, dtype, sweep):
         rows[label] = {"ms_rounds": []}
     for _ in range(3):  # rounds taking turns, so the host's drift reaches every row alike
         for label, fn in eager_calls.items():
-            rows[label]["ms_rounds"].append(eager(fn))
+            rows[label]["ms_rounds"].append(back_to_back(fn))
     for label in eager_calls:
         rows[label]["ms"] = sorted(rows[label]["ms_rounds"])[1]
         rows[label]["tflops"] = flops / rows[label]["ms"] / 1e9
 
     # Sustained: cuDNN and both INT8 modes replayed back to back, as a denoising loop runs them
-    def sustained(fn, seconds=1.5, warmup=0.5):
-        end = time.perf_counter() + warmup
-        while time.perf_counter() < end:
-            fn()
-        torch.cuda.synchronize()
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(10):
-                fn()
-            n += 10
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e3
-
     held = tuple(label for label in ("[graph] sdpa_cudnn_fp16", "[graph] int8_fp16v", "[graph] int8 (fp8 P·V)")
                  if label in graphs)
     for label in held:
         rows[label.replace("[graph]", "[sustained]")] = {"ms_rounds": []}
     for r in range(2):
         for label in (held if r == 0 else held[::-1]):
-            rows[label.replace("[graph]", "[sustained]")]["ms_rounds"].append(sustained(graphs[label]))
+            rows[label.replace("[graph]", "[sustained]")]["ms_rounds"].append(back_to_back(graphs[label], seconds=1.5))
     for label in held:
         row = rows[label.replace("[graph]", "[sustained]")]
         row["ms"] = sum(row["ms_rounds"]) / 2

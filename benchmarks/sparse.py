@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.config import SPARSE_BLOCK
 from diffusion_int8.kernels.sparsity import predict_block_mask
-from diffusion_int8.testing import graph_ms, interleaved_rounds, local_qkv, paired_ratio, realistic_qkv
+from diffusion_int8.testing import graph_ms, interleaved_rounds, local_qkv, median, paired_ratio, realistic_qkv
 
 SHAPES = {
     "wan": (1, 12, 32760, 128),
@@ -77,7 +77,7 @@ def eager_ms(fn, calls=20, rounds=5):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
+    return median(times)
 
 
 def main():
@@ -119,7 +119,7 @@ def main():
                 )
                 # ratios within each round (the variants side by side), then their median and range over rounds
                 per_round = interleaved_rounds(fns, args.reps, args.rounds)
-                t = {n: sorted(x)[len(x) // 2] for n, x in per_round.items()}
+                t = {n: median(x) for n, x in per_round.items()}
                 sparse_r = paired_ratio(per_round["sparse"], per_round["dense"])
                 pred_r = paired_ratio(per_round["predicted"], per_round["local_dense"])
                 given_r = paired_ratio(per_round["mask_given"], per_round["local_dense"])

@@ -24,7 +24,7 @@ from diffusion_int8 import int8_attention
 from diffusion_int8.kernels import quantize as tq
 from diffusion_int8.kernels.attention import attend, block_lists
 from diffusion_int8.kernels.config import Mode, SPARSE_BLOCK, pv_for_mode
-from diffusion_int8.testing import interleaved_rounds, paired_ratio, realistic_qkv
+from diffusion_int8.testing import interleaved_rounds, median, paired_ratio, realistic_qkv
 
 from sparse import SHAPES, fixed_mask
 
@@ -56,7 +56,7 @@ def main():
         fns[name] = lambda m=m: int8_attention(q, k, v, mode=args.mode, block_mask=m)
         fns[name + " launch"] = lambda b=lists[name]: attend(quantized, v, out, pv=pv, blocks=b)
     rounds = interleaved_rounds(fns, args.reps, args.rounds)
-    med = {name: sorted(t)[len(t) // 2] for name, t in rounds.items()}
+    med = {name: median(t) for name, t in rounds.items()}
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "shape": (B, H, S, D), "mode": args.mode, "rounds": args.rounds}
     print(f"# {meta}\n# dense call {med['dense']:.3f} ms, dense launch {med['dense launch']:.3f} ms")

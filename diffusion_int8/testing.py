@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["realistic_qkv", "local_qkv", "cosine", "rel_l1", "cos_l1", "graphed", "graph_ms", "interleaved_ms",
-           "interleaved_rounds", "paired_ratio"]
+           "interleaved_rounds", "paired_ratio", "median"]
 
 
 def realistic_qkv(
@@ -154,14 +154,14 @@ def graph_ms(fn: Callable[[], object], reps: int) -> float:
             break
     del replay
     torch.cuda.empty_cache()  # the graph's private memory pool, before the next measurement allocates
-    return sorted(times)[len(times) // 2]
+    return median(times)
 
 
 def interleaved_ms(fns: dict, reps: int, rounds: int = 5) -> dict:
     """GPU ms of each callable replayed from its CUDA graph: the median over ``rounds`` of each round's median of
     ``reps`` replays, the callables taking turns (reversed every other round), so a drift of the GPU's clock or of
     its neighbours' load reaches them all alike."""
-    return {name: _median(t) for name, t in interleaved_rounds(fns, reps, rounds).items()}
+    return {name: median(t) for name, t in interleaved_rounds(fns, reps, rounds).items()}
 
 
 def interleaved_rounds(fns: dict, reps: int, rounds: int = 5) -> dict:
@@ -180,7 +180,7 @@ def interleaved_rounds(fns: dict, reps: int, rounds: int = 5) -> dict:
                 end.record()
                 end.synchronize()
                 one.append(start.elapsed_time(end))
-            times[name].append(_median(one))
+            times[name].append(median(one))
     del replays
     torch.cuda.empty_cache()
     return times
@@ -190,8 +190,9 @@ def paired_ratio(num: list[float], den: list[float]) -> tuple[float, float, floa
     """(median, lowest, highest) over rounds of num[r] / den[r], from ``interleaved_rounds``: a ratio whose two
     times were taken side by side, so a drift between rounds cancels."""
     ratios = sorted(a / b for a, b in zip(num, den))
-    return _median(ratios), ratios[0], ratios[-1]
+    return median(ratios), ratios[0], ratios[-1]
 
 
-def _median(values: list[float]) -> float:
+def median(values: list[float]) -> float:
+    """The middle value (the upper one of an even count), as every timing here reports it."""
     return sorted(values)[len(values) // 2]
