@@ -79,6 +79,11 @@ def test_opcheck_cpu(kdev):
     args = (q, k, v, None, blocks, None, None, None, None, None, None, "BHSD", "fp16", 0.125, True, False, True, None,
             backend, True, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
+    # a BHSD view of (B, S, H, D) memory: the fake output's strides are the real one's
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    args = (*strided, None, None, None, None, None, None, None, None, "BHSD", "fp8", 0.125, True, False, False, None,
+            backend, False, False)
+    torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     # every static input given: no statistics pass
     static = (q.float().abs().amax((2, 3)), torch.full((1, 2), 3.0, device=kdev), v.float().abs().amax(2),
               k.float().mean(2))
@@ -225,6 +230,28 @@ def test_empty_batch_and_sequences_give_zeros_in_both_backends(backend, monkeypa
         for mode in ("int8", "int8_fp16v"):
             out = diffusion_int8.int8_attention(q, k, v, mode=mode)
             assert out.shape == q.shape and out.dtype == q.dtype and not out.any()
+
+
+@pytest.mark.parametrize("backend", ["emulation", "triton"])
+def test_output_is_laid_out_as_q(backend, kdev, monkeypatch):
+    # diffusers passes BHSD views of (B, S, H, D) memory and flattens the output's heads back without a copy, as
+    # SDPA's output allows: the output has q's memory order, and the values of the call on contiguous inputs
+    monkeypatch.setenv(config.ENV_BACKEND, backend)
+    B, H, S, D = 2, 3, 70, 64
+    q, k, v = realistic_qkv(B, H, S, S, D, device=kdev)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    sdpa = F.scaled_dot_product_attention(*strided)
+    for mode in ("int8", "int8_fp16v"):
+        out = int8_attention(*strided, mode=mode)
+        assert out.stride() == sdpa.stride() == (S * H * D, D, H * D, 1)
+        assert out.transpose(1, 2).view(B, S, H * D).data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out, int8_attention(q, k, v, mode=mode), atol=0, rtol=0)
+        assert int8_attention(q, k, v, mode=mode).is_contiguous()
+    # slices of a fused projection (not dense): the output is dense in their order
+    qkv = torch.stack([t.transpose(1, 2) for t in (q, k, v)], dim=3)  # (B, S, H, 3, D)
+    out = int8_attention(*(qkv[:, :, :, i].transpose(1, 2) for i in range(3)), mode="int8")
+    assert out.stride() == (S * H * D, D, H * D, 1)
+    torch.testing.assert_close(out, int8_attention(q, k, v, mode="int8"), atol=0, rtol=0)
 
 
 def test_return_lse_in_every_mode(monkeypatch):

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch
 from .config import (ENV_BACKEND, ENV_PV8, MAX_HEAD_DIM, PV, SPARSE_BLOCK, Backend, Kernel, Mode, padded_head_dim,
                      pv_for_mode, select_backend)
 from .launch import signature
-from .layout import check_rotation, to_bhsd
+from .layout import check_rotation, output_like, to_bhsd
 from .ops import dispatch
 from .sparsity import check_keep, check_tau, predict_block_mask
 
@@ -115,7 +115,8 @@ def int8_attention(
             computed (e.g. to count the skipped blocks).
 
     Returns:
-        Attention output shaped like ``q`` (contiguous in ``layout``), in ``q``'s dtype; with ``return_lse``, the
+        Attention output shaped like ``q``, in ``q``'s dtype, dense in the memory order of ``q``'s dims (a BHSD
+        view of (B, S, H, D) memory gets (B, S, H, D) memory, as SDPA's output does); with ``return_lse``, the
         pair (output, log-sum-exp) where the log-sum-exp is float32 (B, Hq, Sq) in natural-log units, -inf for a
         row without keys (in either layout, as ``torch.nn.functional.scaled_dot_product_attention``'s kernels
         give it); with ``return_block_mask``, the predicted mask after those.
@@ -161,7 +162,7 @@ def int8_attention(
     if call.empty:  # no batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)
         B, H, Sq = to_bhsd(q, layout).shape[:3]
         Sk = to_bhsd(k, layout).shape[2]
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        out = output_like(q, zero=True)
         lse = (torch.full((B, H, Sq), float("-inf"), device=q.device),) if return_lse else ()
         mask = torch.ones((B, H, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)), dtype=torch.bool, device=q.device)
         return _results(out, *lse, *((mask,) if return_block_mask else ()))

@@ -19,7 +19,7 @@ from . import quantize as tq
 from .config import (FP8_P_SHIFT, FP_FUSION, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, TESTED_TRITON, Kernel,
                      padded_head_dim, tile_config)
 from .launch import EAGER, Runner, plan_or_run, signature
-from .layout import cdiv, padded_len, rows_16b_aligned, to_bhsd
+from .layout import cdiv, output_like, padded_len, rows_16b_aligned, to_bhsd
 from .reference import smoothing_offset
 from .sparsity import MIN_SIMILARITY
 from .tl_helpers import rdiv, round_to_int8
@@ -316,7 +316,7 @@ def triton_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
 
-    Returns ``out`` (allocated if None: contiguous, shaped like ``q``, in ``q``'s dtype), and with ``return_lse``
+    Returns ``out`` (allocated if None: ``layout.output_like(q)``), and with ``return_lse``
     each query row's log-sum-exp (``reference.emulate_attention``'s), with ``return_block_mask`` the mask that
     ``sparsity`` predicted (after the other outputs). ``sparsity``: the predictor's level tau
     (``sparsity.predict_block_mask``'s, with ``keep_kv_blocks``), from sums the quantization launch makes as it
@@ -336,7 +336,7 @@ def triton_attention(
                return_block_mask, sm90, _ablate, *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax,
                                                                   v_amax, k_mean, keep_kv_blocks, out, given_bal)))
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = output_like(q)
     B, H, Sq = to_bhsd(q, layout).shape[:3]
     Sk = to_bhsd(k, layout).shape[2]
     lse = mask_out = None

@@ -27,6 +27,17 @@ def to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x if layout == "BHSD" else x.transpose(1, 2)
 
 
+def output_like(q: torch.Tensor, zero: bool = False) -> torch.Tensor:
+    """An uninitialized (or zeroed) attention output shaped like the 4-D ``q``, in its dtype and on its device,
+    dense, with ``q``'s first three dims in the memory order of its strides and its last dim innermost. A (B, H,
+    S, D) view of (B, S, H, D) memory, as diffusers' processors pass Q, gets a (B, S, H, D)-dense output, which
+    their ``transpose(1, 2).flatten(2, 3)`` reads without a copy, as they do SDPA's output."""
+    order = sorted(range(3), key=lambda d: -q.stride(d))  # stable: dims of equal stride keep their order
+    shape = [q.shape[d] for d in order] + [q.shape[3]]
+    out = (torch.zeros if zero else torch.empty)(shape, dtype=q.dtype, device=q.device)
+    return out.permute(*(order.index(d) for d in range(3)), 3)
+
+
 def rows_16b_aligned(x: torch.Tensor) -> bool:
     """Whether every stride but the last (which is 1) spans whole 16-byte units: vector loads and TMA."""
     return x.stride(-1) == 1 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .config import PV, SPARSE_BLOCK, Backend
-from .layout import to_bhsd
+from .layout import output_like, to_bhsd
 from .reference import emulate_attention
 from .sparsity import predict_block_mask
 
@@ -86,7 +86,7 @@ def _(q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, balance, k
     Sk = to_bhsd(k, layout).shape[2]
     lse = q.new_empty((B, H, Sq) if return_lse else (0,), dtype=torch.float32)
     nb = (B, H, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)) if return_block_mask else (0,)
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse, q.new_empty(nb, dtype=torch.bool)
+    return output_like(q), lse, q.new_empty(nb, dtype=torch.bool)
 
 
 def dispatch(q: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

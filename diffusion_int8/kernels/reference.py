@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, padded_head_dim
-from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation, chunking, padded_len, static_range, stats_block, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
+from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation, chunking, output_like, padded_len, static_range, stats_block, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
 
 
 def _pad(x: torch.Tensor, s_pad: int, dp: int) -> torch.Tensor:
@@ -387,7 +387,7 @@ def emulate_attention(
     if pv is not PV.FP16:
         out = out * vs[:, :, None, :]
     out = out[..., :D].to(q.dtype)
-    out = (out if layout == "BHSD" else out.transpose(1, 2)).contiguous()
+    out = output_like(q).copy_(out if layout == "BHSD" else out.transpose(1, 2))
     if not return_lse:
         return out
     # l carries P's 2^p_shift; m is -inf exactly where l is 0. The scores were of the smoothed K.
