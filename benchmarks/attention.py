@@ -206,19 +206,21 @@ def run_shape(name, shape, dtype, sweep):
 
 
 def sweep_tiles(q, k, v, D, scale, block_ns):
-    """Time tile configs for each P·V precision; the best go into ``config.tile_config``."""
+    """Time tile configs of the portable kernel (the sm_90 kernels have tiles of their own) for each P·V
+    precision; the best go into ``config.tile_config``."""
     found = {}
-    original = kattn.tile_config
+    original = kattn.tile_config  # the quantization launch reads the same table: both are patched
     programs = ((64, 4), (128, 4), (128, 8))  # (block_m, num_warps)
     try:
         for pv in (PV.FP16, PV.FP8):
             timings = []
             for (bm, warps), bn, stages in itertools.product(programs, block_ns, (2, 3)):
                 cfg = TileConfig(bm, bn, warps, stages, original(D, pv).k_groups)
-                kattn.tile_config = lambda *_ , cfg=cfg: cfg
+                kattn.tile_config = tq.tile_config = lambda *_, cfg=cfg: cfg
                 kattn._PLANS.clear()  # a plan replays the tiles it was recorded with, which its key does not name
                 try:
-                    ms = bench(lambda: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale))
+                    ms = bench(lambda: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale,
+                                                              sm90=False))
                 except Exception as exc:
                     timings.append({"cfg": asdict(cfg), "error": type(exc).__name__})
                     continue
@@ -226,7 +228,7 @@ def sweep_tiles(q, k, v, D, scale, block_ns):
             ok = sorted((t for t in timings if "ms" in t), key=lambda t: t["ms"])
             found[pv.value] = ok[:5]
     finally:
-        kattn.tile_config = original
+        kattn.tile_config = tq.tile_config = original
         kattn._PLANS.clear()
     return found
 
