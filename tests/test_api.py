@@ -252,6 +252,10 @@ def test_output_is_laid_out_as_q(backend, kdev, monkeypatch):
     out = int8_attention(*(qkv[:, :, :, i].transpose(1, 2) for i in range(3)), mode="int8")
     assert out.stride() == (S * H * D, D, H * D, 1)
     torch.testing.assert_close(out, int8_attention(q, k, v, mode="int8"), atol=0, rtol=0)
+    # a batch broadcast from one sample (stride 0): dense, the batch outermost
+    out = int8_attention(q[:1].expand(B, -1, -1, -1), k[:1].expand(B, -1, -1, -1), v[:1].expand(B, -1, -1, -1),
+                         mode="int8")
+    assert out.stride() == (H * S * D, S * D, D, 1)
 
 
 def test_return_lse_in_every_mode(monkeypatch):

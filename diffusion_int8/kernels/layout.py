@@ -7,6 +7,8 @@ range is read (``static_range``, ``v_channel_amax``), which the Triton kernels a
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +34,8 @@ def output_like(q: torch.Tensor, zero: bool = False) -> torch.Tensor:
     dense, with ``q``'s first three dims in the memory order of its strides and its last dim innermost. A (B, H,
     S, D) view of (B, S, H, D) memory, as diffusers' processors pass Q, gets a (B, S, H, D)-dense output, which
     their ``transpose(1, 2).flatten(2, 3)`` reads without a copy, as they do SDPA's output."""
-    order = sorted(range(3), key=lambda d: -q.stride(d))  # stable: dims of equal stride keep their order
+    # stable: dims of equal stride keep their order; a broadcast (stride-0) dim goes outermost
+    order = sorted(range(3), key=lambda d: -q.stride(d) if q.stride(d) else -math.inf)
     shape = [q.shape[d] for d in order] + [q.shape[3]]
     out = (torch.zeros if zero else torch.empty)(shape, dtype=q.dtype, device=q.device)
     return out.permute(*(order.index(d) for d in range(3)), 3)
