@@ -22,10 +22,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _v_bits(v8: torch.Tensor, pv: PV, block_n: int) -> torch.Tensor:
     """The bits of the kernels' 8-bit V with its keys in the emulation's order (FP8 Vᵀ (B, H, DP, S_pad) stores
-    them in ``layout.v8_key_order`` in 128-key tiles)."""
+    them in ``layout.v8_key_order`` at head dim 128 with 128-key tiles)."""
     from diffusion_int8.kernels import layout as L
 
-    if pv is PV.FP8 and L.fp8_v_keys_permuted(block_n):
+    if pv is PV.FP8 and L.fp8_v_keys_permuted(v8.shape[2], block_n):
         return _bits(v8).index_select(-1, L.v8_key_order(v8.shape[-1]).to(v8.device))
     return _bits(v8)
 
@@ -123,7 +123,7 @@ def test_two_paths_agree_bit_for_bit(kdev, smooth, monkeypatch):
     bal = R.balance_scales(q, k, mean)
     assert (bal[..., :72] != 1).sum() >= 4
     real, fused_max = TQ.kv_moments, TQ._FUSED_MAX_TOKENS
-    # INT8 V, and FP8 V in 128-key tiles, whose keys are stored in layout.v8_key_order
+    # INT8 V, and FP8 V in 128-key tiles at padded head dim 128, whose keys are stored in layout.v8_key_order
     for pv, (bn, groups) in ((PV.INT8, (64, 4)), (PV.FP8, (128, 1))):
         results, passes = [], []
         monkeypatch.setattr(TQ, "kv_moments", lambda *a, **kw: passes.append(1) or real(*a, **kw))

@@ -122,7 +122,7 @@ def _attn_block(
             p8 = (p.to(tl.int32, bitcast=True) >> 23).to(tl.int8).to(tl.float8e4nv, bitcast=True)
         else:
             p8 = p.to(tl.float8e4nv)  # already scaled by 2^P_SHIFT through the exponent
-        if BLOCK_N == 128:  # V's keys are stored in layout.v8_key_order: P's columns follow
+        if DP == 128 and BLOCK_N == 128:  # V's keys are stored in layout.v8_key_order: P's columns follow
             p8 = tl.reshape(tl.permute(tl.reshape(p8, [p8.shape[0], BLOCK_N // 8, 4, 2]), (0, 2, 1, 3)),
                             [p8.shape[0], BLOCK_N])
         if (_ABLATE_PV_MMA & ABLATE) != 0:

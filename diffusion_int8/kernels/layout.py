@@ -46,10 +46,10 @@ def rows_16b_aligned(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
 
 
-def fp8_v_keys_permuted(block_n: int) -> bool:
-    """Whether FP8 Vᵀ stores each tile's keys in ``v8_key_order``: with 128-key tiles (the tile table's for FP8
-    P·V up to padded head dim 128)."""
-    return block_n == 128
+def fp8_v_keys_permuted(dp: int, block_n: int) -> bool:
+    """Whether FP8 Vᵀ stores each tile's keys in ``v8_key_order``: at padded head dim 128 with 128-key tiles
+    (the tile table's for FP8 P·V there), which the sm_90 kernel runs."""
+    return dp == 128 and block_n == 128
 
 
 def v8_key_order(s_pad: int) -> torch.Tensor:

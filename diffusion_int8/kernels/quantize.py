@@ -1,7 +1,7 @@
 """Triton kernels that quantize Q, K and V for the attention kernel.
 
 They produce bit for bit what ``reference.quantize_q/k/v`` produce (see that module for the
-numerics); FP8 V in 128-key tiles stores each tile's keys in ``layout.v8_key_order``,
+numerics); FP8 V in 128-key tiles at padded head dim 128 stores each tile's keys in ``layout.v8_key_order``,
 the order the attention kernels multiply P's columns in. Inputs are read through their strides, so
 (B, S, H, D) views need no copy; outputs are contiguous, padded to ``SEQ_PAD`` tokens and a power-of-two
 head dim, so the attention kernel loads whole tiles without masks.
@@ -242,7 +242,7 @@ def _quant_v_tile(
     if V_FMT == 1:
         inv = rdiv(_FP8_MAX, amax)
         y = tl.minimum(tl.maximum(v * inv[None, :], -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
-        if BLOCK == 128:  # the keys in layout.v8_key_order: key 8i + 2t + e at 32t + 2i + e
+        if DP == 128 and BLOCK == 128:  # the keys in layout.v8_key_order: key 8i + 2t + e at 32t + 2i + e
             y = tl.reshape(tl.permute(tl.reshape(y, [BLOCK // 8, 4, 2, DP]), (1, 0, 2, 3)), [BLOCK, DP])
         # stored transposed, (DP, S_PAD): the FP8 MMA wants V K-major
         tl.store(V8 + base + offs_d[:, None] * S_PAD + offs_s[None, :], tl.trans(y))
@@ -554,7 +554,7 @@ def quantize_qkv(
     k8 (B, H_kv, Sk_pad, DP) int8, ks (B, H_kv, Sk_pad) float32 (``k_groups`` scales per tile of
     ``block_n`` keys, stored per key), and v8 / vs as
     ``reference.quantize_v`` gives them (None, None for fp16 P·V), FP8 v8's keys in ``layout.v8_key_order`` where
-    ``layout.fp8_v_keys_permuted(block_n)``. ``pooled``: zeroed buffers
+    ``layout.fp8_v_keys_permuted(DP, block_n)``. ``pooled``: zeroed buffers
     (``pool.pooled_buffers``) that the launch adds the block-sparse predictor's sums of Q and of K (as smoothed) to, as
     it reads them. ``runner`` allocates and launches (``launch.Runner``).
     """
