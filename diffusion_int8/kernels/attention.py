@@ -235,7 +235,7 @@ def _attn_fwd_kernel(
     else:
         for start_n in range(0, N_FULL, BLOCK_N):
             # 8-bit tiles are addressed from the loop index: fewer instructions a step than pointers carried
-            # through the pipelined loop, 2-6% faster. With 16-bit V (read in place through its strides) the
+            # through the pipelined loop, 2-7% faster. With 16-bit V (read in place through its strides) the
             # carried pointers were faster at image lengths, so they stay (``at`` is 0 and the pointers move).
             at = start_n * 0 if PV == 0 else start_n
             acc, m_i, l_i = _attn_block(

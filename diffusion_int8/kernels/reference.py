@@ -305,9 +305,9 @@ def emulate_attention(
     """What the Triton kernel computes, in PyTorch. Same arguments as the kernel wrapper; ``block_n`` and
     ``k_groups`` override the tile table's (for studies of K's quantization).
 
-    Returns a tensor shaped like ``q``, in ``q``'s dtype, laid out by ``layout.output_like(q)``; with ``return_lse`` also the log-sum-exp of
-    each query row's scaled logits as the kernel computed them, K's smoothing added back (``smoothing_offset``;
-    natural log, float32, (B, H, Sq); -inf for a row without keys).
+    Returns a tensor shaped like ``q``, in ``q``'s dtype, laid out by ``layout.output_like(q)``; with ``return_lse``
+    also the log-sum-exp of each query row's scaled logits as the kernel computed them, K's smoothing added back
+    (``smoothing_offset``; natural log, float32, (B, H, Sq); -inf for a row without keys).
     """
     from .config import tile_config
 
