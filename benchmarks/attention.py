@@ -32,7 +32,7 @@ from diffusion_int8.kernels import attention as kattn
 from diffusion_int8.kernels import quantize as tq
 from diffusion_int8.kernels.config import PV, TileConfig, padded_head_dim
 from diffusion_int8.kernels.reference import attention_ref, token_mean
-from diffusion_int8.testing import cos_l1, graphed, realistic_qkv
+from diffusion_int8.testing import back_to_back, cos_l1, graphed, median, realistic_qkv
 
 SHAPES = {  # name: (B, H, N, D), from ../shared/ANCHORS.md
     "flux": (2, 24, 4608, 128),
@@ -133,23 +133,6 @@ def run_shape(name, shape, dtype, sweep):
 
     # Eager: the public op called back to back as a pipeline calls it, each call's host time overlapping the GPU
     # work of the one before (a host-bound call shows its host time); compared with SDPA's default backend
-    def back_to_back(fn, calls=200, seconds=None):
-        """ms a call of ``fn`` called back to back (host clock, synchronized at both ends): ``calls`` calls after 10,
-        or with ``seconds``, as many as that takes after 0.5 s of the same."""
-        end = time.perf_counter() + 0.5
-        for i in itertools.count():
-            fn()
-            if (seconds is None and i == 9) or (seconds is not None and time.perf_counter() > end):
-                break
-        torch.cuda.synchronize()
-        n, t0 = 0, time.perf_counter()
-        while (n < calls) if seconds is None else (time.perf_counter() - t0 < seconds):
-            for _ in range(10):
-                fn()
-            n += 10
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e3
-
     eager_calls = {"[eager] sdpa (default backend)": lambda: F.scaled_dot_product_attention(q, k, v)}
     eager_calls.update({f"[eager] int8_attention {m}": (lambda m=m: int8_attention(q, k, v, mode=m))
                         for m in ("int8_fp16v", "int8")})
@@ -159,7 +142,7 @@ def run_shape(name, shape, dtype, sweep):
         for label, fn in eager_calls.items():
             rows[label]["ms_rounds"].append(back_to_back(fn))
     for label in eager_calls:
-        rows[label]["ms"] = sorted(rows[label]["ms_rounds"])[1]
+        rows[label]["ms"] = median(rows[label]["ms_rounds"])
         rows[label]["tflops"] = flops / rows[label]["ms"] / 1e9
 
     # Sustained: cuDNN and both INT8 modes replayed back to back, as a denoising loop runs them

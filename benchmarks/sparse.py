@@ -33,7 +33,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.config import SPARSE_BLOCK
 from diffusion_int8.kernels.sparsity import predict_block_mask
-from diffusion_int8.testing import graph_ms, interleaved_rounds, local_qkv, median, paired_ratio, realistic_qkv
+from diffusion_int8.testing import (back_to_back, graph_ms, interleaved_rounds, local_qkv, median, paired_ratio,
+                                    realistic_qkv)
 
 SHAPES = {
     "wan": (1, 12, 32760, 128),
@@ -63,21 +64,6 @@ def tau_for(q, k, skip, steps=16):
         else:
             hi = mid
     return hi, 1 - predict_block_mask(q, k, hi).float().mean().item()
-
-
-def eager_ms(fn, calls=20, rounds=5):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return median(times)
 
 
 def main():
@@ -123,7 +109,8 @@ def main():
                 sparse_r = paired_ratio(per_round["sparse"], per_round["dense"])
                 pred_r = paired_ratio(per_round["predicted"], per_round["local_dense"])
                 given_r = paired_ratio(per_round["mask_given"], per_round["local_dense"])
-                eager = {name: eager_ms(fns[name]) for name in ("dense", "sparse", "local_dense", "predicted")}
+                eager = {name: median([back_to_back(fns[name], calls=20) for _ in range(5)])
+                         for name in ("dense", "sparse", "local_dense", "predicted")}
                 row = dict(shape=name, B=B, H=H, S=S, D=D, mode=mode, skipped=round(1 - kept, 4), cudnn_ms=cudnn,
                            tau=tau, predicted_skipped=round(pred_skip, 4), **{f"{n}_ms": v for n, v in t.items()},
                            **{f"{n}_eager_ms": v for n, v in eager.items()}, sparse_over_dense=sparse_r,

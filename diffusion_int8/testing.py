@@ -4,18 +4,21 @@
   channels, an attention sink), never zeros or plain N(0, 1), which hide quantization errors.
 * ``cosine``, ``rel_l1``, ``cos_l1``: the accuracy of an output against a reference, in float64.
 * ``graphed``, ``graph_ms``: GPU time of a call replayed from a CUDA graph (no Python or launch overhead);
-  ``interleaved_ms``, ``interleaved_rounds``, ``paired_ratio``: several calls timed taking turns.
+  ``interleaved_ms``, ``interleaved_rounds``, ``paired_ratio``: several calls timed taking turns;
+  ``back_to_back``: a call's time when called back to back, as a pipeline calls it.
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["realistic_qkv", "local_qkv", "cosine", "rel_l1", "cos_l1", "graphed", "graph_ms", "interleaved_ms",
-           "interleaved_rounds", "paired_ratio", "median"]
+           "interleaved_rounds", "paired_ratio", "back_to_back", "median"]
 
 
 def realistic_qkv(
@@ -191,6 +194,26 @@ def paired_ratio(num: list[float], den: list[float]) -> tuple[float, float, floa
     times were taken side by side, so a drift between rounds cancels."""
     ratios = sorted(a / b for a, b in zip(num, den))
     return median(ratios), ratios[0], ratios[-1]
+
+
+def back_to_back(fn: Callable[[], object], calls: int = 200, seconds: float | None = None) -> float:
+    """ms a call of ``fn`` takes called back to back on the GPU's stream (host clock, synchronized at both ends), each
+    call's host time overlapping the GPU work of the one before: ``calls`` calls (a multiple of 10) after 10, or with
+    ``seconds``, as many as that takes after 0.5 s of the same (the GPU's clock then settles where its power cap
+    holds it)."""
+    end = time.perf_counter() + 0.5
+    for i in itertools.count():
+        fn()
+        if (seconds is None and i == 9) or (seconds is not None and time.perf_counter() > end):
+            break
+    torch.cuda.synchronize()
+    n, t0 = 0, time.perf_counter()
+    while (n < calls) if seconds is None else (time.perf_counter() - t0 < seconds):
+        for _ in range(10):
+            fn()
+        n += 10
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
 
 
 def median(values: list[float]) -> float:
