@@ -22,7 +22,7 @@ from .launch import EAGER, Runner, plan_or_run, signature
 from .layout import cdiv, output_like, padded_len, rows_16b_aligned, to_bhsd
 from .reference import smoothing_offset
 from .sparsity import MIN_SIMILARITY
-from .tl_helpers import rdiv, round_to_int8
+from .tl_helpers import columns_to_v8_order, rdiv, round_to_int8, v8_keys_permuted
 
 try:  # the sm_90 Gluon kernels; a Triton whose Gluon API they do not cover runs the portable kernel
     from . import hopper
@@ -122,9 +122,8 @@ def _attn_block(
             p8 = (p.to(tl.int32, bitcast=True) >> 23).to(tl.int8).to(tl.float8e4nv, bitcast=True)
         else:
             p8 = p.to(tl.float8e4nv)  # already scaled by 2^P_SHIFT through the exponent
-        if DP == 128 and BLOCK_N == 128:  # V's keys are stored in layout.v8_key_order: P's columns follow
-            p8 = tl.reshape(tl.permute(tl.reshape(p8, [p8.shape[0], BLOCK_N // 8, 4, 2]), (0, 2, 1, 3)),
-                            [p8.shape[0], BLOCK_N])
+        if v8_keys_permuted(DP, BLOCK_N):  # V's keys are stored in layout.v8_key_order: P's columns follow
+            p8 = columns_to_v8_order(p8)
         if (_ABLATE_PV_MMA & ABLATE) != 0:
             acc = acc * alpha[:, None] + tl.sum(p8.to(tl.float32), 1)[:, None]
         else:

@@ -23,7 +23,7 @@ from .launch import EAGER, Runner
 from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation, chunking, padded_len, stats_block, v_channel_amax
 from .pool import Pooled, pool_tile
 from .reference import hadamard, q_scale_mult
-from .tl_helpers import rdiv, round_to_int8
+from .tl_helpers import keys_to_v8_order, rdiv, round_to_int8, v8_keys_permuted
 
 _ROW_BLOCK = 64  # Q's tokens per block of the quantization launch (one scale per token)
 # Compiled kernels may only read globals that are constexpr.
@@ -242,8 +242,8 @@ def _quant_v_tile(
     if V_FMT == 1:
         inv = rdiv(_FP8_MAX, amax)
         y = tl.minimum(tl.maximum(v * inv[None, :], -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
-        if DP == 128 and BLOCK == 128:  # the keys in layout.v8_key_order: key 8i + 2t + e at 32t + 2i + e
-            y = tl.reshape(tl.permute(tl.reshape(y, [BLOCK // 8, 4, 2, DP]), (1, 0, 2, 3)), [BLOCK, DP])
+        if v8_keys_permuted(DP, BLOCK):
+            y = keys_to_v8_order(y)
         # stored transposed, (DP, S_PAD): the FP8 MMA wants V K-major
         tl.store(V8 + base + offs_d[:, None] * S_PAD + offs_s[None, :], tl.trans(y))
         qmax = _FP8_MAX

@@ -1,12 +1,18 @@
 """Triton device functions shared by the quantization and attention kernels (``quantize``, ``attention``).
 
-Both must round exactly as ``reference`` emulates: one IEEE rounding per division, round half to even.
+Both must round exactly as ``reference`` emulates: one IEEE rounding per division, round half to even; and
+both must agree on where FP8 V keeps its keys (``layout.v8_key_order``).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from . import layout
+
+# layout.fp8_v_keys_permuted, callable on a kernel's constexprs
+v8_keys_permuted = triton.constexpr_function(layout.fp8_v_keys_permuted)
 
 
 @triton.jit
@@ -23,3 +29,17 @@ def round_to_int8(y):
     # runs on the quarter-rate pipe exp2 needs). The clamp before it keeps the compiler from fusing the
     # scale multiply into an FMA.
     return ((y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000).to(tl.int8)
+
+
+@triton.jit
+def keys_to_v8_order(y):
+    """A (128, N) tile's rows, keys in natural order, moved to ``layout.v8_key_order``: key 8i + 2t + e to
+    32t + 2i + e. No data moves between threads where the tile's layout already holds the groups together."""
+    return tl.reshape(tl.permute(tl.reshape(y, [y.shape[0] // 8, 4, 2, y.shape[1]]), (1, 0, 2, 3)), y.shape)
+
+
+@triton.jit
+def columns_to_v8_order(p):
+    """An (M, 128) tile's columns (keys) moved to ``layout.v8_key_order``, as ``keys_to_v8_order`` moves rows: P's
+    columns in the order of FP8 V's keys."""
+    return tl.reshape(tl.permute(tl.reshape(p, [p.shape[0], p.shape[1] // 8, 4, 2]), (0, 2, 1, 3)), p.shape)
