@@ -34,7 +34,7 @@ def round_to_int8(y):
 @triton.jit
 def keys_to_v8_order(y):
     """A (128, N) tile's rows, keys in natural order, moved to ``layout.v8_key_order``: key 8i + 2t + e to
-    32t + 2i + e. No data moves between threads where the tile's layout already holds the groups together."""
+    32t + 2i + e."""
     return tl.reshape(tl.permute(tl.reshape(y, [y.shape[0] // 8, 4, 2, y.shape[1]]), (1, 0, 2, 3)), y.shape)
 
 
