@@ -1,12 +1,15 @@
 """Does a model admit block sparsity? The predictor's masks against an oracle's, on the long shipped model.
 
     python benchmarks/sparse_quality.py --levels 0.99,0.95,0.9,0.8 --out bench_out/sparse_quality.json
+    python benchmarks/sparse_quality.py --levels 0.8,0.6,0.4 --from-steps 0,10,14,17   # sparse from step s on
 
 For each level τ, the images of ``enable(pipe, "int8", sparsity=τ)`` (INT8 forced) against FP16 from the same
 seeds: PSNR and the fraction of blocks skipped, with the masks the calls predict (``int8_attention(...,
 sparsity=τ)``) and with an oracle's: the true block mass of the call (exact attention in float32), the smallest set
 of key blocks per query block holding τ of it. Where the oracle loses as much quality as the predictor at the same fraction
-skipped, the model's attention, not the predictor, sets the limit.
+skipped, the model's attention, not the predictor, sets the limit. With ``--from-steps``, each level also runs
+from a later denoising step on (dense INT8 before it: a ``PrecisionSchedule`` rule over the lower noise levels),
+to show which steps tolerate sparsity.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import diffusion_int8.processor as P
 from diffusion_int8.embedded import load_pipeline
 from diffusion_int8.eval.metrics import psnr
 from diffusion_int8.kernels.config import SPARSE_BLOCK
+from diffusion_int8.schedule import PrecisionSchedule, Rule
 
 
 def oracle_mask(query, key, scale, tau):
@@ -56,6 +60,7 @@ def main():
     ap.add_argument("--levels", default="0.99,0.95,0.9,0.8")
     ap.add_argument("--classes", type=int, default=16, help="images: class i seeded with i")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--from-steps", default="0", help="denoising steps (0-based) from which each level applies")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -71,23 +76,36 @@ def main():
     handle = diffusion_int8.enable(pipe, "int8", speed_gate=False)
     p = psnr(generate(), ref)
     handle.disable()
-    rows.append(dict(masks="dense", tau=1.0, psnr_mean=p.mean().item(), psnr_min=p.min().item(), skipped=0.0))
+    rows.append(dict(masks="dense", tau=1.0, from_step=0, psnr_mean=p.mean().item(), psnr_min=p.min().item(),
+                     skipped=0.0))
+    timesteps = pipe.scheduler.timesteps.tolist()  # of the last generation: every one has the same
+
+    def sparse_from(tau: float, step: int) -> dict:
+        """``enable``'s arguments for level ``tau`` at denoising steps ``step`` and later."""
+        if step == 0:
+            return dict(sparsity=tau)
+        below = (timesteps[step - 1] + timesteps[step]) / 2 / pipe.scheduler.config.num_train_timesteps
+        return dict(schedule=PrecisionSchedule((Rule("int8", 0.0, below, "*", tau),), default="int8",
+                                               name=f"tau {tau} from step {step}"))
+
     predictor = P.int8_core
     try:
         for masks, fn in (("predictor", predictor), ("oracle", oracle_core(predictor))):
             P.int8_core = fn
-            for tau in map(float, args.levels.split(",")):
-                handle = diffusion_int8.enable(pipe, "int8", sparsity=tau, speed_gate=False, record=True)
-                p = psnr(generate(), ref)
-                skipped = handle.state.skipped_blocks()["overall"]
-                handle.disable()
-                rows.append(dict(masks=masks, tau=tau, psnr_mean=p.mean().item(), psnr_min=p.min().item(),
-                                 skipped=skipped))
+            for step in map(int, args.from_steps.split(",")):
+                for tau in map(float, args.levels.split(",")):
+                    handle = diffusion_int8.enable(pipe, "int8", speed_gate=False, record=True, **sparse_from(tau, step))
+                    p = psnr(generate(), ref)
+                    skipped = handle.state.skipped_blocks()["overall"]
+                    handle.disable()
+                    rows.append(dict(masks=masks, tau=tau, from_step=step, psnr_mean=p.mean().item(),
+                                     psnr_min=p.min().item(), skipped=skipped))
     finally:
         P.int8_core = predictor
-    print("| masks | τ | PSNR mean (min) dB | skipped |\n|---|---|---|---|")
+    print("| masks | τ | from step | PSNR mean (min) dB | skipped |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['masks']} | {r['tau']} | {r['psnr_mean']:.2f} ({r['psnr_min']:.2f}) | {r['skipped']:.1%} |")
+        print(f"| {r['masks']} | {r['tau']} | {r['from_step']} | {r['psnr_mean']:.2f} ({r['psnr_min']:.2f}) "
+              f"| {r['skipped']:.1%} |")
     if args.out:
         meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                 "date": time.strftime("%Y-%m-%d"), "classes": args.classes, "steps": args.steps}
