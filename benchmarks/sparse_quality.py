@@ -94,7 +94,8 @@ def main():
             P.int8_core = fn
             for step in map(int, args.from_steps.split(",")):
                 for tau in map(float, args.levels.split(",")):
-                    handle = diffusion_int8.enable(pipe, "int8", speed_gate=False, record=True, **sparse_from(tau, step))
+                    handle = diffusion_int8.enable(pipe, "int8", speed_gate=False, record=True,
+                                                   **sparse_from(tau, step))
                     p = psnr(generate(), ref)
                     skipped = handle.state.skipped_blocks()["overall"]
                     handle.disable()
