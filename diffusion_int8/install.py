@@ -14,7 +14,7 @@ import torch
 from .kernels import Mode
 from .kernels.config import MAX_HEAD_DIM
 from .models import attention_modules, denoiser, head_dim_of
-from .processor import Int8DiffusionProcessor, Int8State, Schedule, as_calibration, as_gate, check_sparsity
+from .processor import Int8DiffusionProcessor, Int8State, Schedule, as_calibration, as_gate, check_carry, check_sparsity
 from .schedule import PrecisionSchedule
 from .speed_gate import SpeedGate
 
@@ -60,6 +60,7 @@ def enable(
     observer: Callable | None = None,
     speed_gate: "bool | SpeedGate | str | Path" = True,
     sparsity: float | None = None,
+    refresh_every: int | None = None,
     qk_balance: bool = False,
     qk_rotate: bool = False,
 ) -> Int8Handle:
@@ -84,6 +85,10 @@ def enable(
             query block; see ``Int8DiffusionProcessor``) for every INT8 call, with ``mode`` or with a schedule
             that has no levels of its own; a schedule with levels (``PrecisionSchedule.from_calibration(...,
             sparsity_budget=...)``) sets them per step and layer instead, and giving both raises ``ValueError``.
+        refresh_every: with ``sparsity``, the skipped blocks are carried instead of dropped: computed every
+            ``refresh_every``-th denoising step and forecast in between from the last two such steps, the mask
+            predicted once per generation (``carry.BlockCarry``; see ``Int8DiffusionProcessor``). Eager
+            pipelines only: each attention module keeps its skipped blocks' last two outputs.
         qk_balance: passed to ``int8_attention``: the exact Q·Kᵀ channel balance against outlier channels.
         qk_rotate: passed to ``int8_attention``: the Hadamard rotation of Q and K against outlier channels, those
             Q and K share included (with ``qk_balance`` too, both apply).
@@ -99,7 +104,7 @@ def enable(
     Mode.parse(mode)
     if isinstance(schedule, str):
         schedule = PrecisionSchedule.load(schedule)
-    check_sparsity(sparsity, schedule)
+    check_carry(refresh_every, check_sparsity(sparsity, schedule))
     calibration = as_calibration(calibration)
     if calibration is not None:
         calibration.validate(model)
@@ -115,11 +120,11 @@ def enable(
         module.set_processor(
             Int8DiffusionProcessor(mode, schedule=schedule, calibration=calibration, inner=module.processor,
                                    state=state, name=name, observer=observer, speed_gate=gate, sparsity=sparsity,
-                                   qk_balance=qk_balance, qk_rotate=qk_rotate)
+                                   refresh_every=refresh_every, qk_balance=qk_balance, qk_rotate=qk_rotate)
         )
     _warn_skipped(skipped)
     hook = None
-    if schedule is not None or record or calibration is not None or observer is not None:
+    if schedule is not None or record or calibration is not None or observer is not None or refresh_every is not None:
         hook = model.register_forward_pre_hook(functools.partial(_read_timestep, state), with_kwargs=True)
     handle = Int8Handle(model, state, originals, skipped, hook)
     model.__dict__["_diffusion_int8_handle"] = handle

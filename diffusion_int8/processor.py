@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .calibration.file import Calibration
+from .carry import BlockCarry
 from .kernels import Mode, StaticRanges
 from .kernels.api import sdpa_with_lse
 from .kernels.config import SPARSE_BLOCK
@@ -28,7 +29,7 @@ from .kernels.sparsity import check_tau, predict_block_mask
 from .models import call_params, stock_processor_for, text_position
 from .routing import (RouteToInt8, attention_dispatch, context_split, int8_core, keeps_stock, kernel_takes, other_backend,
                       routed)
-from .schedule import PrecisionSchedule
+from .schedule import PrecisionSchedule, noise_level
 from .speed_gate import CrossoverTable, SpeedGate
 
 Schedule = Union[PrecisionSchedule, str, Callable[[float], Union[str, Mode]]]
@@ -131,6 +132,10 @@ class Int8DiffusionProcessor:
             calls with an ``attn_mask`` and calls of at most ``SPARSE_BLOCK`` keys stay dense. In joint text+image
             attention (the stock processor receives ``encoder_hidden_states`` and attends over both), the key
             blocks holding the text tokens are always kept.
+        refresh_every: with ``sparsity``, carry the skipped blocks instead of dropping them (``carry.BlockCarry``):
+            every ``refresh_every``-th denoising step computes them too, the steps between forecast them from
+            the last two such steps; the mask is predicted once per generation. Needs the timestep (``enable``
+            reads it), and eager mode between calls (not CUDA graph replays of single steps).
         qk_balance: ``int8_attention``'s Q·Kᵀ channel balance, for models whose Q and K carry outlier channels
             of their own (see its docstring; applies with measured ranges and at least 1,024 queries per head).
             With a calibration, the balance is the calibration's static one (``Calibration.ranges(...,
@@ -154,6 +159,7 @@ class Int8DiffusionProcessor:
         observer: Callable | None = None,
         speed_gate: "bool | SpeedGate | str | Path" = True,
         sparsity: float | None = None,
+        refresh_every: int | None = None,
         qk_balance: bool = False,
         qk_rotate: bool = False,
     ):
@@ -165,6 +171,8 @@ class Int8DiffusionProcessor:
         if schedule is not None and not callable(schedule):
             raise TypeError(f"schedule must be a PrecisionSchedule, a preset name, a file or a callable, got {type(schedule).__name__}")
         self.sparsity = check_sparsity(sparsity, schedule)
+        self.carry = check_carry(refresh_every, self.sparsity)
+        self._warned_carry = False
         if not isinstance(qk_balance, bool):
             raise TypeError(f"qk_balance must be True or False, got {qk_balance!r}")
         if not isinstance(qk_rotate, bool):
@@ -381,6 +389,14 @@ class Int8DiffusionProcessor:
         ranges = self._static_ranges(query.device)
         if ranges is not None and share is not None:
             ranges = heads_share(ranges, *share)
+        if tau is not None and self.carry is not None and self._carry_ready():
+            run = functools.partial(int8_core, mode, query, key, value, None, scale, ranges,
+                                    qk_balance=self.qk_balance, qk_rotate=self.qk_rotate)
+            out, kept = self.carry(run, query, key, tau=tau, scale=scale, keep_kv_blocks=self._text_blocks(query, key),
+                                   noise=noise_level(self.state.timestep, None, self.state.timestep_scale))
+            if blocks:
+                self.state.count_blocks(kept, _block_pairs(query, key))
+            return out
         res = int8_core(mode, query, key, value, attn_mask, scale, ranges, qk_balance=self.qk_balance,
                         qk_rotate=self.qk_rotate, sparsity=tau,
                         keep_kv_blocks=None if tau is None else self._text_blocks(query, key),
@@ -390,6 +406,18 @@ class Int8DiffusionProcessor:
             total = _block_pairs(query, key)
             self.state.count_blocks(total if block_mask is None else block_mask.sum(), total)
         return out
+
+    def _carry_ready(self) -> bool:
+        """Whether the skipped blocks can be carried: the denoising step is known (else, one warning, and they
+        are dropped)."""
+        if self.state.timestep is not None:
+            return True
+        if not self._warned_carry:
+            self._warned_carry = True
+            warnings.warn("diffusion_int8: refresh_every needs the denoiser's timestep, which this processor has not "
+                          "been given (diffusion_int8.enable() reads it); the skipped blocks are dropped instead",
+                          RuntimeWarning, stacklevel=4)
+        return False
 
     def block_mask_for(self, query, key, attn_mask, scale, tau: float | None) -> torch.Tensor | None:
         """The block mask this processor's INT8 calls (BHSD inputs) predict at level ``tau`` (bool (B, H, nQB,
@@ -503,6 +531,16 @@ def skipped_fractions(totals: dict[int, tuple[float, int]]) -> dict | None:
     kept, total = sum(totals[s][0] for s in steps), sum(totals[s][1] for s in steps)
     return {"steps": steps, "per_step": [1 - totals[s][0] / max(totals[s][1], 1) for s in steps],
             "overall": 1 - kept / max(total, 1)}
+
+
+def check_carry(refresh_every, sparsity: float | None) -> BlockCarry | None:
+    """A ``BlockCarry`` for ``refresh_every`` (None: none), which needs a constant ``sparsity`` below 1."""
+    if refresh_every is None:
+        return None
+    if sparsity is None or sparsity >= 1:
+        raise ValueError(f"refresh_every={refresh_every!r} carries the blocks a sparsity level skips: give "
+                         f"sparsity=tau (a constant level below 1) too, got sparsity={sparsity!r}")
+    return BlockCarry(refresh_every)
 
 
 def check_sparsity(sparsity, schedule) -> float | None:

@@ -22,6 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from diffusion_int8.kernels import attention as A  # noqa: E402
 from diffusion_int8.kernels import hopper as Hp  # noqa: E402
+from diffusion_int8.kernels import merge as Mg  # noqa: E402
 from diffusion_int8.kernels import pool as Pool  # noqa: E402
 from diffusion_int8.kernels import quantize as Qz  # noqa: E402
 from diffusion_int8.kernels.config import FP_FUSION, PV, padded_head_dim, tile_config  # noqa: E402
@@ -104,7 +105,11 @@ def sparse_variants() -> int:
     for lists in (False, True):
         compile_kernel(Pool._select_kernel, ptrs, {"tau", "min_sim"}, dict(NKB_P2=256, GUARD=True, HAS_KEEP=lists,
                                                                           LISTS=lists))
-    return 7
+    # the carried blocks' merge, with and without the forecast, into fp16 and bf16
+    for forecast, dt in ((False, "fp16"), (True, "bf16")):
+        compile_kernel(Mg._merge_kernel, dict(A=f"*{dt}", LA="*fp32", B=f"*{dt}", LB="*fp32", P=f"*{dt}", LP="*fp32",
+                                              O=f"*{dt}"), {"step"}, dict(FORECAST=forecast, BLOCK_S=64, DP=128))
+    return 9
 
 
 def hopper_variant(pv, dt="fp16", sparse=False, lse=False):

@@ -2,6 +2,7 @@
 
     diffusion-int8 eval --model PATH --prompts prompts.txt --out report/               # modes int8, int8_fp16v
     diffusion-int8 eval --model PATH --prompts p.txt --schedule calib/schedule.json --calibration calib/ --out r/
+    diffusion-int8 eval --model PATH --prompts p.txt --sparsity 0.2 --refresh-every 2 --out r/   # block-sparse
     diffusion-int8 eval --generate-only ... --out imgs/         # images and timings only
     diffusion-int8 eval --score imgs/images/fp16 other/folder --out scores/              # score folders
     accelerate launch --multi_gpu --num_processes 8 -m diffusion_int8 eval ...         # prompts sharded
@@ -30,7 +31,7 @@ from ..kernels import Mode, kernel_info
 from ..schedule import PrecisionSchedule
 from .common import add_model_args, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, output_set
-from .usage import UsageError, user_errors
+from .usage import UsageError, at_least_two, sparsity_level, user_errors
 
 
 def load_inputs(schedule: str | None, calibration: str | None) -> tuple[PrecisionSchedule | None, Calibration | None]:
@@ -45,13 +46,15 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
                  class_labels: list[str] | None = None, steps: int = 20, batch_size: int = 8, seed: int = 0,
                  guidance_scale: float | None = None, device: str | None = None, overwrite: bool = False,
                  modes: Sequence[str] = DEFAULT_MODES, schedule: str | None = None, calibration: str | None = None,
-                 generate_only: bool = False, no_speed_gate: bool = False, lpips_weights: str | None = None,
+                 sparsity: float | None = None, refresh_every: int | None = None, generate_only: bool = False, no_speed_gate: bool = False, lpips_weights: str | None = None,
                  fid_weights: str | None = None, shown_out: Path | None = None) -> int:
     """The command (without ``--score``) with its arguments as keywords (``demo`` calls it); ``shown_out``:
     ``out`` as messages name it (the demo writes into a temporary directory). Returns the exit status."""
     check_out(out, OUTPUTS, overwrite)
     items = read_items(prompts, class_labels)
     schedule, calibration = load_inputs(schedule, calibration)
+    if refresh_every is not None and sparsity is None:
+        raise UsageError("--refresh-every carries the blocks --sparsity skips: give --sparsity TAU too")
     shards = pipelines.Shards(device)
     if shards.is_main:
         print(f"eval on {shards.device}: INT8 kernel {kernel_info(shards.device, 'int8')['backend']}"
@@ -62,7 +65,7 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
         with user_errors(ValueError):
             calibration.validate(pipelines.denoiser(pipe))
     report = evaluate(pipe, **item_kwargs(items), modes=modes, schedule=schedule, calibration=calibration,
-                      steps=steps, batch_size=batch_size, seed=seed, guidance_scale=guidance_scale,
+                      sparsity=sparsity, refresh_every=refresh_every, steps=steps, batch_size=batch_size, seed=seed, guidance_scale=guidance_scale,
                       speed_gate=not no_speed_gate, generate_only=generate_only, lpips_weights=lpips_weights,
                       fid_weights=fid_weights, model=pipelines.model_id(model), shards=shards)
     if report is None:  # another process of a launch: the main one writes
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                         steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                         guidance_scale=args.guidance_scale, device=args.device, overwrite=args.overwrite,
                         modes=args.modes, schedule=args.schedule, calibration=args.calibration,
-                        generate_only=args.generate_only, no_speed_gate=args.no_speed_gate,
+                        sparsity=args.sparsity, refresh_every=args.refresh_every, generate_only=args.generate_only, no_speed_gate=args.no_speed_gate,
                         lpips_weights=args.lpips_weights, fid_weights=args.fid_weights)
 
 
@@ -151,6 +154,12 @@ def add_parser(sub) -> None:
                    help="constant-precision variants to compare with fp16 (default: int8 int8_fp16v)")
     p.add_argument("--schedule", help="also a scheduled variant: a preset (balanced, …) or a schedule.json")
     p.add_argument("--calibration", help="also a variant with static ranges from this calibration (file or directory)")
+    p.add_argument("--sparsity", type=sparsity_level, metavar="TAU",
+                   help="also an int8 variant at this block-sparsity level in (0, 1): the attention mass kept per query "
+                        "block (README, 'Block-sparse attention')")
+    p.add_argument("--refresh-every", type=at_least_two, metavar="K",
+                   help="with --sparsity: carry the skipped blocks, computing them every K-th step and forecasting "
+                        "them in between, instead of dropping them")
     p.add_argument("--generate-only", action="store_true", help="write images and timings, skip the metrics")
     p.add_argument("--no-speed-gate", action="store_true",
                    help="run INT8 for every attention call the variant's mode covers, also where the speed gate would "

@@ -55,6 +55,7 @@ def int_at_least(low: int):
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
+at_least_two = int_at_least(2)
 
 
 def _finite(text: str) -> float:
@@ -88,6 +89,14 @@ def percentile(text: str) -> float:
     value = _finite(text)
     if not 0 < value <= 100:
         raise argparse.ArgumentTypeError(f"must be a percentile in (0, 100], got {text!r}")
+    return value
+
+
+def sparsity_level(text: str) -> float:
+    """argparse ``type=``: one sparsity level in (0, 1)."""
+    value = _finite(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a sparsity level in (0, 1) (1 is dense), got {text!r}")
     return value
 
 

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from .. import pipelines
 from ..calibration import Calibration
 from ..kernels import Mode, kernel_info
-from ..processor import skipped_fractions
+from ..processor import check_carry, check_sparsity, skipped_fractions
 from ..schedule import PrecisionSchedule
 from . import report as R
 from .score import Scorer, save_images
@@ -70,9 +70,13 @@ class StepTimer:
 
 
 def variants(modes: Sequence[str] = DEFAULT_MODES, schedule: PrecisionSchedule | None = None,
-             calibration: Calibration | None = None) -> dict[str, dict]:
+             calibration: Calibration | None = None, sparsity: float | None = None,
+             refresh_every: int | None = None) -> dict[str, dict]:
     """``{name: enable() kwargs}`` in report order; the baseline (stock pipeline) is not listed."""
     out = {m: {"mode": m} for m in modes}
+    if sparsity is not None:
+        name = f"int8+sparsity{sparsity:g}" + (f"+refresh{refresh_every}" if refresh_every else "")
+        out[name] = {"mode": "int8", "sparsity": sparsity, "refresh_every": refresh_every}
     if schedule is not None:
         out[f"schedule:{schedule.name}"] = {"schedule": schedule}
     if calibration is not None:
@@ -177,7 +181,8 @@ def _to_uint8(img: torch.Tensor) -> torch.Tensor:
 
 def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequence[int | str] | None = None,
              modes: Sequence[str] = DEFAULT_MODES, schedule: PrecisionSchedule | str | Path | None = None,
-             calibration: Calibration | str | Path | None = None, steps: int = 20, batch_size: int = 8,
+             calibration: Calibration | str | Path | None = None, sparsity: float | None = None,
+             refresh_every: int | None = None, steps: int = 20, batch_size: int = 8,
              seed: int = 0, guidance_scale: float | None = None, speed_gate: bool = True,
              generate_only: bool = False, lpips_weights: str | None = None, fid_weights: str | None = None,
              model: str | None = None, shards: pipelines.Shards | None = None, progress: bool = True) -> dict | None:
@@ -193,6 +198,8 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
         schedule: also a scheduled variant: a ``PrecisionSchedule``, a preset name or a schedule JSON file.
         calibration: also a variant with static ranges (the last variant's settings plus this
             calibration): a ``Calibration`` or its file or directory; checked against the model first.
+        sparsity, refresh_every: also an ``int8`` variant at this constant sparsity level, its skipped blocks
+            dropped or, with ``refresh_every``, carried (``enable``'s arguments; checked first).
         steps, batch_size, seed, guidance_scale: as in ``calibrate``; image ``i`` is seeded with ``seed + i``
             in every variant.
         speed_gate: False runs INT8 for every call a variant's mode covers (``enable(speed_gate=False)``).
@@ -219,6 +226,7 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
             schedule or calibration file (``FileNotFoundError`` where it is missing).
     """
     items = pipelines.resolve_items(pipe, prompts, class_labels)
+    check_carry(refresh_every, check_sparsity(sparsity, None))
     if schedule is not None and not isinstance(schedule, PrecisionSchedule):
         schedule = PrecisionSchedule.load(schedule)
     if calibration is not None and not isinstance(calibration, Calibration):
@@ -227,7 +235,7 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
         calibration.validate(pipelines.denoiser(pipe))
     shards = shards or pipelines.Shards(str(pipelines.denoiser(pipe).device))
     results, speeds, per_step, nonfinite = generate_all(
-        pipe, items, variants(modes, schedule, calibration), shards, batch_size=batch_size, steps=steps, seed=seed,
+        pipe, items, variants(modes, schedule, calibration, sparsity, refresh_every), shards, batch_size=batch_size, steps=steps, seed=seed,
         guidance_scale=guidance_scale, speed_gate=speed_gate, progress=progress)
     gathered = shards.gather([(results, speeds, nonfinite)])
     if not shards.is_main:

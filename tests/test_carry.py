@@ -1,0 +1,254 @@
+"""Skipped blocks carried across denoising steps (``carry.BlockCarry``, ``enable(..., refresh_every=k)``): the
+merge of two disjoint key sets is exact, a refresh step gives the dense result, the steps between forecast the
+skipped blocks from the last two refreshes, the mask is predicted once per generation, and bad arguments are
+refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_int8 import Int8DiffusionProcessor, enable
+from diffusion_int8.carry import BlockCarry
+from diffusion_int8.kernels import Mode
+from diffusion_int8.kernels.config import SPARSE_BLOCK
+from diffusion_int8.kernels.merge import merge_forecast, merge_reference
+from diffusion_int8.models import attention_modules
+from diffusion_int8.routing import int8_core
+from diffusion_int8.testing import local_qkv
+
+BLK = SPARSE_BLOCK
+
+
+@pytest.fixture(autouse=True)
+def _emulation(monkeypatch):
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+
+
+def exact(q, k, v, keep=None):
+    """float64 attention, and its log-sum-exp, over the keys of the blocks ``keep`` (B, H, nQB, nKB) marks."""
+    s = q.double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5
+    if keep is not None:
+        tokens = keep.repeat_interleave(BLK, -2).repeat_interleave(BLK, -1)[..., :q.shape[2], :k.shape[2]]
+        s = s.masked_fill(~tokens, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.nan_to_num(torch.softmax(s, -1)) @ v.double(), lse
+
+
+def cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def test_merging_two_disjoint_key_sets_is_attention_over_both():
+    q, k, v = local_qkv(1, 2, 300, 700, 64, dtype=torch.float32, seed=1)
+    keep = torch.rand(1, 2, 3, 6, generator=torch.Generator().manual_seed(0)) < 0.5
+    keep[..., 0, :] = True  # a row whose complement is empty
+    o_a, l_a = exact(q, k, v, keep)
+    o_b, l_b = exact(q, k, v, ~keep)
+    o_b[..., :BLK, :] = float("nan")  # no keys there: whatever the kernel leaves must not leak
+    full, _ = exact(q, k, v)
+    merged = merge_reference(o_a.float(), l_a.float(), o_b.float(), l_b.float())
+    assert merged.dtype == torch.float32 and torch.isfinite(merged).all()
+    torch.testing.assert_close(merged.double(), full, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_merge_kernel_matches_its_reference(kdev, monkeypatch, dtype):
+    """The one-launch merge (Triton; the interpreter on CPU) against ``merge_reference``, with and without a
+    forecast, on BHSD views of BSHD memory at an odd length and head dim, rows without keys in either set included."""
+    monkeypatch.delenv("DIFFUSION_INT8_BACKEND")
+    B, H, S, D = 2, 3, 77, 40
+    g = torch.Generator().manual_seed(0)
+
+    def bhsd():  # a view of (B, S, H, D) memory, as the processor's calls give them
+        return torch.randn(B, S, H, D, generator=g).to(dtype).to(kdev).transpose(1, 2)
+
+    a, b, p = bhsd(), bhsd(), bhsd()
+    la, lb, lp = (torch.randn(B, H, S, generator=g).to(kdev) * 3 for _ in range(3))
+    lb[:, :, :5] = float("-inf")  # no keys in set b there
+    b[:, :, :5] = float("nan")
+    lp[:, :, 5:9] = float("-inf")
+    for before in (None, (p, lp)):
+        args = (a, la, b, lb) + (before or (None, None)) + (0.7,)
+        out = merge_forecast(*args)
+        assert out.dtype == dtype and out.stride() == a.stride() and torch.isfinite(out).all()
+        torch.testing.assert_close(out.float(), merge_reference(*args), atol=1e-2, rtol=1e-2)
+
+
+def run_for(q, k, v):
+    return lambda **kw: int8_core(Mode.INT8, q, k, v, None, None, None, **kw)
+
+
+def test_refresh_steps_give_the_dense_result_and_the_steps_between_skip():
+    q, k, v = local_qkv(1, 2, 1000, 1000, 64, seed=2)
+    carry = BlockCarry(2)
+    reference, _ = exact(q, k, v)
+    dense_err = (int8_core(Mode.INT8, q, k, v, None, None, None).double() - reference).abs().max()
+    total = 2 * 8 * 8
+    for step, noise in enumerate((1.0, 0.9, 0.8, 0.7)):
+        out, computed = carry(run_for(q, k, v), q, k, tau=0.5, scale=None, noise=noise)
+        assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
+        # a refresh is as close to exact attention as the dense INT8 call (P is quantized per part, so not
+        # bit for bit); between refreshes the inputs are the same, so the forecast is what the refresh computed
+        assert (out.double() - reference).abs().max() < 1.1 * dense_err
+        if step % 2 == 0:
+            assert computed == total
+        else:
+            assert 0 < int(computed) < total / 2
+    # the mask was predicted once, at the first step
+    assert len(carry._sites) == 1
+
+
+def test_the_forecast_follows_the_skipped_blocks_linearly_in_the_noise_level():
+    q, k, v0 = local_qkv(1, 1, 512, 512, 64, seed=3)
+    v1 = v0 + 0.5 * torch.randn_like(v0, dtype=torch.float32).half()
+    carry = BlockCarry(2)
+    vs = {1.0: v0, 0.8: (v0.float() + 0.5 * (v1.float() - v0.float())).half(), 0.6: v1}
+    # V moves linearly in the noise level (refreshes at 1.0 and 0.6), so the skipped blocks' output does too
+    carry(run_for(q, k, vs[1.0]), q, k, tau=0.3, scale=None, noise=1.0)
+    carry(run_for(q, k, vs[0.8]), q, k, tau=0.3, scale=None, noise=0.8)
+    carry(run_for(q, k, vs[0.6]), q, k, tau=0.3, scale=None, noise=0.6)
+    v_next = (v1.float() + 0.5 * (v1.float() - v0.float())).half()  # noise 0.4, a step between refreshes
+    forecast, computed = carry(run_for(q, k, v_next), q, k, tau=0.3, scale=None, noise=0.4)
+    assert 0 < int(computed) < 16
+    reference, _ = exact(q, k, v_next)
+    site = carry._sites[0]
+    stale = merge_reference(*int8_core(Mode.INT8, q, k, v_next, None, None, None, block_mask=site.mask,
+                                       return_lse=True), site.last[1], site.last[2])
+    # the linear forecast lands on the new V's skipped output; the last refresh's alone does not
+    assert (forecast.double() - reference).abs().max() < 0.5 * (stale.double() - reference).abs().max()
+    dense = int8_core(Mode.INT8, q, k, v_next, None, None, None)
+    assert cos(forecast, reference) > cos(dense, reference) - 5e-4  # about as close as the dense INT8 call
+
+
+def test_a_new_generation_predicts_its_mask_again_and_refreshes():
+    q, k, v = local_qkv(1, 2, 600, 600, 64, seed=4)
+    carry = BlockCarry(3)
+    for noise in (1.0, 0.9, 0.8):
+        carry(run_for(q, k, v), q, k, tau=0.5, scale=None, noise=noise)
+    first_mask = carry._sites[0].mask
+    q2, k2, v2 = local_qkv(1, 2, 600, 600, 64, seed=5)
+    _, computed = carry(run_for(q2, k2, v2), q2, k2, tau=0.5, scale=None, noise=1.0)  # noise rose: a new one
+    assert computed == 2 * 5 * 5 and carry._step == 0
+    assert carry._sites[0].mask is not first_mask and carry._sites[0].before is None
+
+
+@pytest.mark.parametrize("every", [1, 0, -2, 2.5, True, "2"])
+def test_bad_refresh_intervals_are_refused_saying_what_is_accepted(every):
+    with pytest.raises(ValueError, match="refresh_every must be an integer >= 2"):
+        BlockCarry(every)
+
+
+def test_refresh_every_needs_a_sparsity_level():
+    from tiny_models import build
+
+    model, _ = build("dit")
+    before = {n: type(m.processor) for n, m in attention_modules(model).items()}
+    with pytest.raises(ValueError, match="give sparsity=tau"):
+        enable(model, "int8", refresh_every=2)
+    with pytest.raises(ValueError, match="refresh_every must be an integer >= 2"):
+        enable(model, "int8", sparsity=0.5, refresh_every=1)
+    with pytest.raises(ValueError, match="give sparsity=tau"):
+        Int8DiffusionProcessor("int8", sparsity=1.0, refresh_every=2)
+    # refused before installing anything
+    assert "_diffusion_int8_handle" not in model.__dict__
+    assert {n: type(m.processor) for n, m in attention_modules(model).items()} == before
+
+
+def test_a_pipeline_carries_its_skipped_blocks_and_counts_them():
+    from test_embedded_long import tiny_long_pipeline
+
+    pipe = tiny_long_pipeline()
+
+    def generate():
+        return pipe(["red circle"], num_inference_steps=4, generator=torch.Generator().manual_seed(0),
+                    output_type="pt").images
+
+    handle = enable(pipe, "int8", speed_gate=False)
+    dense = generate()
+    handle.disable()
+    handle = enable(pipe, "int8", sparsity=0.3, refresh_every=2, speed_gate=False, record=True)
+    try:
+        carried = generate()
+        skipped = handle.state.skipped_blocks()
+        again = generate()  # a second generation starts its own refreshes and mask
+    finally:
+        handle.disable()
+    assert torch.isfinite(carried).all() and torch.equal(carried, again)
+    per_step = skipped["per_step"]
+    assert per_step[0] == 0 and per_step[2] == 0  # refresh steps compute every block
+    assert per_step[1] > 0.2 and per_step[3] > 0.2
+    assert not torch.equal(carried, dense)
+
+
+def test_without_the_timestep_the_blocks_are_dropped_with_one_warning():
+    q, k, v = local_qkv(1, 2, 600, 600, 64, seed=6)
+    proc = Int8DiffusionProcessor("int8", sparsity=0.5, refresh_every=2, speed_gate=False)
+    with pytest.warns(RuntimeWarning, match="refresh_every needs the denoiser's timestep"):
+        out = proc._attention(q, k, v)
+    plain = int8_core(Mode.INT8, q, k, v, None, None, None, sparsity=0.5)
+    torch.testing.assert_close(out, plain)
+
+
+def test_eval_reports_a_carried_variant_with_its_refresh_steps(tmp_path):
+    from diffusion_int8 import evaluate
+    from diffusion_int8.embedded import load_pipeline
+
+    pipe = load_pipeline(device="cpu")  # 256 tokens: two blocks of queries and of keys
+    report = evaluate(pipe, class_labels=["red circle", "blue ring"], steps=4, modes=["int8"], sparsity=0.5,
+                      refresh_every=2, progress=False, generate_only=True)
+    carried = report["variants"]["int8+sparsity0.5+refresh2"]["sparsity"]
+    assert carried["per_step"][0] == 0 and carried["per_step"][2] == 0
+    assert carried["per_step"][1] > 0 and carried["per_step"][3] > 0
+    assert report["variants"]["int8"]["sparsity"]["overall"] == 0
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--refresh-every", "2"], ["--refresh-every carries the blocks --sparsity skips", "--sparsity TAU"]),
+    (["--sparsity", "1"], ["--sparsity", "must be a sparsity level in (0, 1)"]),
+    (["--sparsity", "0.5", "--refresh-every", "1"], ["--refresh-every", "must be an integer >= 2"]),
+])
+def test_eval_refuses_bad_sparse_arguments_before_loading(tmp_path, capsys, argv, fragments):
+    from test_cli_errors import assert_usage_error, cli
+
+    code, err = cli(["eval", "--class-labels", "red circle", "--out", tmp_path / "r", *argv], capsys)
+    assert_usage_error(code, err, "eval", *fragments)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [Mode.INT8, Mode.INT8_FP16V])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_kernels_carry_as_the_emulation_does(monkeypatch, mode, D):
+    """On the GPU's kernels: a refresh (the mask's call and its complement's, merged) is as close to exact attention
+    as the dense call, rows whose every block is kept (an empty complement) included, at an odd length."""
+    monkeypatch.delenv("DIFFUSION_INT8_BACKEND")
+    q, k, v = local_qkv(1, 4, 3001, 3001, D, device="cuda", seed=7)
+    carry = BlockCarry(2)
+
+    def run(**kw):
+        return int8_core(mode, q, k, v, None, None, None, **kw)
+
+    reference, _ = exact(q.cpu(), k.cpu(), v.cpu())
+    dense_err = (run().double().cpu() - reference).abs().max()
+    n = -(-3001 // BLK)
+    keep = torch.zeros(1, 1, n, n, dtype=torch.bool, device="cuda")
+    keep[..., 0, :] = True  # the first query block keeps every key block: nothing in its complement
+    for noise in (1.0, 0.9, 0.8):
+        out, computed = carry(run, q, k, tau=0.3, scale=None, noise=noise, keep_kv_blocks=keep)
+        assert torch.isfinite(out).all()
+        assert (out.double().cpu() - reference).abs().max() < 1.1 * dense_err
+    mask = carry._sites[0].mask
+    assert mask.all(-1).any() and (~mask).any()  # some rows keep every block, and blocks are skipped
+
+
+def test_a_timestep_that_does_not_move_keeps_the_call_sites_bounded():
+    from diffusion_int8.carry import MAX_CALLS_PER_STEP
+
+    q, k, v = local_qkv(1, 1, 300, 300, 64, seed=8)
+    carry = BlockCarry(2)
+    for _ in range(3 * MAX_CALLS_PER_STEP):
+        _, computed = carry(run_for(q, k, v), q, k, tau=0.5, scale=None, noise=0.5)
+        assert computed == 3 * 3  # every call a refresh: the step never advances
+    assert len(carry._sites) <= MAX_CALLS_PER_STEP
