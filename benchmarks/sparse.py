@@ -2,6 +2,7 @@
 
     python benchmarks/sparse.py --out bench_out/sparse.json
     python benchmarks/sparse.py --shapes wan --skip 0.5 --modes int8
+    python benchmarks/sparse.py --shapes wan,cogvideox --skip 0.8 --modes int8 --refresh-every 2
 
 Each (query block, key block) pair of 128 × 128 tokens is kept or skipped; a row of the mask keeps exactly
 ``round((1 - skip) · blocks)`` key blocks, drawn at random (the kernel's time depends on how many, not which).
@@ -15,6 +16,11 @@ is local in the sequence (``testing.local_qkv``, wavelengths scaled with the len
 about the same fraction over the whole call (found by bisection beforehand); against the dense call on the same
 inputs, and against the same call given the predicted mask (``mask given``). Their difference, the predictor's cost,
 is smaller than the rows' noise at long shapes; time its launches alone to measure it.
+
+*Carried* (``--refresh-every k``, ``carry.BlockCarry``): the skipped blocks computed every k-th step and forecast
+in between. A refresh is the mask's call and its complement's, each with its log-sum-exp, merged; a step between
+is the mask's call merged with the complement's forecast from two earlier refreshes. ``per step`` is their mean
+over k steps, (refresh + (k − 1) · between) / k, over the dense call.
 Ratios compare times of one run: ``÷ dense`` is the sparse call's time over the dense INT8 call's, taken within
 each graph round (the two timed side by side) and given as the median over rounds with their range; ``× cuDNN``
 cuDNN's time over the call's.
@@ -31,6 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diffusion_int8 import int8_attention
+from diffusion_int8.kernels.merge import merge_forecast
 from diffusion_int8.kernels.config import SPARSE_BLOCK
 from diffusion_int8.kernels.sparsity import predict_block_mask
 from diffusion_int8.testing import (back_to_back, graph_ms, interleaved_rounds, local_qkv, median, paired_ratio,
@@ -74,6 +81,7 @@ def main():
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=9, help="rounds of the graph timings, the variants taking turns")
+    ap.add_argument("--refresh-every", type=int, default=None, help="also the carried call at this interval (>= 2)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
@@ -103,6 +111,14 @@ def main():
                     predicted=lambda: int8_attention(lq, lk, lv, mode=mode, sparsity=tau),
                     mask_given=lambda: int8_attention(lq, lk, lv, mode=mode, block_mask=pred_mask),
                 )
+                every = args.refresh_every
+                if every:
+                    def partial(m):
+                        return int8_attention(q, k, v, mode=mode, block_mask=m, return_lse=True)
+
+                    before, last = partial(~mask), partial(~mask)  # two refreshes' complements to forecast from
+                    fns["refresh"] = lambda: merge_forecast(*partial(mask), *partial(~mask))
+                    fns["between"] = lambda: merge_forecast(*partial(mask), *last, *before, 0.5)
                 # ratios within each round (the variants side by side), then their median and range over rounds
                 per_round = interleaved_rounds(fns, args.reps, args.rounds)
                 t = {n: median(x) for n, x in per_round.items()}
@@ -115,6 +131,17 @@ def main():
                            tau=tau, predicted_skipped=round(pred_skip, 4), **{f"{n}_ms": v for n, v in t.items()},
                            **{f"{n}_eager_ms": v for n, v in eager.items()}, sparse_over_dense=sparse_r,
                            predicted_over_dense=pred_r, mask_given_over_dense=given_r, rounds=args.rounds)
+                if every:
+                    carried = [(r + (every - 1) * b) / (every * d) for r, b, d in
+                               zip(per_round["refresh"], per_round["between"], per_round["dense"])]
+                    row.update(refresh_every=every,
+                               refresh_over_dense=paired_ratio(per_round["refresh"], per_round["dense"]),
+                               between_over_dense=paired_ratio(per_round["between"], per_round["dense"]),
+                               carried_over_dense=(median(carried), min(carried), max(carried)))
+                    c = row["carried_over_dense"]
+                    print(f"  carried every {every}: refresh ÷ dense {row['refresh_over_dense'][0]:.3f}, between ÷ "
+                          f"dense {row['between_over_dense'][0]:.3f}, per step ÷ dense {c[0]:.3f} "
+                          f"({c[1]:.3f}–{c[2]:.3f})", flush=True)
                 rows.append(row)
                 print(f"| {name} {(B, H, S, D)} | {mode} | {1 - kept:.0%} | {cudnn:.3f} | {t['dense']:.3f} | "
                       f"{t['sparse']:.3f} | {sparse_r[0]:.3f} ({sparse_r[1]:.3f}–{sparse_r[2]:.3f}) | "

@@ -2,6 +2,7 @@
 
     python benchmarks/sparse_quality.py --levels 0.99,0.95,0.9,0.8 --out bench_out/sparse_quality.json
     python benchmarks/sparse_quality.py --levels 0.8,0.6,0.4 --from-steps 0,10,14,17   # sparse from step s on
+    python benchmarks/sparse_quality.py --levels 0.3,0.2,0.1 --refresh-every 2,3        # skipped blocks carried
 
 For each level τ, the images of ``enable(pipe, "int8", sparsity=τ)`` (INT8 forced) against FP16 from the same
 seeds: PSNR and the fraction of blocks skipped, with the masks the calls predict (``int8_attention(...,
@@ -9,7 +10,8 @@ sparsity=τ)``) and with an oracle's: the true block mass of the call (exact att
 of key blocks per query block holding τ of it. Where the oracle loses as much quality as the predictor at the same fraction
 skipped, the model's attention, not the predictor, sets the limit. With ``--from-steps``, each level also runs
 from a later denoising step on (dense INT8 before it: a ``PrecisionSchedule`` rule over the lower noise levels),
-to show which steps tolerate sparsity.
+to show which steps tolerate sparsity. With ``--refresh-every``, each level also runs with its skipped blocks
+carried instead of dropped (``enable(..., refresh_every=k)``, the predictor's masks).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def main():
     ap.add_argument("--classes", type=int, default=16, help="images: class i seeded with i")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--from-steps", default="0", help="denoising steps (0-based) from which each level applies")
+    ap.add_argument("--refresh-every", default="", help="also each level with its skipped blocks carried, refreshed "
+                                                        "every k steps: comma-separated k >= 2")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -103,6 +107,15 @@ def main():
                                      psnr_min=p.min().item(), skipped=skipped))
     finally:
         P.int8_core = predictor
+    for every in [int(k) for k in args.refresh_every.split(",") if k]:
+        for tau in map(float, args.levels.split(",")):
+            handle = diffusion_int8.enable(pipe, "int8", speed_gate=False, record=True, sparsity=tau,
+                                           refresh_every=every)
+            p = psnr(generate(), ref)
+            skipped = handle.state.skipped_blocks()["overall"]
+            handle.disable()
+            rows.append(dict(masks=f"predictor, carried every {every}", tau=tau, from_step=0,
+                             psnr_mean=p.mean().item(), psnr_min=p.min().item(), skipped=skipped))
     print("| masks | τ | from step | PSNR mean (min) dB | skipped |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['masks']} | {r['tau']} | {r['from_step']} | {r['psnr_mean']:.2f} ({r['psnr_min']:.2f}) "
