@@ -221,8 +221,9 @@ def test_eval_refuses_bad_sparse_arguments_before_loading(tmp_path, capsys, argv
 @pytest.mark.parametrize("mode", [Mode.INT8, Mode.INT8_FP16V])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_kernels_carry_as_the_emulation_does(monkeypatch, mode, D):
-    """On the GPU's kernels: a refresh (the mask's call and its complement's, merged) is as close to exact attention
-    as the dense call, rows whose every block is kept (an empty complement) included, at an odd length."""
+    """On the GPU's kernels: a refresh (the mask's call and its complement's, merged) and the steps between are as
+    close to exact attention as the dense call, rows whose every block is kept (an empty complement) included, at an
+    odd length."""
     monkeypatch.delenv("DIFFUSION_INT8_BACKEND")
     q, k, v = local_qkv(1, 4, 3001, 3001, D, device="cuda", seed=7)
     carry = BlockCarry(2)
@@ -235,10 +236,11 @@ def test_gpu_kernels_carry_as_the_emulation_does(monkeypatch, mode, D):
     n = -(-3001 // BLK)
     keep = torch.zeros(1, 1, n, n, dtype=torch.bool, device="cuda")
     keep[..., 0, :] = True  # the first query block keeps every key block: nothing in its complement
-    for noise in (1.0, 0.9, 0.8):
+    for noise in (1.0, 0.9, 0.8, 0.7):  # refreshes at the first and the third, forecasts of the same inputs between
         out, computed = carry(run, q, k, tau=0.3, scale=None, noise=noise, keep_kv_blocks=keep)
         assert torch.isfinite(out).all()
         assert (out.double().cpu() - reference).abs().max() < 1.1 * dense_err
+    assert 0 < int(computed) < n * n * 4
     mask = carry._sites[0].mask
     assert mask.all(-1).any() and (~mask).any()  # some rows keep every block, and blocks are skipped
 
