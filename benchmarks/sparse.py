@@ -84,6 +84,8 @@ def main():
     ap.add_argument("--refresh-every", type=int, default=None, help="also the carried call at this interval (>= 2)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.refresh_every is not None and args.refresh_every < 2:
+        ap.error(f"--refresh-every must be an integer >= 2, got {args.refresh_every}")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "dtype": args.dtype}

@@ -68,6 +68,10 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if any(not 0 <= int(s) < args.steps for s in args.from_steps.split(",")):
+        ap.error(f"--from-steps must be steps in 0..{args.steps - 1}, got {args.from_steps}")
+    if any(int(k) < 2 for k in args.refresh_every.split(",") if k):
+        ap.error(f"--refresh-every takes intervals >= 2, got {args.refresh_every}")
     pipe = load_pipeline(variant="long", device=args.device)
     labels = [i % len(pipe.labels) for i in range(args.classes)]
 

@@ -17,7 +17,10 @@ The mask is predicted once per generation and call site, at its first step, with
 block the pooled scores misjudge is forecast, not lost. It stays fixed, so that both refreshes a forecast reads
 computed the same complement. Each call site (an attention module's n-th call in a denoising step) keeps the
 complement's output (in the query's dtype) and log-sum-exp at two refreshes: at Wan2.1 1.3B's 32,760 tokens,
-200 MB a layer and batch.
+200 MB per attention module (cross-attention over more than one block of text included) and batch, until the
+next generation starts or ``disable()`` removes the processors. A new generation is told by its noise level
+rising, as ``Int8State`` tells it: a run that starts below the level the last one stopped at (one interrupted,
+then an img2img run of low strength) is taken for its continuation.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def enable(
     Mode.parse(mode)
     if isinstance(schedule, str):
         schedule = PrecisionSchedule.load(schedule)
-    check_carry(refresh_every, check_sparsity(sparsity, schedule))
+    check_carry(refresh_every, check_sparsity(sparsity, schedule), schedule)
     calibration = as_calibration(calibration)
     if calibration is not None:
         calibration.validate(model)

@@ -171,7 +171,7 @@ class Int8DiffusionProcessor:
         if schedule is not None and not callable(schedule):
             raise TypeError(f"schedule must be a PrecisionSchedule, a preset name, a file or a callable, got {type(schedule).__name__}")
         self.sparsity = check_sparsity(sparsity, schedule)
-        self.carry = check_carry(refresh_every, self.sparsity)
+        self.carry = check_carry(refresh_every, self.sparsity, schedule)
         self._warned_carry = False
         if not isinstance(qk_balance, bool):
             raise TypeError(f"qk_balance must be True or False, got {qk_balance!r}")
@@ -533,10 +533,14 @@ def skipped_fractions(totals: dict[int, tuple[float, int]]) -> dict | None:
             "overall": 1 - kept / max(total, 1)}
 
 
-def check_carry(refresh_every, sparsity: float | None) -> BlockCarry | None:
+def check_carry(refresh_every, sparsity: float | None, schedule=None) -> BlockCarry | None:
     """A ``BlockCarry`` for ``refresh_every`` (None: none), which needs a constant ``sparsity`` below 1."""
     if refresh_every is None:
         return None
+    if isinstance(schedule, PrecisionSchedule) and schedule.sparse:
+        raise ValueError(f"refresh_every={refresh_every!r} carries the blocks of one constant sparsity level, and "
+                         f"schedule {schedule.name!r} sets levels per step: give sparsity=tau with mode= or a "
+                         f"schedule without levels")
     if sparsity is None or sparsity >= 1:
         raise ValueError(f"refresh_every={refresh_every!r} carries the blocks a sparsity level skips: give "
                          f"sparsity=tau (a constant level below 1) too, got sparsity={sparsity!r}")

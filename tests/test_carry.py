@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusion_int8 import Int8DiffusionProcessor, enable
+from diffusion_int8 import Int8DiffusionProcessor, PrecisionSchedule, Rule, enable
 from diffusion_int8.carry import BlockCarry
 from diffusion_int8.kernels import Mode
 from diffusion_int8.kernels.config import SPARSE_BLOCK
 from diffusion_int8.kernels.merge import merge_forecast, merge_reference
 from diffusion_int8.models import attention_modules
 from diffusion_int8.routing import int8_core
+from diffusion_int8.eval.metrics import psnr
 from diffusion_int8.testing import local_qkv
 
 BLK = SPARSE_BLOCK
@@ -68,10 +69,13 @@ def test_the_merge_kernel_matches_its_reference(kdev, monkeypatch, dtype):
     lb[:, :, :5] = float("-inf")  # no keys in set b there
     b[:, :, :5] = float("nan")
     lp[:, :, 5:9] = float("-inf")
+    la[:, :, 3:5] = float("-inf")  # and none in either set there
+    a[:, :, 3:5] = float("nan")
     for before in (None, (p, lp)):
         args = (a, la, b, lb) + (before or (None, None)) + (0.7,)
         out = merge_forecast(*args)
         assert out.dtype == dtype and out.stride() == a.stride() and torch.isfinite(out).all()
+        assert (out[:, :, 3:5] == 0).all()
         torch.testing.assert_close(out.float(), merge_reference(*args), atol=1e-2, rtol=1e-2)
 
 
@@ -150,6 +154,9 @@ def test_refresh_every_needs_a_sparsity_level():
         enable(model, "int8", sparsity=0.5, refresh_every=1)
     with pytest.raises(ValueError, match="give sparsity=tau"):
         Int8DiffusionProcessor("int8", sparsity=1.0, refresh_every=2)
+    levels = PrecisionSchedule((Rule("int8", 0.0, 0.5, "*", 0.5),), name="levels")
+    with pytest.raises(ValueError, match="schedule 'levels' sets levels per step"):
+        enable(model, schedule=levels, refresh_every=2)
     # refused before installing anything
     assert "_diffusion_int8_handle" not in model.__dict__
     assert {n: type(m.processor) for n, m in attention_modules(model).items()} == before
@@ -167,6 +174,9 @@ def test_a_pipeline_carries_its_skipped_blocks_and_counts_them():
     handle = enable(pipe, "int8", speed_gate=False)
     dense = generate()
     handle.disable()
+    handle = enable(pipe, "int8", sparsity=0.3, speed_gate=False)
+    dropped = generate()
+    handle.disable()
     handle = enable(pipe, "int8", sparsity=0.3, refresh_every=2, speed_gate=False, record=True)
     try:
         carried = generate()
@@ -178,7 +188,9 @@ def test_a_pipeline_carries_its_skipped_blocks_and_counts_them():
     per_step = skipped["per_step"]
     assert per_step[0] == 0 and per_step[2] == 0  # refresh steps compute every block
     assert per_step[1] > 0.2 and per_step[3] > 0.2
+    # closer to the dense images than dropping the same level's blocks, and not the dense images themselves
     assert not torch.equal(carried, dense)
+    assert psnr(carried, dense).item() > psnr(dropped, dense).item()
 
 
 def test_without_the_timestep_the_blocks_are_dropped_with_one_warning():

@@ -39,7 +39,7 @@ def _merge_kernel(A, LA, B, LB, P, LP, O, step, H, S, D,
                   sa_b, sa_h, sa_s, sb_b, sb_h, sb_s, sp_b, sp_h, sp_s, so_b, so_h, so_s,
                   FORECAST: tl.constexpr, BLOCK_S: tl.constexpr, DP: tl.constexpr):
     pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
+    b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # int64 offsets: S · D may pass 2^31
     rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, DP)
     in_rows = rows < S
@@ -47,11 +47,11 @@ def _merge_kernel(A, LA, B, LB, P, LP, O, step, H, S, D,
     lse_off = pid_bh.to(tl.int64) * S + rows  # log-sum-exps are contiguous (B, H, S)
     la = tl.load(LA + lse_off, mask=in_rows, other=float("-inf"))
     lb = tl.load(LB + lse_off, mask=in_rows, other=float("-inf"))
-    ob = tl.load(B + b.to(tl.int64) * sb_b + h * sb_h + rows[:, None] * sb_s + cols[None, :], mask=tile,
+    ob = tl.load(B + b * sb_b + h * sb_h + rows[:, None].to(tl.int64) * sb_s + cols[None, :], mask=tile,
                  other=0.0).to(tl.float32)
     if FORECAST:
         lp = tl.load(LP + lse_off, mask=in_rows, other=float("-inf"))
-        op = tl.load(P + b.to(tl.int64) * sp_b + h * sp_h + rows[:, None] * sp_s + cols[None, :], mask=tile,
+        op = tl.load(P + b * sp_b + h * sp_h + rows[:, None].to(tl.int64) * sp_s + cols[None, :], mask=tile,
                      other=0.0).to(tl.float32)
         ob = ob + step * (ob - op)
         both = (lb > float("-inf")) & (lp > float("-inf"))
@@ -59,12 +59,12 @@ def _merge_kernel(A, LA, B, LB, P, LP, O, step, H, S, D,
     top = tl.maximum(la, lb)
     top = tl.where(top == float("-inf"), 0.0, top)
     wa, wb = tl.exp(la - top), tl.exp(lb - top)
-    oa = tl.load(A + b.to(tl.int64) * sa_b + h * sa_h + rows[:, None] * sa_s + cols[None, :], mask=tile,
+    oa = tl.load(A + b * sa_b + h * sa_h + rows[:, None].to(tl.int64) * sa_s + cols[None, :], mask=tile,
                  other=0.0).to(tl.float32)
     oa = tl.where(wa[:, None] > 0, oa, 0.0)
     ob = tl.where(wb[:, None] > 0, ob, 0.0)
     out = (wa[:, None] * oa + wb[:, None] * ob) / tl.maximum(wa + wb, 1e-38)[:, None]
-    tl.store(O + b.to(tl.int64) * so_b + h * so_h + rows[:, None] * so_s + cols[None, :],
+    tl.store(O + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_s + cols[None, :],
              out.to(O.dtype.element_ty), mask=tile)
 
 
