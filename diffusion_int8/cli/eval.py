@@ -46,8 +46,9 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
                  class_labels: list[str] | None = None, steps: int = 20, batch_size: int = 8, seed: int = 0,
                  guidance_scale: float | None = None, device: str | None = None, overwrite: bool = False,
                  modes: Sequence[str] = DEFAULT_MODES, schedule: str | None = None, calibration: str | None = None,
-                 sparsity: float | None = None, refresh_every: int | None = None, generate_only: bool = False, no_speed_gate: bool = False, lpips_weights: str | None = None,
-                 fid_weights: str | None = None, shown_out: Path | None = None) -> int:
+                 sparsity: float | None = None, refresh_every: int | None = None, generate_only: bool = False,
+                 no_speed_gate: bool = False, lpips_weights: str | None = None, fid_weights: str | None = None,
+                 shown_out: Path | None = None) -> int:
     """The command (without ``--score``) with its arguments as keywords (``demo`` calls it); ``shown_out``:
     ``out`` as messages name it (the demo writes into a temporary directory). Returns the exit status."""
     check_out(out, OUTPUTS, overwrite)
@@ -65,7 +66,8 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
         with user_errors(ValueError):
             calibration.validate(pipelines.denoiser(pipe))
     report = evaluate(pipe, **item_kwargs(items), modes=modes, schedule=schedule, calibration=calibration,
-                      sparsity=sparsity, refresh_every=refresh_every, steps=steps, batch_size=batch_size, seed=seed, guidance_scale=guidance_scale,
+                      sparsity=sparsity, refresh_every=refresh_every, steps=steps, batch_size=batch_size, seed=seed,
+                      guidance_scale=guidance_scale,
                       speed_gate=not no_speed_gate, generate_only=generate_only, lpips_weights=lpips_weights,
                       fid_weights=fid_weights, model=pipelines.model_id(model), shards=shards)
     if report is None:  # another process of a launch: the main one writes
@@ -91,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
                         steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                         guidance_scale=args.guidance_scale, device=args.device, overwrite=args.overwrite,
                         modes=args.modes, schedule=args.schedule, calibration=args.calibration,
-                        sparsity=args.sparsity, refresh_every=args.refresh_every, generate_only=args.generate_only, no_speed_gate=args.no_speed_gate,
+                        sparsity=args.sparsity, refresh_every=args.refresh_every, generate_only=args.generate_only,
+                        no_speed_gate=args.no_speed_gate,
                         lpips_weights=args.lpips_weights, fid_weights=args.fid_weights)
 
 
@@ -155,8 +158,8 @@ def add_parser(sub) -> None:
     p.add_argument("--schedule", help="also a scheduled variant: a preset (balanced, …) or a schedule.json")
     p.add_argument("--calibration", help="also a variant with static ranges from this calibration (file or directory)")
     p.add_argument("--sparsity", type=sparsity_level, metavar="TAU",
-                   help="also an int8 variant at this block-sparsity level in (0, 1): the attention mass kept per query "
-                        "block (README, 'Block-sparse attention')")
+                   help="also an int8 variant at this block-sparsity level in (0, 1): the attention mass kept per "
+                        "query block (README, 'Block-sparse attention')")
     p.add_argument("--refresh-every", type=at_least_two, metavar="K",
                    help="with --sparsity: carry the skipped blocks, computing them every K-th step and forecasting "
                         "them in between, instead of dropping them")

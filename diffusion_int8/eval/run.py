@@ -237,8 +237,8 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
         calibration.validate(pipelines.denoiser(pipe))
     shards = shards or pipelines.Shards(str(pipelines.denoiser(pipe).device))
     results, speeds, per_step, nonfinite = generate_all(
-        pipe, items, variants(modes, schedule, calibration, sparsity, refresh_every), shards, batch_size=batch_size, steps=steps, seed=seed,
-        guidance_scale=guidance_scale, speed_gate=speed_gate, progress=progress)
+        pipe, items, variants(modes, schedule, calibration, sparsity, refresh_every), shards, batch_size=batch_size,
+        steps=steps, seed=seed, guidance_scale=guidance_scale, speed_gate=speed_gate, progress=progress)
     gathered = shards.gather([(results, speeds, nonfinite)])
     if not shards.is_main:
         return None
