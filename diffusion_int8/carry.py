@@ -39,12 +39,17 @@ MAX_CALLS_PER_STEP = 16
 
 @dataclass
 class _Site:
-    """One call site's fixed mask and its complement at the last two refreshes: (noise level, output, lse)."""
+    """One call site's fixed mask, derived once (its complement, its pair count), and the complement's result at
+    the last two refreshes: (noise level, output, lse)."""
 
     mask: torch.Tensor
     shape: tuple
     last: tuple | None = None
     before: tuple | None = None
+
+    def __post_init__(self):
+        self.rest = ~self.mask
+        self.kept = self.mask.sum()  # a 0-d device tensor: no host synchronization
 
 
 class BlockCarry:
@@ -104,12 +109,12 @@ class BlockCarry:
         out_k, lse_k = run(block_mask=site.mask, return_lse=True)
         if self._step % self.every == 0 or site.last is None:
             # rows whose every block is kept have an empty complement: -inf, and a zero weight in the merge
-            out_c, lse_c = run(block_mask=~site.mask, return_lse=True)
+            out_c, lse_c = run(block_mask=site.rest, return_lse=True)
             site.before, site.last = site.last, (noise, out_c, lse_c)
             return merge_forecast(out_k, lse_k, out_c, lse_c), site.mask.numel()
         at, out_c, lse_c = site.last
         if site.before is None or site.before[0] == at:  # one refresh so far: its skipped blocks as they were
-            return merge_forecast(out_k, lse_k, out_c, lse_c), site.mask.sum()
+            return merge_forecast(out_k, lse_k, out_c, lse_c), site.kept
         was, out_p, lse_p = site.before
         step = (noise - at) / (at - was)
-        return merge_forecast(out_k, lse_k, out_c, lse_c, out_p, lse_p, step), site.mask.sum()
+        return merge_forecast(out_k, lse_k, out_c, lse_c, out_p, lse_p, step), site.kept
