@@ -13,22 +13,21 @@ import torch
 
 from .kernels import Mode
 from .kernels.config import MAX_HEAD_DIM
-from .models import attention_modules, denoiser, head_dim_of
+from .models import (attention_modules, attention_outside_processors, denoiser, head_dim_of, reaches_attention,
+                     set_processor)
 from .processor import Int8DiffusionProcessor, Int8State, Schedule, as_calibration, as_gate, check_carry, check_sparsity
 from .schedule import PrecisionSchedule
 from .speed_gate import SpeedGate
-
-
-def _warn_skipped(skipped: dict[str, str]) -> None:
-    if skipped:
-        listing = ", ".join(f"{n} ({why})" for n, why in sorted(skipped.items()))
-        warnings.warn(f"diffusion_int8: left {len(skipped)} attention module(s) on their stock processor: {listing}",
-                      RuntimeWarning, stacklevel=3)
+from .versions import check_diffusers_version
 
 
 @dataclass
 class Int8Handle:
-    """What ``enable`` returns: ``disable()`` puts the original processors back exactly."""
+    """What ``enable`` returns: ``disable()`` puts the original processors back exactly; ``summary()`` says what was
+    installed where.
+
+    ``originals`` maps each routed module's name to the processor it had; ``skipped`` maps each attention module left
+    on its stock processor to the reason."""
 
     model: torch.nn.Module
     state: Int8State
@@ -43,11 +42,53 @@ class Int8Handle:
             return
         modules = attention_modules(self.model)
         for name, proc in self.originals.items():
-            modules[name].set_processor(proc)
+            set_processor(modules[name], proc)
         if self._hook is not None:
             self._hook.remove()
         del self.model.__dict__["_diffusion_int8_handle"]
         self.originals = {}
+
+    def summary(self) -> dict:
+        """What ``enable`` installed: ``{"model": class name, "routed": {stock processor class: modules},
+        "left_stock": {module name: reason}}`` (``routed`` is empty once disabled)."""
+        routed: dict[str, int] = {}
+        for proc in self.originals.values():
+            routed[type(proc).__name__] = routed.get(type(proc).__name__, 0) + 1
+        return {"model": type(self.model).__name__, "routed": dict(sorted(routed.items())),
+                "left_stock": dict(sorted(self.skipped.items()))}
+
+    def __str__(self) -> str:
+        s = self.summary()
+        lines = [f"diffusion_int8 on {s['model']}: {sum(s['routed'].values())} attention module(s) routed to INT8"]
+        lines += [f"  {n} x {cls}" for cls, n in s["routed"].items()]
+        if s["left_stock"]:
+            lines.append(f"  {len(s['left_stock'])} left on their stock processor:")
+            lines += [f"    {name}: {why}" for name, why in s["left_stock"].items()]
+        return "\n".join(lines)
+
+
+def _why_stock(module: torch.nn.Module) -> str | None:
+    """Why an attention module keeps its stock processor, or None where the INT8 processor can run it."""
+    hd = head_dim_of(module)
+    if hd is not None and hd > MAX_HEAD_DIM:
+        return f"head dim {hd} > {MAX_HEAD_DIM}"
+    proc = module.processor
+    if isinstance(proc, Int8DiffusionProcessor):
+        return None
+    if not reaches_attention(proc):
+        return (f"{type(proc).__name__} computes no scaled-dot-product attention (linear attention, or its own "
+                f"softmax): nothing for the INT8 op to take")
+    return None
+
+
+def _warn_skipped(model: torch.nn.Module, skipped: dict[str, str]) -> None:
+    if skipped:
+        by_reason: dict[str, list[str]] = {}
+        for name, why in sorted(skipped.items()):
+            by_reason.setdefault(why, []).append(name)
+        listing = "; ".join(f"{', '.join(names)} ({why})" for why, names in by_reason.items())
+        warnings.warn(f"diffusion_int8: {type(model).__name__}: left {len(skipped)} attention module(s) on their stock "
+                      f"processor: {listing}", RuntimeWarning, stacklevel=3)
 
 
 def enable(
@@ -93,8 +134,11 @@ def enable(
         qk_rotate: passed to ``int8_attention``: the Hadamard rotation of Q and K against outlier channels, those
             Q and K share included (with ``qk_balance`` too, both apply).
 
-    Modules the kernel cannot run (head dim > 256) keep their processor; one warning lists them.
-    Refuses a model already enabled, or one compiled with ``torch.compile`` (enable first, compile after).
+    Every attention module of the model is routed (diffusers' ``Attention``, ``AttentionModuleMixin`` modules and
+    model-specific ones); those the kernel cannot run (head dim > 256, a processor with no scaled-dot-product
+    attention) keep their processor, and one warning names the model and lists them (``handle.summary()`` too).
+    Raises ``ValueError`` for a model without attention modules; refuses a model already enabled, or one compiled
+    with ``torch.compile`` (enable first, compile after).
     """
     model = denoiser(pipe_or_model)
     if "_diffusion_int8_handle" in model.__dict__:
@@ -109,20 +153,29 @@ def enable(
     if calibration is not None:
         calibration.validate(model)
     gate = as_gate(speed_gate)
+    modules = attention_modules(model)
+    outside = attention_outside_processors(model)
+    if not modules:
+        found = (f"; its attention ({', '.join(outside)}) is computed in the modules' own forward, with no processor "
+                 f"to swap") if outside else ""
+        raise ValueError(f"diffusion_int8: {type(model).__name__} has no attention module to route (it looks for "
+                         f"modules with an attention processor: diffusers' Attention, AttentionModuleMixin modules and "
+                         f"model-specific ones){found}; pass a diffusers pipeline or its transformer/unet")
+    check_diffusers_version()
     state = Int8State(trace=[] if record else None)
-    originals, skipped = {}, {}
-    for name, module in attention_modules(model).items():
-        hd = head_dim_of(module)
-        if hd is not None and hd > MAX_HEAD_DIM:
-            skipped[name] = f"head dim {hd} > {MAX_HEAD_DIM}"
+    originals = {}
+    skipped = {name: "attention computed in the module's own forward, with no processor to swap" for name in outside}
+    for name, module in modules.items():
+        why = _why_stock(module)
+        if why is not None:
+            skipped[name] = why
             continue
         originals[name] = module.processor
-        module.set_processor(
-            Int8DiffusionProcessor(mode, schedule=schedule, calibration=calibration, inner=module.processor,
-                                   state=state, name=name, observer=observer, speed_gate=gate, sparsity=sparsity,
-                                   refresh_every=refresh_every, qk_balance=qk_balance, qk_rotate=qk_rotate)
-        )
-    _warn_skipped(skipped)
+        set_processor(module, Int8DiffusionProcessor(
+            mode, schedule=schedule, calibration=calibration, inner=module.processor, state=state, name=name,
+            observer=observer, speed_gate=gate, sparsity=sparsity, refresh_every=refresh_every, qk_balance=qk_balance,
+            qk_rotate=qk_rotate))
+    _warn_skipped(model, skipped)
     hook = None
     if schedule is not None or record or calibration is not None or observer is not None or refresh_every is not None:
         hook = model.register_forward_pre_hook(functools.partial(_read_timestep, state), with_kwargs=True)

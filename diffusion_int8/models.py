@@ -1,16 +1,38 @@
-"""What diffusion_int8 reads off a diffusers model: its denoiser, its attention modules, their head dims and the
-processor diffusers' own code would give each."""
+"""What diffusion_int8 reads off a diffusers model: its denoiser, its attention modules, their head dims, the
+processor diffusers' own code would give each, and what a stock processor's ``__call__`` declares and reaches."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
+import types
 
 import torch
 
+# The calls a stock processor reaches attention through: ``routing`` sends both to the INT8 op
+_ATTENTION_CALLS = frozenset({"scaled_dot_product_attention", "dispatch_attention_fn"})
+# ... and the ones attention without a processor is computed through (torch's multi-head attention, transformers'
+# attention functions), which stay stock
+_OTHER_ATTENTION_CALLS = _ATTENTION_CALLS | {"multi_head_attention_forward", "ALL_ATTENTION_FUNCTIONS",
+                                             "eager_attention_forward", "sdpa_attention_forward"}
+
+
 def attention_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The diffusers attention modules of ``model`` (anything with a settable ``processor``)."""
-    return {name: m for name, m in model.named_modules() if hasattr(m, "processor") and hasattr(m, "set_processor")}
+    """The attention modules of ``model``: every submodule whose ``processor`` is a callable (diffusers' ``Attention``,
+    ``AttentionModuleMixin`` modules, and model-specific ones such as ``MochiAttention``, which has no
+    ``set_processor``)."""
+    return {name: m for name, m in model.named_modules()
+            if callable(getattr(m, "processor", None)) and not isinstance(m.processor, type)}
+
+
+def set_processor(module: torch.nn.Module, processor) -> None:
+    """Install ``processor`` on an attention module: through its ``set_processor`` where it has one (which keeps
+    diffusers' bookkeeping), else as its ``processor`` attribute."""
+    if callable(getattr(module, "set_processor", None)):
+        module.set_processor(processor)
+    else:
+        module.processor = processor
 
 
 def head_dim_of(module: torch.nn.Module) -> int | None:
@@ -59,6 +81,103 @@ def call_params(processor_type: type) -> tuple[frozenset[str], bool]:
     params = inspect.signature(processor_type.__call__).parameters
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     return frozenset(params) - {"self", "attn"}, var_kw
+
+
+@functools.lru_cache(maxsize=None)
+def stock_signature(processor_type: type) -> inspect.Signature:
+    """The signature of a processor type's ``__call__`` as its bound method shows it (without ``self``): what
+    diffusers reads to decide which keyword arguments the processor receives."""
+    sig = inspect.signature(processor_type.__call__)
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
+_P = inspect.Parameter
+_LEADING = ("encoder_hidden_states", "attention_mask", "temb", "image_rotary_emb")
+_NAMED = (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY)
+
+
+def any_stock_signature() -> inspect.Signature:
+    """A signature that declares every parameter of every processor type of the diffusers modules loaded so far: a
+    processor that infers its stock processor per module receives whatever any of them would (and passes each
+    module's stock processor what that one declares)."""
+    return _any_stock_signature(len(sys.modules))
+
+
+@functools.lru_cache(maxsize=4)
+def _any_stock_signature(_loaded: int) -> inspect.Signature:
+    names: dict[str, None] = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("diffusers.models") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            if isinstance(obj, type) and obj.__module__ == mod_name and _is_processor_type(obj):
+                names.update(dict.fromkeys(n for n, p in stock_signature(obj).parameters.items()
+                                           if p.kind in _NAMED and n not in ("attn", "hidden_states")))
+    params = [_P("attn", _P.POSITIONAL_OR_KEYWORD), _P("hidden_states", _P.POSITIONAL_OR_KEYWORD)]
+    params += [_P(n, _P.POSITIONAL_OR_KEYWORD, default=None) for n in _LEADING]
+    params += [_P(n, _P.KEYWORD_ONLY, default=None) for n in names if n not in _LEADING]
+    return inspect.Signature(params + [_P("kwargs", _P.VAR_KEYWORD)])
+
+
+def _is_processor_type(cls: type) -> bool:
+    call = cls.__dict__.get("__call__")
+    if not isinstance(call, types.FunctionType):
+        return False
+    params = list(inspect.signature(call).parameters)
+    return len(params) >= 3 and params[1] == "attn"
+
+
+def reaches_attention(processor) -> bool:
+    """Whether ``processor``'s ``__call__`` reaches ``F.scaled_dot_product_attention`` or diffusers'
+    ``dispatch_attention_fn``, read from its code and the functions and methods it calls (two levels deep): a
+    processor that reaches neither (linear attention, explicit softmax) has nothing the INT8 op can take."""
+    call = getattr(type(processor), "__call__", None)
+    return isinstance(call, types.FunctionType) and _reaches(call, type(processor), 3)
+
+
+def attention_outside_processors(model: torch.nn.Module) -> list[str]:
+    """The modules of ``model`` that are not attention modules but whose own ``forward`` computes attention
+    (``F.scaled_dot_product_attention``, ``dispatch_attention_fn``, torch's multi-head attention, transformers'
+    attention functions): attention with no processor to swap (a VAE's plain attention block, a text encoder's
+    layer), which stays stock."""
+    found = []
+    for name, m in model.named_modules():
+        cls = type(m)
+        forward = getattr(cls, "forward", None)
+        if (isinstance(forward, types.FunctionType) and not callable(getattr(m, "processor", None))
+                and not cls.__module__.startswith("torch.nn.modules.container")
+                and _reaches(forward, cls, 1, _OTHER_ATTENTION_CALLS)):
+            found.append(name)
+    return found
+
+
+def _reaches(fn: types.FunctionType, owner: type, depth: int, calls: frozenset[str] = _ATTENTION_CALLS) -> bool:
+    """Whether ``fn`` (a method of ``owner`` or a function) names one of ``calls``, or calls a function or method of
+    its own package that does, ``depth`` levels down."""
+    names = _code_names(fn.__code__)
+    if names & calls:
+        return True
+    if depth == 0:
+        return False
+    package = fn.__module__.partition(".")[0] if fn.__module__ else ""
+    for name in names:
+        target = fn.__globals__.get(name)
+        if not isinstance(target, types.FunctionType):
+            target = inspect.getattr_static(owner, name, None)
+            target = getattr(target, "__func__", target)
+        if (isinstance(target, types.FunctionType) and target is not fn and package
+                and (target.__module__ or "").partition(".")[0] == package
+                and _reaches(target, owner, depth - 1, calls)):
+            return True
+    return False
+
+
+def _code_names(code: types.CodeType) -> frozenset[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return frozenset(names)
 
 
 def denoiser(pipe_or_model) -> torch.nn.Module:

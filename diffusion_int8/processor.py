@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from .kernels.api import sdpa_with_lse
 from .kernels.config import SPARSE_BLOCK
 from .kernels.layout import cdiv
 from .kernels.sparsity import check_tau, predict_block_mask
-from .models import call_params, stock_processor_for, text_position
+from .models import any_stock_signature, call_params, stock_processor_for, stock_signature, text_position
 from .routing import (RouteToInt8, attention_dispatch, context_split, int8_core, keeps_stock, kernel_takes, other_backend,
                       routed)
 from .schedule import PrecisionSchedule, noise_level
@@ -147,6 +148,12 @@ class Int8DiffusionProcessor:
             on, calls the gate sends to INT8 may be slower than SDPA, and a warning says so once.
     """
 
+    def __new__(cls, *args, inner: Any = None, **kwargs):
+        if cls is not Int8DiffusionProcessor:  # a declaring subclass already (copies, pickles)
+            return super().__new__(cls)
+        sig = stock_signature(type(inner)) if inner is not None else any_stock_signature()
+        return super().__new__(_declaring_class(sig))
+
     def __init__(
         self,
         mode: str | Mode = "int8",
@@ -195,6 +202,7 @@ class Int8DiffusionProcessor:
         self._static_balance = bool(qk_balance and calibration is not None and calibration.has_channel_ranges())
         self.observer = observer
         self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._warned_infer = False
         self._routed_calls: dict[type, Callable] = {}  # stock processor type -> its routed __call__
         self._routed_hit = False  # set by the routes: did the first routed call reach them
         self._ranges: tuple = (None, None, None)  # (timestep, device, ranges) of the last call
@@ -260,18 +268,12 @@ class Int8DiffusionProcessor:
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
         # Positional arguments go to the stock processor untouched (new-style modules pass
         # encoder_hidden_states, attention_mask, image_rotary_emb positionally); keyword arguments are
-        # forwarded when it takes them. __call__.__signature__ below names what legacy ``Attention``
-        # modules check before passing keyword arguments.
+        # forwarded as it declares them (``_DeclaredCall`` tells diffusers what to pass).
         inner = self.inner
         if inner is None:
             inner = self._inferred.get(attn)
             if inner is None:
-                with_context = (args[0] if args else kwargs.get("encoder_hidden_states")) is not None
-                inner = self._inferred[attn] = stock_processor_for(attn, with_context)
-                if self._parallel is not None and hasattr(inner, "_parallel_config"):
-                    inner._parallel_config = self._parallel
-                if self._backend is not None and hasattr(inner, "_attention_backend"):
-                    inner._attention_backend = self._backend
+                inner = self._infer_stock(attn, args, kwargs)
         params, var_kw = call_params(type(inner))
         if not var_kw:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
@@ -331,6 +333,25 @@ class Int8DiffusionProcessor:
         self._routed_calls[type(inner)] = call
         return out
 
+    def _infer_stock(self, attn: torch.nn.Module, args: tuple, kwargs: dict):
+        """The stock processor for a module this processor (made without ``inner``) meets for the first time, as
+        ``stock_processor_for`` infers it from the module's class; one warning per processor says so, since a model
+        whose code gives its modules processors of their own then computes something else."""
+        with_context = (args[0] if args else kwargs.get("encoder_hidden_states")) is not None
+        inner = self._inferred[attn] = stock_processor_for(attn, with_context)
+        if self._parallel is not None and hasattr(inner, "_parallel_config"):
+            inner._parallel_config = self._parallel
+        if self._backend is not None and hasattr(inner, "_attention_backend"):
+            inner._attention_backend = self._backend
+        if not self._warned_infer:
+            self._warned_infer = True
+            warnings.warn(f"diffusion_int8: an Int8DiffusionProcessor made without inner= runs the stock processor "
+                          f"inferred from each module's class ({type(inner).__name__} for {type(attn).__name__}); "
+                          f"models that give their attention modules processors of their own (Qwen-Image, "
+                          f"HunyuanVideo, Sana, ...) then compute something else. diffusion_int8.enable(pipe) wraps "
+                          f"the processors the model has.", RuntimeWarning, stacklevel=4)
+        return inner
+
     def _mode_call(self, inner, attn, hidden_states, *args, **kwargs):
         with RouteToInt8(self._attention):
             return inner(attn, hidden_states, *args, **kwargs)
@@ -371,7 +392,7 @@ class Int8DiffusionProcessor:
             return exact if exact is not None else F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)
-        if self.gate is not None and not self.gate.pays(mode, query, key):
+        if self.gate is not None and not self.gate.pays(mode, query, key, attn_mask):
             if counting:
                 self.state.gated_calls += 1
                 self._outcomes[1] += 1
@@ -451,6 +472,8 @@ class Int8DiffusionProcessor:
         the INT8 op runs each device's share: all tokens of its heads (Ulysses), or its queries against each K/V
         block passed around, merged through the op's log-sum-exp (ring); masked ring calls (diffusers passes every
         block the local mask) and both splits at once run diffusers' own attention."""
+        if not torch.compiler.is_compiling():
+            self._routed_hit = True  # the route reached the dispatcher, whichever backend the call then goes to
         dispatch = attention_dispatch()
         split = context_split(parallel_config)
         if split is not None and self.observer is not None:
@@ -462,6 +485,10 @@ class Int8DiffusionProcessor:
                 self._outcomes[2] += 1
             return dispatch.dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                                   attention_kwargs, backend=backend, parallel_config=parallel_config)
+        if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
+                and attn_mask.shape[1] == key.shape[1]):
+            # a key mask (B, Sk), which diffusers' native backend broadcasts over heads and queries before SDPA
+            attn_mask = attn_mask[:, None, None, :]
         if split == "ulysses":
             cp = parallel_config.context_parallel_config
             forward = functools.partial(self._local_attention, (cp._ulysses_local_rank, cp.ulysses_degree))
@@ -595,10 +622,23 @@ def _block_pairs(query: torch.Tensor, key: torch.Tensor) -> int:
     return batch_heads * cdiv(query.shape[-2], SPARSE_BLOCK) * cdiv(key.shape[-2], SPARSE_BLOCK)
 
 
-_P = inspect.Parameter
-Int8DiffusionProcessor.__call__.__signature__ = inspect.Signature(
-    [_P("self", _P.POSITIONAL_OR_KEYWORD), _P("attn", _P.POSITIONAL_OR_KEYWORD), _P("hidden_states", _P.POSITIONAL_OR_KEYWORD)]
-    + [_P(n, _P.POSITIONAL_OR_KEYWORD, default=None)
-       for n in ("encoder_hidden_states", "attention_mask", "temb", "image_rotary_emb")]
-    + [_P("kwargs", _P.VAR_KEYWORD)]
-)
+# diffusers passes a processor only the keyword arguments its ``__call__`` declares (``inspect.signature``) and drops
+# the rest with a log line, so an INT8 processor declares what the stock processor it runs declares: it is an
+# instance of a subclass whose ``__call__`` (the same code) carries that signature, one subclass per signature.
+_DECLARING: dict[tuple, type] = {}
+
+
+def _declaring_class(sig: inspect.Signature) -> type:
+    """The ``Int8DiffusionProcessor`` subclass whose ``__call__`` declares ``sig`` (a bound method's, without self)."""
+    key = tuple((p.name, p.kind) for p in sig.parameters.values())
+    cls = _DECLARING.get(key)
+    if cls is None:
+        base = Int8DiffusionProcessor.__call__
+        call = types.FunctionType(base.__code__, base.__globals__, base.__name__, base.__defaults__, base.__closure__)
+        call.__kwdefaults__, call.__doc__, call.__qualname__ = base.__kwdefaults__, base.__doc__, base.__qualname__
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        call.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()], return_annotation=Any)
+        cls = _DECLARING[key] = type(Int8DiffusionProcessor.__name__, (Int8DiffusionProcessor,),
+                                     {"__call__": call, "__module__": __name__,
+                                      "__qualname__": Int8DiffusionProcessor.__qualname__})
+    return cls
