@@ -1,6 +1,7 @@
 """Attention speed and accuracy: INT8 modes against SDPA cuDNN / flash fp16, timed in one run.
 
     python benchmarks/attention.py --out bench_out/attention.json [--sweep] [--shapes flux,sdxl]
+    python benchmarks/attention.py --masked --dtype bfloat16 --out bench_out/attention_masked.json
 
 Times are medians of ``triton.testing.do_bench`` (warm-up, L2 flushed between runs); the rows replayed
 from CUDA graphs are timed in two rounds, the second in reverse order, and show their mean ± spread. The INT8 times
@@ -47,6 +48,11 @@ SHAPES = {  # name: (B, H, N, D), from ../shared/ANCHORS.md
 }
 # The speed targets at long sequences: the whole call replayed from a CUDA graph against cuDNN replayed the same
 # way (int8, int8_fp16v), and the attention kernel alone in TOPS by head dim (from 4K tokens on)
+# Key-padding masks (the same for every query): (B, H, N, D, text tokens at the end of the sequence), a quarter of
+# the text masked: HunyuanVideo's joint attention (544x960x61 frames + 256 text), an image model's joint attention
+# at batch 2 (4096 + 256), LTX-Video's (6144 + 128)
+MASKED_SHAPES = {"hunyuanvideo": (1, 24, 32896, 128, 256), "joint-2x4352": (2, 24, 4352, 128, 256),
+                 "ltx": (1, 32, 6272, 64, 128)}
 TARGETS = {"flux": (1.35, 1.15), "long": (1.5, 1.15), "wan": (1.5, 1.15), "cogvideox": (1.45, 1.25), "sd35": (1.3, None)}
 KERNEL_TOPS = {128: 900, 64: 620}
 
@@ -188,6 +194,53 @@ def run_shape(name, shape, dtype, sweep):
     return result
 
 
+def run_masked(name, shape, dtype):
+    """One key-padding-masked shape: SDPA and both INT8 modes unmasked, with a bool (B, 1, 1, N) mask and with the
+    same mask additive (0 / -inf in the call's dtype), each eager (the public ops back to back) and replayed from a
+    CUDA graph; accuracy of the masked INT8 calls against float32 attention with the mask on 2 heads."""
+    B, H, N, D, n_text = shape
+    q, k, v = realistic_qkv(B, H, N, N, D, dtype=dtype, device="cuda")
+    keep = torch.ones(B, 1, 1, N, dtype=torch.bool, device="cuda")
+    keep[..., N - n_text // 4:] = False  # the last quarter of the text is padding
+    masks = {"none": None, "bool": keep, "float": torch.zeros(keep.shape, dtype=dtype, device="cuda").masked_fill(
+        ~keep, float("-inf"))}
+    flops = 4 * B * H * N * N * D
+    n_calls = 30 if N > 16384 else 100  # back-to-back calls per eager round: a few hundred ms each
+    rows = {}
+    for kind, mask in masks.items():
+        ref = attention_ref(q[:, :2], k[:, :2], v[:, :2], attn_mask=mask, dtype=torch.float32)
+        calls = {"sdpa": lambda mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)}
+        calls.update({m: (lambda m=m, mask=mask: int8_attention(q, k, v, mode=m, attn_mask=mask))
+                      for m in ("int8", "int8_fp16v")})
+        for op, fn in calls.items():
+            row = rows[f"{op}, mask {kind}"] = {}
+            out = fn()
+            if op != "sdpa":
+                row["cos"], row["rel_l1"] = cos_l1(out[:, :2], ref)
+            row["eager_ms"] = median([back_to_back(fn, calls=n_calls) for _ in range(3)])
+            row["graph_ms"] = bench(graphed(fn))
+    for label, row in rows.items():
+        op, kind = label.split(", mask ")
+        sdpa, unmasked = rows[f"sdpa, mask {kind}"], rows[f"{op}, mask none"]
+        for t in ("eager", "graph"):
+            row[f"{t}_vs_sdpa"] = sdpa[f"{t}_ms"] / row[f"{t}_ms"]  # against SDPA with the same mask
+            row[f"{t}_vs_unmasked"] = unmasked[f"{t}_ms"] / row[f"{t}_ms"]  # the same op without the mask
+            row[f"{t}_tflops"] = flops / row[f"{t}_ms"] / 1e9
+    return {"shape": dict(B=B, H=H, N=N, D=D, text=n_text, masked=n_text // 4), "rows": rows}
+
+
+def print_masked(name, res):
+    s = res["shape"]
+    print(f"\n## {name}, key-padding mask (B={s['B']}, H={s['H']}, N={s['N']}, D={s['D']}; last {s['masked']} of "
+          f"{s['text']} text keys masked)")
+    print("| call | eager ms | vs SDPA same mask | vs unmasked | graph ms | vs SDPA same mask | vs unmasked | cos |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, r in res["rows"].items():
+        cos = f"{r['cos']:.5f}" if "cos" in r else "—"
+        print(f"| {label} | {r['eager_ms']:.3f} | {r['eager_vs_sdpa']:.2f} | {r['eager_vs_unmasked']:.2f} | "
+              f"{r['graph_ms']:.3f} | {r['graph_vs_sdpa']:.2f} | {r['graph_vs_unmasked']:.2f} | {cos} |")
+
+
 def sweep_tiles(q, k, v, D, scale, block_ns):
     """Time tile configs of the portable kernel (the sm_90 kernels have tiles of their own) for each P·V
     precision; the best go into ``config.tile_config``."""
@@ -219,6 +272,8 @@ def sweep_tiles(q, k, v, D, scale, block_ns):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
+    ap.add_argument("--masked", nargs="?", const=",".join(MASKED_SHAPES), default=None,
+                    help=f"instead, the key-padding-masked shapes (a comma-separated subset of {list(MASKED_SHAPES)})")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--sweep", action="store_true", help="also time tile configs")
     ap.add_argument("--sweep-block-n", default="64,128", help="BLOCK_N values the sweep tries (K's quantization block)")
@@ -237,7 +292,11 @@ def main():
 
     meta["triton"] = triton.__version__
     results = {}
-    for name in args.shapes.split(","):
+    for name in (args.masked.split(",") if args.masked else []):
+        results[f"masked {name}"] = run_masked(name, MASKED_SHAPES[name], dtype)
+        torch.cuda.empty_cache()
+        print_masked(name, results[f"masked {name}"])
+    for name in (args.shapes.split(",") if not args.masked else []):
         block_ns = tuple(int(b) for b in args.sweep_block_n.split(",")) if args.sweep else None
         results[name] = run_shape(name, SHAPES[name], dtype, block_ns)
         torch.cuda.empty_cache()

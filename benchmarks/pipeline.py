@@ -1,6 +1,7 @@
 """Denoiser step latency, peak memory and output deviation: stock SDPA against each INT8 mode.
 
-    python benchmarks/pipeline.py --out bench_out/pipeline.json [--models flux,wan,sdxl,dit,pixart,sd35,cogvideox]
+    python benchmarks/pipeline.py --out bench_out/pipeline.json [--models flux,wan,sdxl,dit,pixart,sd35,cogvideox,
+        hunyuanvideo,ltx,qwenimage,lumina2]
 
 Full-size architecture configs with random weights (no downloads), built directly on the GPU in fp16
 or bf16. Where a model is cut to fewer blocks, the table says so: every block has the same attention
@@ -107,7 +108,60 @@ def _models():
                  encoder_hidden_states=torch.randn(1, 226, 4096))
         return m, x, torch.bfloat16, "8 of 42 blocks"
 
-    return dict(flux=flux, wan=wan, sdxl=sdxl, dit=dit, pixart=pixart, sd35=sd35, cogvideox=cogvideox)
+    def padded(n_text, n_valid, dtype=torch.bool):
+        """A text mask of one prompt padded to ``n_text`` tokens, ``n_valid`` of them real (batch 1)."""
+        mask = torch.zeros(1, n_text, dtype=dtype)
+        mask[:, :n_valid] = 1
+        return mask
+
+    def hunyuanvideo():
+        # HunyuanVideo: 20 double + 40 single blocks, 24 heads x 128; cut to 2 + 4. 544x960 x 61 frames: latent
+        # 16 x 68 x 120 -> 32640 video tokens + 256 text (a 180-token prompt: 76 padded), joint attention masked.
+        m = d.HunyuanVideoTransformer3DModel(in_channels=16, out_channels=16, num_attention_heads=24,
+                                             attention_head_dim=128, num_layers=2, num_single_layers=4,
+                                             num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                                             qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096,
+                                             pooled_projection_dim=768, rope_theta=256.0, rope_axes_dim=(16, 56, 56))
+        x = dict(hidden_states=torch.randn(1, 16, 16, 68, 120), timestep=torch.tensor([500.0]),
+                 encoder_hidden_states=torch.randn(1, 256, 4096), encoder_attention_mask=padded(256, 180, torch.long),
+                 pooled_projections=torch.randn(1, 768), guidance=torch.tensor([6000.0]))
+        return m, x, torch.bfloat16, "2 of 20 double + 4 of 40 single blocks; 76 of 256 text tokens padding"
+
+    def ltx():
+        # LTX-Video 0.9: 28 blocks, 32 heads x 64; cut to 8. 768x512 x 121 frames: latent 16 x 16 x 24 -> 6144
+        # tokens; cross-attention over 128 text tokens (a 60-token prompt), masked.
+        m = d.LTXVideoTransformer3DModel(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1,
+                                         num_attention_heads=32, attention_head_dim=64, cross_attention_dim=2048,
+                                         num_layers=8, caption_channels=4096)
+        x = dict(hidden_states=torch.randn(1, 6144, 128), encoder_hidden_states=torch.randn(1, 128, 4096),
+                 timestep=torch.tensor([500.0]), encoder_attention_mask=padded(128, 60, torch.long), num_frames=16,
+                 height=16, width=24, rope_interpolation_scale=(8 / 25, 32, 32))
+        return m, x, torch.bfloat16, "8 of 28 blocks; 68 of 128 text tokens padding"
+
+    def qwenimage():
+        # Qwen-Image: 60 blocks, 24 heads x 128; cut to 6. 1024px: 4096 image tokens + 256 text (a 200-token prompt
+        # padded, as a batch of prompts of different lengths pads them), joint attention masked.
+        m = d.QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=6,
+                                          attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
+                                          axes_dims_rope=(16, 56, 56))
+        x = dict(hidden_states=torch.randn(1, 4096, 64), encoder_hidden_states=torch.randn(1, 256, 3584),
+                 encoder_hidden_states_mask=padded(256, 200, torch.long), timestep=torch.tensor([0.5]),
+                 img_shapes=[[(1, 64, 64)]])
+        return m, x, torch.bfloat16, "6 of 60 blocks; 56 of 256 text tokens padding"
+
+    def lumina2():
+        # Lumina-Image 2.0: 26 blocks + 2 + 2 refiners, 24 heads x 96 (8 K/V heads); cut to 6. 1024px: 4096 image
+        # tokens + 256 text (a 120-token prompt), joint attention masked.
+        m = d.Lumina2Transformer2DModel(sample_size=128, patch_size=2, in_channels=16, hidden_size=2304, num_layers=6,
+                                        num_refiner_layers=2, num_attention_heads=24, num_kv_heads=8, multiple_of=256,
+                                        norm_eps=1e-5, axes_dim_rope=(32, 32, 32), axes_lens=(300, 512, 512),
+                                        cap_feat_dim=2304)
+        x = dict(hidden_states=torch.randn(1, 16, 128, 128), timestep=torch.tensor([0.5]),
+                 encoder_hidden_states=torch.randn(1, 256, 2304), encoder_attention_mask=padded(256, 120))
+        return m, x, torch.bfloat16, "6 of 26 blocks; 136 of 256 text tokens padding"
+
+    return dict(flux=flux, wan=wan, sdxl=sdxl, dit=dit, pixart=pixart, sd35=sd35, cogvideox=cogvideox,
+                hunyuanvideo=hunyuanvideo, ltx=ltx, qwenimage=qwenimage, lumina2=lumina2)
 
 
 def _enable(model, variant: str):
@@ -307,6 +361,16 @@ def main():
             model, x, dtype, note = builders[name]()
         model = model.to(dtype).eval()
         x = _cast(x, dtype)
+        if args.graph:
+            try:
+                _time(model, x, 1, graph=True)
+            except Exception as exc:  # noqa: BLE001 - a forward that reads values back on the host cannot be captured
+                print(f"| {name} | {note} | — | CUDA graph capture fails: {type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:100]} |", flush=True)
+                results[name] = {"config": note, "graph_error": f"{type(exc).__name__}: {exc}"}
+                del model, x
+                torch.cuda.empty_cache()
+                continue
         rows = {}
         variants = tuple(args.variants.split(",")) + (("int8+calibration",) if args.calibrated else ())
         for mode in variants:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .kernels.config import MAX_HEAD_DIM, Mode, padded_head_dim
+from .kernels.key_mask import as_key_mask
 
 FORMAT = "diffusion-int8 crossover table"
 VERSION = 1
@@ -236,11 +237,17 @@ class SpeedGate:
             self._tables[device.index] = _find_table(device)
         return self._tables[device.index]
 
-    def pays(self, mode: Mode, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Whether ``mode`` beats SDPA for (B, H, S, D) ``q`` and ``k`` (BHSD views) on their device."""
+    def pays(self, mode: Mode, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None) -> bool:
+        """Whether ``mode`` beats SDPA for (B, H, S, D) ``q`` and ``k`` (BHSD views) with ``attn_mask`` on their
+        device. The call is judged as it will run: unmasked, or with a key mask (the same for every query: a text
+        padding mask), which the kernels run at their unmasked speed while SDPA loses its fastest kernels to it,
+        by the table; with a mask that varies over the queries, which the kernels apply element by element
+        (unmeasured, and far slower), never."""
         if q.device.type != "cuda" and self._fixed is None:
             return True
         B, H, Sq, D = q.shape
+        if attn_mask is not None and as_key_mask(attn_mask, B, H) is None:
+            return False
         if torch.compiler.is_compiling():  # traced once per graph; a dict keyed by the shape would fix its values
             table = self.table_for(q.device)
             return table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2])

@@ -211,6 +211,83 @@ def test_masks(kdev, pv):
         check(out, R.emulate_attention(q, k, v, **kw), R.attention_ref(q, k, v, attn_mask=mask), pv, q.dtype)
 
 
+def key_masks(B: int, H: int, Sk: int, n_text: int, device) -> dict[str, torch.Tensor]:
+    """Key masks as diffusers models pass them (the same for every query): a padded text segment at the end
+    (HunyuanVideo, LTX's cross-attention), in the middle of the sequence (Qwen-Image: text first, then image),
+    per head (diffusers' (B, H, 1, Sk) additive -10000), finfo.min, a batch whose every key is masked (its rows
+    give 0), and a mask that masks whole 128-key blocks (never loaded)."""
+    text = torch.arange(Sk, device=device) >= Sk - n_text
+    pad = torch.zeros(B, Sk, dtype=torch.bool, device=device)
+    for b in range(B):
+        pad[b, Sk - n_text + (n_text * (b + 1)) // (B + 2):] = True  # batch b keeps a shorter prompt
+    suffix = ~pad[:, None, None, :]
+    middle = torch.ones(B, 1, 1, Sk, dtype=torch.bool, device=device)
+    middle[:, :, :, n_text // 3:n_text] = False
+    middle[0, :, :, 200:400] = False  # whole blocks in batch 0
+    per_head = torch.where(torch.rand(B, H, 1, Sk, device=device) > 0.25, 0.0, -10000.0).to(torch.float16)
+    per_head[..., 0] = 0.0
+    fmin = torch.where(suffix, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
+    empty = suffix.clone()
+    empty[1] = False  # every key of batch 1 masked
+    return {"suffix": suffix, "middle": middle, "per-head": per_head, "finfo-min": fmin, "empty-batch": empty,
+            "shared": text.logical_not()[None, None, None, :]}
+
+
+@pytest.mark.parametrize("pv", list(PV))
+def test_key_masks_against_emulation(kdev, pv):
+    """Key masks run the key-mask path (bias and tile lists: clean tiles unmasked, partial ones with the bias,
+    fully masked ones skipped) on every kernel: against the emulation, which follows the same tile order, and
+    float64; rows whose keys are all masked give 0. On sm_90 at D = 128 the Gluon kernels take them."""
+    from diffusion_int8.kernels import hopper
+    from diffusion_int8.kernels.key_mask import as_key_mask
+
+    D = 128 if kdev == "cuda" else 64
+    B, H, Sq, Sk = (2, 3, 300, 611) if kdev == "cpu" else (2, 4, 1000, 4387)
+    q, k, v = realistic_qkv(B, H, Sq, Sk, D, device=kdev)
+    for name, mask in key_masks(B, H, Sk, 256 if kdev == "cuda" else 160, kdev).items():
+        assert as_key_mask(mask, B, H) is not None, name
+        q_, k_, v_ = (t.to(torch.bfloat16) for t in (q, k, v)) if mask.dtype == torch.bfloat16 else (q, k, v)
+        kw = dict(layout="BHSD", pv=pv, attn_mask=mask)
+        ref = R.attention_ref(q_, k_, v_, attn_mask=mask)
+        emu = R.emulate_attention(q_, k_, v_, **kw)
+        kernels = [dict()]
+        if kdev == "cuda" and pv is not PV.INT8 and torch.cuda.get_device_capability() == (9, 0):
+            assert hopper.supports(q_, v_, pv, 128, False)
+            kernels.append(dict(sm90=False))
+        for extra in kernels:
+            out = run_kernel(q_, k_, v_, **kw, **extra)
+            check(out, emu, ref, pv, q_.dtype)
+            if name == "empty-batch":
+                assert torch.all(out[1] == 0), (name, extra)
+        if len(kernels) == 2:
+            assert hopper.compile_failure is None, hopper.compile_failure  # the Gluon kernel ran, not the fallback
+
+
+def test_key_mask_lists_match_the_reference(kdev):
+    """The kernels' tile lists and bias (two launches) are ``key_mask.plan_reference``'s: clean tiles first, then
+    partial ones, ascending, fully masked ones left out."""
+    from diffusion_int8.kernels.attention import key_mask_plan
+    from diffusion_int8.kernels.key_mask import CLEAN, EMPTY, PARTIAL, as_key_mask, plan_reference
+
+    B, H, Sk = 2, 3, 1000
+    for name, mask in key_masks(B, H, Sk, 300, kdev).items():
+        key = as_key_mask(mask, B, H)
+        for block_n in (64, 128):
+            plan = key_mask_plan(key, Sk, block_n)
+            bias, kinds = plan_reference(key, Sk, block_n)
+            rows = kinds.flatten(0, 1)
+            nt = rows.shape[1]
+            torch.testing.assert_close(plan.bias[:, :nt * block_n], bias.flatten(0, 1), atol=0, rtol=0)
+            for r in range(rows.shape[0]):
+                order = [t for kind in (CLEAN, PARTIAL) for t in range(nt) if rows[r, t] == kind]
+                n = int(plan.counts[r])
+                assert n == len(order) == nt - int((rows[r] == EMPTY).sum()), name
+                assert int(plan.clean[r, 0]) == int((rows[r] == CLEAN).sum())
+                prefix = next((t for t in range(nt) if rows[r, t] != CLEAN), nt)  # tiles 0.. in order, all clean
+                assert int(plan.clean[r, 1]) == prefix and order[:prefix] == list(range(prefix))
+                assert plan.tiles[r, :n].tolist() == order, (name, block_n, r)
+
+
 def test_fully_masked_rows_give_zero(kdev):
     q, k, v = realistic_qkv(1, 2, 40, 80, 64, device=kdev)
     mask = torch.ones(1, 2, 40, 80, dtype=torch.bool, device=kdev)

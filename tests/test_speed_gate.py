@@ -251,3 +251,18 @@ def test_gate_decisions_guard_on_ranges_under_torch_compile():
     assert counter.frame_count == 1
     k = torch.randn(1, 2, 30000, 16, dtype=torch.float16)  # another step, another decision
     assert torch.equal(compiled(q, k), f(q, k)) and counter.frame_count == 2
+
+
+def test_the_gate_judges_a_masked_call_as_it_will_run():
+    # a key mask (the same for every query: text padding) runs at the kernels' unmasked speed, so the table decides;
+    # a mask that varies over the queries takes the element-wise path, which the table does not measure: SDPA
+    gate = SpeedGate(table(head_dim=64))
+    q = torch.zeros(1, 16, 4096, 64, dtype=torch.float16)
+    k = torch.zeros(1, 16, 4096, 64, dtype=torch.float16)
+    keys = torch.ones(1, 1, 1, 4096, dtype=torch.bool)
+    assert gate.pays(Mode.INT8, q, k) and gate.pays(Mode.INT8, q, k, keys)
+    assert gate.pays(Mode.INT8, q, k, torch.zeros(1, 16, 1, 4096, dtype=torch.float16))  # per head, diffusers'
+    assert not gate.pays(Mode.INT8, q, k, torch.ones(1, 1, 4096, 4096, dtype=torch.bool))
+    assert not gate.pays(Mode.INT8, q, k, torch.ones(4096, 4096, dtype=torch.bool))
+    short = torch.zeros(1, 16, 64, 64, dtype=torch.float16)  # where INT8 does not pay, a key mask changes nothing
+    assert not gate.pays(Mode.INT8, short, short) and not gate.pays(Mode.INT8, short, short, keys[..., :64])

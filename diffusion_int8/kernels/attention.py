@@ -19,6 +19,7 @@ from . import quantize as tq
 from .config import (FP8_P_SHIFT, FP_FUSION, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, TESTED_TRITON, Kernel,
                      padded_head_dim, tile_config)
 from .launch import EAGER, Runner, plan_or_run, signature
+from .key_mask import KeyMaskPlan, as_key_mask
 from .layout import cdiv, output_like, padded_len, rows_16b_aligned, to_bhsd
 from .reference import smoothing_offset
 from .sparsity import MIN_SIMILARITY
@@ -39,7 +40,7 @@ _INT8_MAX = tl.constexpr(INT8_MAX)
 _P_FLOOR = tl.constexpr(P_FLOOR)
 _FP8_P_SHIFT = tl.constexpr(FP8_P_SHIFT)
 _SPARSE_BLOCK = tl.constexpr(SPARSE_BLOCK)
-_MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
+_MASK_NONE, _MASK_BOOL, _MASK_ADD, _MASK_KEY = 0, 1, 2, 3  # none, bool and additive (B, H, Sq, Sk), a key bias
 
 # Ablation switches of the portable kernel, for ``benchmarks/ablate.py`` (bits of its ``ABLATE`` constexpr, given
 # through ``triton_attention``'s private ``_ablate``): each removes one piece of the work, so the results are
@@ -77,7 +78,9 @@ def _attn_block(
         s = tl.reshape(qk4.to(tl.float32) * qsk[:, None, :, None], [qk.shape[0], BLOCK_N])
         if TAIL:
             s = tl.where(cols[None, :] < SK, s, float("-inf"))
-        if MASK != 0:
+        if MASK == 3:  # a key bias (``key_mask``): one value a key, -inf past the sequence; mask_ptrs is the tile's
+            s = s + tl.load(mask_ptrs + offs_n)[None, :]
+        elif MASK != 0:
             mvalid = (offs_m[:, None] < SQ) & (cols[None, :] < SK)
             if MASK == 1:
                 keep = tl.load(mask_ptrs, mask=mvalid, other=0)
@@ -146,7 +149,7 @@ def _attn_block(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q8, QS, K8, KS, V, VS, MASK_PTR, KB_CNT, KB_IDX, O, LSE,
+    Q8, QS, K8, KS, V, VS, MASK_PTR, KB_CNT, KB_CLEAN, KB_IDX, O, LSE,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_os, stride_od,
@@ -231,6 +234,35 @@ def _attn_fwd_kernel(
                         ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
                         SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
                     )
+    elif MASK == 3:
+        # a key mask (``key_mask_plan``): this row's clean tiles unmasked, then its partial ones with the key bias
+        # (MASK_PTR); tiles whose every key is masked are not listed. stride_mb/stride_mh: the list row's strides.
+        lrow = (b * stride_mb + h * stride_mh).to(tl.int64)
+        n_tiles = tl.load(KB_CNT + lrow)
+        n_clean = tl.load(KB_CLEAN + 2 * lrow)
+        n_prefix = tl.load(KB_CLEAN + 2 * lrow + 1)  # the clean tiles 0 .. n_prefix - 1, in order: no list reads
+        idx_ptr = KB_IDX + lrow * NKB
+        bias_ptr = MASK_PTR + lrow * SK_PAD
+        for start_n in range(0, n_prefix * BLOCK_N, BLOCK_N):
+            acc, m_i, l_i = _attn_block(
+                acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + tl.cast(start_n, tl.int64) * v_tok,
+                ks_ptr + start_n, bias_ptr, start_n, offs_m, offs_n, offs_d, SQ, SK, D, stride_vs, stride_mn,
+                BLOCK_N, DP, PV, 0, False, P_SHIFT, K_GROUPS, ABLATE,
+            )
+        for i in range(n_prefix, n_clean):
+            start_n = tl.load(idx_ptr + i) * BLOCK_N
+            acc, m_i, l_i = _attn_block(
+                acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok, ks_ptr + start_n,
+                bias_ptr, start_n, offs_m, offs_n, offs_d, SQ, SK, D, stride_vs, stride_mn,
+                BLOCK_N, DP, PV, 0, False, P_SHIFT, K_GROUPS, ABLATE,
+            )
+        for i in range(n_clean, n_tiles):
+            start_n = tl.load(idx_ptr + i) * BLOCK_N
+            acc, m_i, l_i = _attn_block(
+                acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok, ks_ptr + start_n,
+                bias_ptr + start_n, start_n, offs_m, offs_n, offs_d, SQ, SK, D, stride_vs, stride_mn,
+                BLOCK_N, DP, PV, 3, True, P_SHIFT, K_GROUPS, ABLATE,
+            )
     else:
         for start_n in range(0, N_FULL, BLOCK_N):
             # 8-bit tiles are addressed from the loop index: fewer instructions a step than pointers carried
@@ -292,6 +324,63 @@ def block_lists(block_mask: torch.Tensor, B: int, H: int, Sq: int, Sk: int, runn
         mask, *mask.stride(), counts, idx, H, nqb, nkb, triton.next_power_of_2(nkb),
     ), {})
     return counts, idx
+
+
+@triton.jit
+def _key_bias_kernel(MASK, stride_mb, stride_mh, stride_mn, BIAS, KIND, H_M, SK, SK_PAD, NT,
+                     IS_BOOL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key tile of one list row: its bias, and its kind (clean, partial or empty)."""
+    t = tl.program_id(0)
+    row = tl.program_id(1)
+    cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = cols < SK
+    m = tl.load(MASK + (row // H_M).to(tl.int64) * stride_mb + (row % H_M).to(tl.int64) * stride_mh
+                + cols.to(tl.int64) * stride_mn, mask=inside, other=0)
+    if IS_BOOL:
+        bias = tl.where(m != 0, 0.0, float("-inf"))
+    else:
+        bias = m.to(tl.float32) * _LOG2E
+    bias = tl.where(inside, bias, float("-inf"))
+    tl.store(BIAS + row.to(tl.int64) * SK_PAD + cols, bias)
+    clean = tl.sum((bias != 0.0).to(tl.int32), 0) == 0
+    empty = tl.sum((bias != float("-inf")).to(tl.int32), 0) == 0
+    tl.store(KIND + row * NT + t, tl.where(clean, 0, tl.where(empty, 2, 1)), mask=t < NT)
+
+
+@triton.jit
+def _key_list_kernel(KIND, CNT, CLEAN, IDX, NT, NT_P2: tl.constexpr):
+    """One list row: its clean tiles, then its partial ones, ascending; how many are clean, and how many of those
+    are the sequence's first tiles in order (the prefix, which the kernels address without reading the list)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, NT_P2)
+    kind = tl.load(KIND + row * NT + offs, mask=offs < NT, other=2)
+    is_clean = (kind == 0).to(tl.int32)
+    is_partial = (kind == 1).to(tl.int32)
+    n_clean = tl.sum(is_clean, 0)
+    tl.store(IDX + row * NT + tl.cumsum(is_clean, 0) - 1, offs, mask=is_clean != 0)
+    tl.store(IDX + row * NT + n_clean + tl.cumsum(is_partial, 0) - 1, offs, mask=is_partial != 0)
+    tl.store(CNT + row, n_clean + tl.sum(is_partial, 0))
+    tl.store(CLEAN + 2 * row, n_clean)
+    tl.store(CLEAN + 2 * row + 1, tl.min(tl.where(kind != 0, offs, NT), 0))
+
+
+def key_mask_plan(key_mask: torch.Tensor, Sk: int, block_n: int, runner: Runner = EAGER) -> KeyMaskPlan:
+    """The kernels' form of ``key_mask.as_key_mask``'s (B', H', Sk) mask, with key tiles of ``block_n``
+    (``key_mask.KeyMaskPlan``): two small launches, no host synchronization."""
+    Bm, Hm = key_mask.shape[:2]
+    rows, nt, sk_pad = Bm * Hm, cdiv(Sk, block_n), padded_len(Sk)
+    mask = key_mask.view(torch.uint8) if key_mask.dtype == torch.bool else key_mask
+    dev = key_mask.device
+    bias = runner.empty((rows, sk_pad), torch.float32, dev)
+    kind = runner.empty((rows, nt), torch.int32, dev)
+    counts = runner.empty((rows,), torch.int32, dev)
+    clean = runner.empty((rows, 2), torch.int32, dev)
+    tiles = runner.empty((rows, nt), torch.int32, dev)
+    runner.launch(_key_bias_kernel, (sk_pad // block_n, rows), (
+        mask, mask.stride(0), mask.stride(1), mask.stride(2), bias, kind, Hm, Sk, sk_pad, nt,
+        key_mask.dtype == torch.bool, block_n), {})
+    runner.launch(_key_list_kernel, (rows,), (kind, counts, clean, tiles, nt, triton.next_power_of_2(nt)), {})
+    return KeyMaskPlan(bias, counts, clean, tiles, Hm if Bm > 1 else 0, 1 if Hm > 1 else 0)
 
 
 def triton_attention(
@@ -412,7 +501,8 @@ def attend(
 
     quantized: what ``quantize_qkv`` returns; vb: the caller's V viewed
     (B, H_kv, Sk, D), read in place for fp16 P·V; ob: the output viewed (B, H, Sq, D), written in place.
-    blocks: a block mask as ``block_lists`` gives it (None: dense).
+    blocks: a block mask as ``block_lists`` gives it (None: dense); attn_mask, where there is none: a key mask
+    (``key_mask.as_key_mask``) runs as ``key_mask_plan``'s lists, any other mask element by element (portable kernel).
     lse: where to write each query row's log-sum-exp, float32 (B, H, Sq) contiguous, or None.
     ``_ablate``: as ``triton_attention``'s; nonzero runs the portable kernel.
     """
@@ -422,12 +512,20 @@ def attend(
     cfg = tile_config(D, pv)
     if pv is PV.FP16:
         vk, vs = vb, qs  # V read in place; vs unused
-    if sm90 and not _ablate and call_kernel(ob, vb, pv, q8.shape[-1], attn_mask is not None) is Kernel.SM90_GLUON:
+    key = as_key_mask(attn_mask, B, H) if blocks is None else None
+    keys = None if key is None else key_mask_plan(key, Sk, cfg.block_n, runner)
+    if (sm90 and not _ablate
+            and call_kernel(ob, vb, pv, q8.shape[-1], attn_mask is not None and keys is None) is Kernel.SM90_GLUON):
         if hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D,
-                         blocks=blocks, lse=lse, runner=runner):
+                         blocks=blocks, keys=keys, lse=lse, runner=runner):
             return
 
-    if attn_mask is None:
+    counts, clean, idx = (*blocks[:1], qs, *blocks[1:]) if blocks is not None else (qs, qs, qs)
+    n_lists = cdiv(Sk, SPARSE_BLOCK)
+    if keys is not None:
+        mask, mask_kind, mstride = keys.bias, _MASK_KEY, (keys.stride_b, keys.stride_h, 0, 0)
+        counts, clean, idx, n_lists = keys.counts, keys.clean, keys.tiles, keys.tiles.shape[1]
+    elif attn_mask is None:
         mask, mask_kind, mstride = qs, _MASK_NONE, (0, 0, 0, 0)
     else:
         mask = attn_mask.expand(B, H, Sq, Sk)
@@ -437,12 +535,11 @@ def attend(
             mask_kind = _MASK_ADD
         mstride = mask.stride()
 
-    counts, idx = blocks if blocks is not None else (qs, qs)
     runner.launch(_attn_fwd_kernel, (triton.cdiv(Sq, cfg.block_m), B * H), (
-        q8, qs, k8, ks, vk, vs, mask, counts, idx, ob, lse if lse is not None else qs,
+        q8, qs, k8, ks, vk, vs, mask, counts, clean, idx, ob, lse if lse is not None else qs,
         *vb.stride(), *mstride, *ob.stride(),
         H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
-        cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK),
+        cdiv(Sq, SPARSE_BLOCK), n_lists,
         # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS, SPARSE, ABLATE, RETURN_LSE
         cfg.block_m, cfg.block_n, q8.shape[-1], pv.code, mask_kind,
         pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, blocks is not None, _ablate, lse is not None,

@@ -11,8 +11,11 @@ and K/V tiles arrive by TMA into a ring of shared-memory stages ahead of their u
 - ``_attn_fwd_sm90`` (16-bit P·V): one warpgroup of 128 rows that loads its own tiles. Its 64-key steps
   are too short for the ping-pong: the handshakes cost more than they hide.
 
-Covers the hot path only: sm_90, no attention mask, a padded head dim of 128 (at 64 neither kernel beat
-the portable one in same-run sweeps), P·V in FP8 or in V's 16-bit type with V readable by TMA. At that head
+Covers the hot path only: sm_90, no attention mask or a key mask (the same for every query: a text padding mask,
+``key_mask``), a padded head dim of 128 (at 64 neither kernel beat the portable one in same-run sweeps), P·V in
+FP8 or in V's 16-bit type with V readable by TMA. A key mask runs a list of key tiles per row (as a block mask
+does): the clean ones through the unmasked steps, the few with a masked key through the masked step with the key
+bias added. At that head
 dim K has one scale per key tile (``config.tile_config``), stored per key: the kernels read each tile's first.
 ``attention.triton_attention`` routes everything else to the portable kernel.
 """
@@ -79,12 +82,22 @@ def _program(H, H_KV):
 
 
 @gluon.jit
-def _key_tiles(KB_CNT, KB_IDX, pid_m, off_bh, SK, N_BLOCKS, NQB, NKB, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
-    """(key tiles to run, the program's kept-block list, its length). Dense: every tile of the sequence. With a
-    block mask (a CTA's 128 rows are one query block): the kept blocks' tiles, less the tail block's tiles that
-    start past SK, so the last tile is the masked one as in the dense loop; at least one (a query block that
-    keeps nothing runs one stand-in tile and stores zeros)."""
-    if SPARSE:
+def _key_tiles(KB_CNT, KB_CLEAN, KB_IDX, BIAS, pid_m, off_bh, b, h, stride_lb, stride_lh, SK, SK_PAD, N_BLOCKS, NQB,
+               NKB, BLOCK_N: gl.constexpr, LISTS: gl.constexpr):
+    """(key tiles to run, how many of the first run unmasked (from the second on), the program's tile list, its
+    length, how many of its first entries are tiles 0, 1, ... in order, the program's row of the key bias).
+    ``LISTS`` 0, dense: every tile of the sequence, the last masked
+    (the tail). 1, a block mask (a CTA's 128 rows are one query block): the kept blocks' tiles, less the tail
+    block's tiles that start past SK, so the last tile is the masked one as in the dense loop. 2, a key mask
+    (``attention.key_mask_plan``; list row b · stride_lb + h · stride_lh): the row's clean tiles unmasked, then its
+    partial ones with the bias. At least one tile: a program whose list is empty runs one stand-in tile and stores
+    zeros."""
+    if LISTS == 2:
+        row = b * stride_lb + h * stride_lh
+        n_kept = gl.load(KB_CNT + row)
+        return (gl.maximum(n_kept, 1), gl.load(KB_CLEAN + 2 * row), KB_IDX + row.to(gl.int64) * NKB, n_kept,
+                gl.load(KB_CLEAN + 2 * row + 1), BIAS + row.to(gl.int64) * SK_PAD)
+    elif LISTS == 1:
         row = off_bh * NQB + pid_m
         n_kept = gl.load(KB_CNT + row)
         idx_row = KB_IDX + row.to(gl.int64) * NKB
@@ -92,17 +105,21 @@ def _key_tiles(KB_CNT, KB_IDX, pid_m, off_bh, SK, N_BLOCKS, NQB, NKB, BLOCK_N: g
         T: gl.constexpr = _SPARSE_BLOCK // BLOCK_N
         tail_tiles = (SK - (NKB - 1) * _SPARSE_BLOCK + BLOCK_N - 1) // BLOCK_N
         tail = ((n_kept > 0) & (last == NKB - 1)).to(gl.int32)
-        return gl.maximum(n_kept * T - tail * (T - tail_tiles), 1), idx_row, n_kept
+        n_tiles = gl.maximum(n_kept * T - tail * (T - tail_tiles), 1)
+        return n_tiles, n_tiles - 1, idx_row, n_kept, 0, BIAS
     else:
-        return N_BLOCKS, KB_IDX, 0
+        return N_BLOCKS, N_BLOCKS - 1, KB_IDX, 0, 0, BIAS
 
 
 @gluon.jit
-def _key_pos(j, idx_row, n_kept, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
-    """The first key of the program's j-th key tile: tile j of the sequence, or with a block mask the tile of
-    the kept blocks (``attention.block_lists``: ``n_kept`` indices at ``idx_row``). Past the last kept tile
-    (prefetches that ``pred`` turns off) and for a query block that keeps nothing, a valid position."""
-    if SPARSE:
+def _key_pos(j, idx_row, n_kept, n_prefix, BLOCK_N: gl.constexpr, LISTS: gl.constexpr):
+    """The first key of the program's j-th key tile: tile j of the sequence, with a block mask the tile of the
+    kept blocks (``attention.block_lists``: ``n_kept`` indices at ``idx_row``), with a key mask the j-th listed
+    tile. Past the last listed tile (prefetches that ``pred`` turns off) and for an empty list, a valid position."""
+    if LISTS == 2:  # the list's first n_prefix entries are tiles 0, 1, ...: read only past them
+        listed = gl.load(idx_row + gl.minimum(j, gl.maximum(n_kept - 1, 0)), mask=j >= n_prefix, other=0)
+        return gl.where(j < n_prefix, j, listed) * (n_kept > 0).to(gl.int32) * BLOCK_N
+    elif LISTS == 1:
         T: gl.constexpr = _SPARSE_BLOCK // BLOCK_N
         kb = gl.load(idx_row + gl.minimum(j // T, gl.maximum(n_kept - 1, 0)))
         return kb * (n_kept > 0).to(gl.int32) * _SPARSE_BLOCK + (j % T) * BLOCK_N
@@ -185,12 +202,19 @@ def _issue_qk(q_smem, k_bufs, k_bars, j, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
 
 
 @gluon.jit
-def _softmax(qk, qs, ks, m_i, l_i, start_n, SK, BLOCK_N: gl.constexpr, P_SHIFT: gl.constexpr,
-             MASKED: gl.constexpr, s_layout: gl.constexpr):
+def _softmax(qk, qs, ks, m_i, l_i, start_n, SK, bias_row, BLOCK_N: gl.constexpr, P_SHIFT: gl.constexpr,
+             MASKED: gl.constexpr, s_layout: gl.constexpr, LISTS: gl.constexpr):
     # logits in base 2 are qk · (q scale · k scale); as in the portable kernel, the row max is taken on
     # the INT32 scores (the scale is positive) and the exponent's argument is one FMA per score
     qsk = qs * ks
-    if MASKED:
+    if MASKED and LISTS == 2:  # a key mask's tile: its bias (-inf past the sequence) added; rows without keys so far
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = qk.to(gl.float32) * qsk[:, None] + gl.load(bias_row + cols)[None, :]
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - (m_safe - P_SHIFT)[:, None])
+        return p, m_new, l_i * gl.exp2(m_i - m_safe) + gl.sum(p, 1), gl.exp2(m_i - m_safe)
+    elif MASKED:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(cols[None, :] < SK, qk.to(gl.float32) * qsk[:, None], float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -205,22 +229,22 @@ def _softmax(qk, qs, ks, m_i, l_i, start_n, SK, BLOCK_N: gl.constexpr, P_SHIFT: 
 @gluon.jit
 def _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv, SQ, D,
               n_kept, BLOCK_M: gl.constexpr, DP: gl.constexpr, PV: gl.constexpr, o_layout: gl.constexpr,
-              st_layout: gl.constexpr, SPARSE: gl.constexpr, RETURN_LSE: gl.constexpr):
-    """Normalize rows row0.. (l >= 1 after the first block: no masks here), apply V's channel scales, store.
-    With a block mask, rows whose block keeps no key block are 0 (their one step ran on a stand-in tile).
+              st_layout: gl.constexpr, LISTS: gl.constexpr, RETURN_LSE: gl.constexpr):
+    """Normalize rows row0.. (l >= 1 once a listed tile ran), apply V's channel scales, store. With a block or key
+    mask, rows whose list is empty are 0 (their one step ran on a stand-in tile).
     RETURN_LSE: also each row's log-sum-exp of its (smoothed) scores at ``LSE``, float32 (B, H, SQ), natural
     log, as the portable kernel writes it (-inf for rows without keys)."""
     if RETURN_LSE:
         P_SHIFT: gl.constexpr = _P_SHIFT if PV == 1 else 0.0
         lse = (m_i + gl.log2(l_i) - P_SHIFT) * _LN2
-        if SPARSE:
+        if LISTS:
             lse = gl.where(gl.full_like(lse, n_kept) > 0, lse, float("-inf"))
         lse_rows = row0 + gl.arange(0, BLOCK_M, layout=l_i.type.layout)
         gl.store(LSE + (b * H + h).to(gl.int64) * SQ + lse_rows, lse, mask=lse_rows < SQ)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = acc * gl.div_rn(gl.full_like(l_o, 1.0), l_o)[:, None]
     out = gl.convert_layout(out, st_layout)
-    if SPARSE:
+    if LISTS:
         out = gl.where(gl.full_like(out, n_kept) > 0, out, 0.0)
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
     cols = gl.arange(0, DP, layout=gl.SliceLayout(0, st_layout))
@@ -232,28 +256,28 @@ def _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od
 
 
 @gluon.jit
-def _tile_scale(ks_ptr, j, N_BLOCKS, idx_row, n_kept, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
+def _tile_scale(ks_ptr, j, N_BLOCKS, idx_row, n_kept, n_prefix, BLOCK_N: gl.constexpr, LISTS: gl.constexpr):
     """K tile j's scale (one a tile, stored per key: the tile's first), or tile N_BLOCKS-1's past the last."""
-    return gl.load(ks_ptr + _key_pos(gl.minimum(j, N_BLOCKS - 1), idx_row, n_kept, BLOCK_N, SPARSE))
+    return gl.load(ks_ptr + _key_pos(gl.minimum(j, N_BLOCKS - 1), idx_row, n_kept, n_prefix, BLOCK_N, LISTS))
 
 
 @gluon.jit
 def _step(acc, m_i, l_i, ks, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc, v_desc, qs, ks_ptr,
-          k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept,
+          k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept, n_prefix, bias_row,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr, STAGES: gl.constexpr, PV: gl.constexpr,
-          MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, SPARSE: gl.constexpr):
+          MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, LISTS: gl.constexpr):
     """Block j's Q·Kᵀ and block j-1's P·V in flight together; block j's softmax runs under the P·V. ``ks``: block
     j's K scale, loaded a step ahead; returns block j+1's with the state."""
     # the positions this step needs, read first: with a block mask each is a load, whose latency then hides
-    start_n = _key_pos(j, idx_row, n_kept, BLOCK_N, SPARSE)
-    pos_k = _key_pos(j + STAGES, idx_row, n_kept, BLOCK_N, SPARSE)
-    pos_v = _key_pos(j - 1 + STAGES, idx_row, n_kept, BLOCK_N, SPARSE)
-    ks_next = _tile_scale(ks_ptr, j + 1, N_BLOCKS, idx_row, n_kept, BLOCK_N, SPARSE)
+    start_n = _key_pos(j, idx_row, n_kept, n_prefix, BLOCK_N, LISTS)
+    pos_k = _key_pos(j + STAGES, idx_row, n_kept, n_prefix, BLOCK_N, LISTS)
+    pos_v = _key_pos(j - 1 + STAGES, idx_row, n_kept, n_prefix, BLOCK_N, LISTS)
+    ks_next = _tile_scale(ks_ptr, j + 1, N_BLOCKS, idx_row, n_kept, n_prefix, BLOCK_N, LISTS)
     s_tok = _issue_qk(q_smem, k_bufs, k_bars, j, BLOCK_M, BLOCK_N, STAGES, s_layout)
     mbarrier.wait(v_bars.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
     pv_tok = _issue_pv(p_bufs, j - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, PV, o_layout)
     qk = warpgroup_mma_wait(1, deps=[s_tok])
-    p, m_i, l_i, alpha = _softmax(qk, qs, ks, m_i, l_i, start_n, SK, BLOCK_N, 0.0, MASKED, s_layout)
+    p, m_i, l_i, alpha = _softmax(qk, qs, ks, m_i, l_i, start_n, SK, bias_row, BLOCK_N, 0.0, MASKED, s_layout, LISTS)
     # P's other buffer was last read by block j-2's P·V, waited for in the previous step
     _stage_p(p, p_bufs, j)
     # the MMA added block j-1 into acc; rescaled to block j's max before the next one adds to it
@@ -267,10 +291,10 @@ def _step(acc, m_i, l_i, ks, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, 
 
 @gluon.jit
 def _attn_fwd_sm90(
-    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_IDX, O, LSE,
-    stride_ob, stride_oh, stride_os, stride_od,
+    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_CLEAN, KB_IDX, BIAS, O, LSE,
+    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, NQB, NKB,
-    STAGES: gl.constexpr, SPARSE: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, LISTS: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """16-bit P·V (accumulated inside the MMA); one warpgroup per CTA, which also issues its TMA loads."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -284,7 +308,9 @@ def _attn_fwd_sm90(
     pid_m, off_bh, b, h, h_kv, off_kv = _program(H, H_KV)
     k_row = off_kv * SK_PAD
     v_row = off_kv * DP
-    N_BLOCKS, idx_row, n_kept = _key_tiles(KB_CNT, KB_IDX, pid_m, off_bh, SK, N_BLOCKS, NQB, NKB, BLOCK_N, SPARSE)
+    N_BLOCKS, n_plain, idx_row, n_kept, n_prefix, bias_row = _key_tiles(
+        KB_CNT, KB_CLEAN, KB_IDX, BIAS, pid_m, off_bh, b, h, stride_lb, stride_lh, SK, SK_PAD, N_BLOCKS, NQB, NKB,
+        BLOCK_N, LISTS)
 
     q_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, DP], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, DP], k_desc.layout)
@@ -302,7 +328,7 @@ def _attn_fwd_sm90(
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [off_bh * SQ_PAD + pid_m * BLOCK_M, 0], q_bar, q_smem)
     for i in gl.static_range(STAGES):
-        pos = _key_pos(i, idx_row, n_kept, BLOCK_N, SPARSE)
+        pos = _key_pos(i, idx_row, n_kept, n_prefix, BLOCK_N, LISTS)
         _load_k(k_desc, k_bufs, k_bars, i, pos, k_row, N_BLOCKS, STAGES)
         _load_v(v_desc, v_bufs, v_bars, i, pos, v_row, b, h_kv, N_BLOCKS, STAGES, PV)
 
@@ -315,23 +341,25 @@ def _attn_fwd_sm90(
     qk = warpgroup_mma_wait(0, deps=[_issue_qk(q_smem, k_bufs, k_bars, 0, BLOCK_M, BLOCK_N, STAGES, s_layout)])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    start0 = _key_pos(0, idx_row, n_kept, BLOCK_N, SPARSE)
-    ks = _tile_scale(ks_ptr, 1, N_BLOCKS, idx_row, n_kept, BLOCK_N, SPARSE)  # the loop's first, a step ahead
-    p, m_i, l_i, _ = _softmax(qk, qs, gl.load(ks_ptr + start0), m_i, l_i, start0, SK, BLOCK_N, 0.0, True, s_layout)
+    start0 = _key_pos(0, idx_row, n_kept, n_prefix, BLOCK_N, LISTS)
+    ks = _tile_scale(ks_ptr, 1, N_BLOCKS, idx_row, n_kept, n_prefix, BLOCK_N, LISTS)  # the loop's first, a step ahead
+    p, m_i, l_i, _ = _softmax(qk, qs, gl.load(ks_ptr + start0), m_i, l_i, start0, SK, bias_row, BLOCK_N, 0.0, True,
+                              s_layout, LISTS)
     _stage_p(p, p_bufs, 0)
     _cta_barrier()
-    _load_k(k_desc, k_bufs, k_bars, STAGES, _key_pos(STAGES, idx_row, n_kept, BLOCK_N, SPARSE), k_row, N_BLOCKS,
-            STAGES)
+    _load_k(k_desc, k_bufs, k_bars, STAGES, _key_pos(STAGES, idx_row, n_kept, n_prefix, BLOCK_N, LISTS), k_row,
+            N_BLOCKS, STAGES)
     acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
 
-    for j in range(1, N_BLOCKS - 1):
+    # tiles 1 .. n_plain - 1 unmasked; the rest (the tail, or a key mask's partial tiles) masked
+    for j in range(1, n_plain):
         acc, m_i, l_i, ks = _step(acc, m_i, l_i, ks, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc,
-                                  v_desc, qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept, BLOCK_M,
-                                  BLOCK_N, DP, STAGES, PV, False, s_layout, o_layout, SPARSE)
-    if N_BLOCKS > 1:  # the last block holds the sequence's tail
-        acc, m_i, l_i, ks = _step(acc, m_i, l_i, ks, N_BLOCKS - 1, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs,
-                                  k_desc, v_desc, qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept,
-                                  BLOCK_M, BLOCK_N, DP, STAGES, PV, True, s_layout, o_layout, SPARSE)
+                                  v_desc, qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept, n_prefix,
+                                  bias_row, BLOCK_M, BLOCK_N, DP, STAGES, PV, False, s_layout, o_layout, LISTS)
+    for j in range(gl.maximum(n_plain, 1), N_BLOCKS):
+        acc, m_i, l_i, ks = _step(acc, m_i, l_i, ks, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, k_desc,
+                                  v_desc, qs, ks_ptr, k_row, v_row, b, h_kv, SK, N_BLOCKS, idx_row, n_kept, n_prefix,
+                                  bias_row, BLOCK_M, BLOCK_N, DP, STAGES, PV, True, s_layout, o_layout, LISTS)
     mbarrier.wait(v_bars.index((N_BLOCKS - 1) % STAGES), ((N_BLOCKS - 1) // STAGES) & 1)
     pv_tok = _issue_pv(p_bufs, N_BLOCKS - 1, acc, v_bufs, BLOCK_M, BLOCK_N, DP, STAGES, PV, o_layout)
     acc = warpgroup_mma_wait(0, deps=[pv_tok])
@@ -342,7 +370,7 @@ def _attn_fwd_sm90(
         mbarrier.invalidate(v_bars.index(i))
 
     _epilogue(acc, l_i, m_i, pid_m * BLOCK_M, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv,
-              SQ, D, n_kept, BLOCK_M, DP, PV, o_layout, _store_layout(num_warps, DP), SPARSE, RETURN_LSE)
+              SQ, D, n_kept, BLOCK_M, DP, PV, o_layout, _store_layout(num_warps, DP), LISTS, RETURN_LSE)
 
 
 # ---- FP8 P·V: two consumer warpgroups in ping-pong and a producer warp ----
@@ -363,9 +391,9 @@ def _turn_wait(my_turn, cid: gl.constexpr, r):
 
 @gluon.jit
 def _pp_step(acc, m_i, l_i, alpha_prev, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs,
-             my_turn, other_turn, qs, SK, idx_row, n_kept, cid: gl.constexpr, BLOCK_M: gl.constexpr,
+             my_turn, other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, DP: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, SPARSE: gl.constexpr):
+             s_layout: gl.constexpr, o_layout: gl.constexpr, LISTS: gl.constexpr):
     """One consumer's step j: Q·Kᵀ_j and P·V_{j-1} issued in its turn, block j's softmax under the other's MMAs."""
     _turn_wait(my_turn, cid, j)
     s_tok = _issue_qk(q_smem, k_bufs, k_ready, j, BLOCK_M, BLOCK_N, STAGES, s_layout)
@@ -375,10 +403,11 @@ def _pp_step(acc, m_i, l_i, alpha_prev, j, q_smem, k_bufs, k_ready, ks_bufs, v_b
     ks_j = _stage_k_scale(ks_bufs, j, STAGES, s_layout)
     qk = warpgroup_mma_wait(1, deps=[s_tok])
     if MASKED:  # the column mask's only use of the position
-        start_n = _key_pos(j, idx_row, n_kept, BLOCK_N, SPARSE)
+        start_n = _key_pos(j, idx_row, n_kept, n_prefix, BLOCK_N, LISTS)
     else:
         start_n = 0
-    p, m_i, l_i, alpha = _softmax(qk, qs, ks_j, m_i, l_i, start_n, SK, BLOCK_N, _P_SHIFT, MASKED, s_layout)
+    p, m_i, l_i, alpha = _softmax(qk, qs, ks_j, m_i, l_i, start_n, SK, bias_row, BLOCK_N, _P_SHIFT, MASKED, s_layout,
+                                  LISTS)
     # P's other buffer was last read by block j-2's P·V, waited for in the previous step
     _stage_p(p, p_bufs, j)
     pv = warpgroup_mma_wait(0, deps=[pv_tok])
@@ -394,17 +423,17 @@ def _pp_step(acc, m_i, l_i, alpha_prev, j, q_smem, k_bufs, k_ready, ks_bufs, v_b
 @gluon.jit
 def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn, other_turn,
                  QS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H, off_kv,
-                 SQ, SK, SQ_PAD, D, N_BLOCKS, idx_row, n_kept,
+                 SQ, SK, SQ_PAD, D, N_BLOCKS, n_plain, idx_row, n_kept, n_prefix, bias_row,
                  cid: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr,
                  STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, st_layout: gl.constexpr,
-                 SPARSE: gl.constexpr, RETURN_LSE: gl.constexpr):
+                 LISTS: gl.constexpr, RETURN_LSE: gl.constexpr):
     """Consumer ``cid``: query rows [cid·64, cid·64 + 64) of the CTA's 128, one round per key block + 1."""
     q_smem = q_bufs.index(cid)
     row0 = pid_m * (2 * BLOCK_M) + cid * BLOCK_M
     qs = gl.load(QS + off_bh * SQ_PAD + row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))
 
     # round 0: block 0's Q·Kᵀ alone (masked: it may be the only block)
-    start0 = _key_pos(0, idx_row, n_kept, BLOCK_N, SPARSE)
+    start0 = _key_pos(0, idx_row, n_kept, n_prefix, BLOCK_N, LISTS)
     mbarrier.wait(q_bars.index(cid), 0)
     _turn_wait(my_turn, cid, 0)
     s_tok = _issue_qk(q_smem, k_bufs, k_ready, 0, BLOCK_M, BLOCK_N, STAGES, s_layout)
@@ -413,22 +442,24 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_f
     qk = warpgroup_mma_wait(0, deps=[s_tok])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    p, m_i, l_i, alpha = _softmax(qk, qs, ks0, m_i, l_i, start0, SK, BLOCK_N, _P_SHIFT, True, s_layout)
+    p, m_i, l_i, alpha = _softmax(qk, qs, ks0, m_i, l_i, start0, SK, bias_row, BLOCK_N, _P_SHIFT, True, s_layout,
+                                  LISTS)
     _stage_p(p, p_bufs, 0)
     _cta_barrier()
     mbarrier.arrive(kv_free.index(0), count=1)
     acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
 
-    for j in range(1, N_BLOCKS - 1):
+    # blocks 1 .. n_plain - 1 unmasked; the rest (the tail, or a key mask's partial tiles) masked
+    for j in range(1, n_plain):
         acc, m_i, l_i, alpha = _pp_step(
             acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
-            other_turn, qs, SK, idx_row, n_kept, cid, BLOCK_M, BLOCK_N, DP, STAGES, False, s_layout,
-            o_layout, SPARSE)
-    if N_BLOCKS > 1:  # the last block holds the sequence's tail
+            other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, False, s_layout,
+            o_layout, LISTS)
+    for j in range(gl.maximum(n_plain, 1), N_BLOCKS):
         acc, m_i, l_i, alpha = _pp_step(
-            acc, m_i, l_i, alpha, N_BLOCKS - 1, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs,
-            my_turn, other_turn, qs, SK, idx_row, n_kept, cid, BLOCK_M, BLOCK_N, DP, STAGES, True,
-            s_layout, o_layout, SPARSE)
+            acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
+            other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, True, s_layout,
+            o_layout, LISTS)
     # last round: the last block's P·V alone
     last = N_BLOCKS - 1
     _turn_wait(my_turn, cid, N_BLOCKS)
@@ -438,13 +469,13 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_f
     pv = warpgroup_mma_wait(0, deps=[pv_tok])
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
     _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv, SQ, D,
-              n_kept, BLOCK_M, DP, 1, o_layout, st_layout, SPARSE, RETURN_LSE)
+              n_kept, BLOCK_M, DP, 1, o_layout, st_layout, LISTS, RETURN_LSE)
 
 
 @gluon.jit
 def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, ks_ptr,
-                 pid_m, off_bh, b, h_kv, k_row, v_row, SQ_PAD, N_BLOCKS, idx_row, n_kept,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr):
+                 pid_m, off_bh, b, h_kv, k_row, v_row, SQ_PAD, N_BLOCKS, idx_row, n_kept, n_prefix,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LISTS: gl.constexpr):
     """One warp: both consumers' Q tiles, then K/V tiles by TMA as ring stages free up, each K tile with its
     scale in the stage's slot of ``ks_bufs``, so the consumers' loop has no global load (theirs, one a step,
     after the kept-block list's with a block mask: the call got 5.5-8.4% faster at 4K-32K keys without it)."""
@@ -459,7 +490,7 @@ def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, ks_buf
         # wait is for parity 1 on a fresh barrier, which passes
         u = j + 1
         # the tile's position and K scale, read before the wait, which hides their latency
-        pos = _key_pos(j, idx_row, n_kept, BLOCK_N, SPARSE)
+        pos = _key_pos(j, idx_row, n_kept, n_prefix, BLOCK_N, LISTS)
         ks = gl.load(ks_ptr + pos + gl.zeros([BLOCK_M], gl.int32, ks_layout))
         mbarrier.wait(kv_free.index(u % STAGES), ((u // STAGES) & 1) ^ 1)
         ks_bufs.index(j % STAGES).store(ks)
@@ -470,10 +501,10 @@ def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, ks_buf
 
 @gluon.jit
 def _attn_fwd_sm90_pingpong(
-    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_IDX, O, LSE,
-    stride_ob, stride_oh, stride_os, stride_od,
+    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_CLEAN, KB_IDX, BIAS, O, LSE,
+    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, NQB, NKB,
-    STAGES: gl.constexpr, SPARSE: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, LISTS: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """FP8 P·V; 128 query rows per CTA: two consumer warpgroups (the default partition and worker 0) of 64
     rows each, and a producer warp (worker 1) that loads Q, the K/V ring and each K tile's scale.
@@ -494,7 +525,9 @@ def _attn_fwd_sm90_pingpong(
     st_layout: gl.constexpr = _store_layout(4, DP)
 
     pid_m, off_bh, b, h, h_kv, off_kv = _program(H, H_KV)
-    N_BLOCKS, idx_row, n_kept = _key_tiles(KB_CNT, KB_IDX, pid_m, off_bh, SK, N_BLOCKS, NQB, NKB, BLOCK_N, SPARSE)
+    N_BLOCKS, n_plain, idx_row, n_kept, n_prefix, bias_row = _key_tiles(
+        KB_CNT, KB_CLEAN, KB_IDX, BIAS, pid_m, off_bh, b, h, stride_lb, stride_lh, SK, SK_PAD, N_BLOCKS, NQB, NKB,
+        BLOCK_N, LISTS)
 
     q_bufs = gl.allocate_shared_memory(gl.int8, [2, BLOCK_M, DP], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, DP], k_desc.layout)
@@ -523,15 +556,15 @@ def _attn_fwd_sm90_pingpong(
     gl.warp_specialize([
         (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs0, turn0, turn1,
                         QS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
-                        off_kv, SQ, SK, SQ_PAD, D, N_BLOCKS, idx_row, n_kept,
-                        0, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, SPARSE, RETURN_LSE)),
+                        off_kv, SQ, SK, SQ_PAD, D, N_BLOCKS, n_plain, idx_row, n_kept, n_prefix, bias_row,
+                        0, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, LISTS, RETURN_LSE)),
         (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs1, turn1, turn0,
                         QS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
-                        off_kv, SQ, SK, SQ_PAD, D, N_BLOCKS, idx_row, n_kept,
-                        1, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, SPARSE, RETURN_LSE)),
+                        off_kv, SQ, SK, SQ_PAD, D, N_BLOCKS, n_plain, idx_row, n_kept, n_prefix, bias_row,
+                        1, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, LISTS, RETURN_LSE)),
         (_pp_producer, (q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free,
                         KS + off_kv * SK_PAD, pid_m, off_bh, b, h_kv, off_kv * SK_PAD, off_kv * DP, SQ_PAD, N_BLOCKS,
-                        idx_row, n_kept, BLOCK_M, BLOCK_N, STAGES, SPARSE)),
+                        idx_row, n_kept, n_prefix, BLOCK_M, BLOCK_N, STAGES, LISTS)),
     ], [4, 1], [240, 24])
 
 
@@ -562,8 +595,9 @@ def _is_sm90(index: int | None) -> bool:
 def supports(q: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, has_mask: bool) -> bool:
     """Whether the sm_90 kernel takes this call (else the portable kernel does).
 
-    vb: V viewed (B, H_kv, Sk, D). Needs an sm_90 GPU, no mask, FP8 or 16-bit P·V at a head dim the
-    tile table covers, and for 16-bit P·V a V that TMA can read in place.
+    vb: V viewed (B, H_kv, Sk, D). Needs an sm_90 GPU, no mask but a key mask (``has_mask``: one that varies over
+    the queries), FP8 or 16-bit P·V at a head dim the tile table covers, and for 16-bit P·V a V that TMA can read
+    in place.
     """
     if has_mask or pv is PV.INT8 or q.device.type != "cuda" or _plan(dp, pv) is None:
         return False
@@ -591,12 +625,13 @@ compile_failure: str | None = None
 
 
 def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int,
-           blocks=None, lse=None, runner: Runner = EAGER) -> bool:
+           blocks=None, keys=None, lse=None, runner: Runner = EAGER) -> bool:
     """Run the sm_90 kernel on quantized Q/K (and V, FP8) from ``quantize.quantize_qkv``.
 
     q8 (B, H, Sq_pad, DP) int8; k8 (B, H_kv, Sk_pad, DP) int8; v: the FP8 Vᵀ (B, H_kv, DP, Sk_pad) or the
     caller's 16-bit V viewed (B, H_kv, Sk, D); ob: the output viewed (B, H, Sq, D); lse: where to write each query
-    row's log-sum-exp, float32 (B, H, Sq) contiguous, or None.
+    row's log-sum-exp, float32 (B, H, Sq) contiguous, or None. blocks: a block mask (``attention.block_lists``);
+    keys: a key mask (``attention.key_mask_plan``, made with ``block_n``); not both.
 
     Returns False, having written nothing, when the kernel cannot be built with this Triton (its Gluon
     compiler rejects it at the first call): then one warning says why, ``compile_failure`` keeps the
@@ -605,7 +640,7 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
     global compile_failure
     try:
         _launch(q8, qs, k8, ks, v, vs, ob, pv=pv, block_n=block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D, blocks=blocks,
-                lse=lse, runner=runner)
+                keys=keys, lse=lse, runner=runner)
     except Exception as exc:  # noqa: BLE001 - a compiler error of any kind; the portable kernel computes the same
         compile_failure = (f"the sm_90 Gluon kernel failed to compile with Triton {triton.__version__} "
                            f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})")
@@ -616,7 +651,7 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
 
 
 def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int,
-            blocks, lse, runner: Runner) -> None:
+            blocks, keys, lse, runner: Runner) -> None:
     B, _, sq_pad, dp = q8.shape
     sk_pad = k8.shape[2]
     plan = _plan(dp, pv)
@@ -630,10 +665,15 @@ def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: in
         v_desc = _desc(v, [1, 1, block_n, dp], _GL_DTYPES[v.dtype])
         fn, options = _attn_fwd_sm90, {}
     assert plan.rows == SPARSE_BLOCK  # a CTA's rows are one block of a block mask
-    counts, idx = blocks if blocks is not None else (qs, qs)
+    if keys is not None:  # LISTS 2: the key mask's tile lists and bias
+        lists, counts, clean, idx, bias, n_list = 2, keys.counts, keys.clean, keys.tiles, keys.bias, keys.tiles.shape[1]
+        strides = (keys.stride_b, keys.stride_h)
+    else:  # LISTS 1: a block mask's kept blocks; 0: dense
+        lists, counts, idx = (1, *blocks) if blocks is not None else (0, qs, qs)
+        clean, bias, n_list, strides = qs, qs, triton.cdiv(Sk, SPARSE_BLOCK), (0, 0)
     runner.launch(fn, grid, (
-        q_desc, k_desc, v_desc, qs, ks, vs, counts, idx, ob, lse if lse is not None else qs, *ob.stride(),
-        H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
-        triton.cdiv(Sq, SPARSE_BLOCK), triton.cdiv(Sk, SPARSE_BLOCK),
-        plan.stages, blocks is not None, lse is not None,  # STAGES, SPARSE, RETURN_LSE; num_warps below
+        q_desc, k_desc, v_desc, qs, ks, vs, counts, clean, idx, bias, ob, lse if lse is not None else qs,
+        *ob.stride(), *strides, H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
+        triton.cdiv(Sq, SPARSE_BLOCK), n_list,
+        plan.stages, lists, lse is not None,  # STAGES, LISTS, RETURN_LSE; num_warps below
     ), dict(num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION, **options))

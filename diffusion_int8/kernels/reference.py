@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import AMAX_FLOOR, BALANCE_DEAD_BAND, BALANCE_MAX_LOG2, FP8_MAX, FP8_P_SHIFT, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, padded_head_dim
+from .key_mask import CLEAN, PARTIAL, as_key_mask, plan_reference
 from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation, chunking, output_like, padded_len, static_range, stats_block, to_bhsd, v_channel_amax  # noqa: F401 (part of this module's API)
 
 
@@ -338,9 +339,18 @@ def emulate_attention(
 
     qf = q8[:, :, :Sq].float()
     qs = qs[:, :, :Sq]
-    mask = None
-    if attn_mask is not None:
+    mask = key_bias = None
+    key = as_key_mask(attn_mask, B, H) if block_mask is None else None
+    if key is not None:  # the kernels' key-mask path: clean tiles, then partial ones (``key_mask``)
+        key_bias, kinds = plan_reference(key, Sk, block_n)
+        key_bias = key_bias[:, :, None, :].expand(B, H, 1, -1)
+        kinds = kinds.expand(B, H, -1)
+        steps = [(t, kind) for kind in (CLEAN, PARTIAL) for t in range(kinds.shape[-1])
+                 if (kinds[..., t] == kind).any()]
+    elif attn_mask is not None:
         mask = attn_mask.expand(B, H, Sq, Sk)
+    if key is None:
+        steps = [(start // block_n, None) for start in range(0, Sk, block_n)]
     keep = None
     if block_mask is not None:  # per query row, which SPARSE_BLOCK-key blocks it attends to
         if SPARSE_BLOCK % block_n:
@@ -350,12 +360,18 @@ def emulate_attention(
     m_i = torch.full((B, H, Sq), -math.inf, device=q.device)
     l_i = torch.zeros((B, H, Sq), device=q.device)
     acc = torch.zeros((B, H, Sq, q8.shape[-1]), device=q.device)
-    for start in range(0, Sk, block_n):
+    for tile, kind in steps:
+        start = tile * block_n
         end = min(start + block_n, Sk)
         # -- scores in base 2: exact INT32 dot (every partial sum < 2^24, so fp32 is exact) --
         qk = qf @ k8[:, :, start : start + block_n].transpose(-1, -2)
         s = qk * (qs[..., None] * ks[:, :, None, start : start + block_n])
         s[..., end - start :] = -math.inf
+        if kind is not None:
+            # the rows whose list holds this tile in this pass; for the others the step changes nothing
+            if kind == PARTIAL:
+                s = s + key_bias[..., start : start + block_n]
+            s = s.masked_fill((kinds[..., tile] != kind)[..., None, None], -math.inf)
         if mask is not None:
             mblk = mask[..., start:end]
             mblk = F.pad(mblk, (0, block_n - (end - start)))
@@ -368,7 +384,8 @@ def emulate_attention(
             s = s.masked_fill(~keep[..., start // SPARSE_BLOCK, None], -math.inf)
         # -- online softmax --
         m_new = torch.maximum(m_i, s.amax(-1))
-        m_safe = torch.where(m_new == -math.inf, 0.0, m_new) if mask is not None or keep is not None else m_new
+        masked = mask is not None or keep is not None or key is not None
+        m_safe = torch.where(m_new == -math.inf, 0.0, m_new) if masked else m_new
         p = torch.exp2(s - (m_safe - p_shift)[..., None])
         alpha = torch.exp2(m_i - m_safe)
         l_i = l_i * alpha + p.sum(-1)

@@ -5,7 +5,7 @@ seeded standard-normal values (fp32). The model comes back in fp32 and ``eval()`
 inputs are the keyword arguments of its ``forward``. Where the model takes an attention mask (a text padding mask
 or similar), the inputs carry a padded one (zeros at the end of at least one sequence), named by ``mask=``.
 ``routable=False`` marks a model whose attention is computed in plain modules' own ``forward`` (no processor to
-swap): ``enable`` must refuse it, saying so. ``exclude`` names a class that is not run, with the reason.
+swap): ``enable`` must refuse it, saying so. ``cpu_only`` says why a case cannot move to a GPU as it is built. ``exclude`` names a class that is not run, with the reason.
 """
 
 from __future__ import annotations
@@ -16,16 +16,19 @@ import torch
 
 CASES: dict[str, tuple[Callable, str | None]] = {}  # class name -> (build, name of the padded-mask input or None)
 UNROUTABLE: set[str] = set()  # cases whose attention has no processor to swap
+CPU_ONLY: dict[str, str] = {}  # cases that hold CPU state outside their modules' tensors, with the reason
 EXCLUDED: dict[str, str] = {}  # class name -> why it is not run
 
 
-def case(class_name: str, mask: str | None = None, routable: bool = True):
+def case(class_name: str, mask: str | None = None, routable: bool = True, cpu_only: str | None = None):
     def register(build):
         if class_name in CASES or class_name in EXCLUDED:
             raise ValueError(f"{class_name} registered twice")
         CASES[class_name] = (build, mask)
         if not routable:
             UNROUTABLE.add(class_name)
+        if cpu_only:
+            CPU_ONLY[class_name] = cpu_only
         return build
 
     return register

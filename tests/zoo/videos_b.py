@@ -172,7 +172,8 @@ def sana_video(d, r):
     return m, x
 
 
-@case("SanaWMLTX2RefinerTransformer3DModel", mask="encoder_attention_mask")
+@case("SanaWMLTX2RefinerTransformer3DModel", mask="encoder_attention_mask",
+      cpu_only="its KV cache stand-ins are CPU tensors held outside the model's parameters")
 def sana_wm_ltx2_refiner(d, r):
     # A denoising step of the chunk-causal AR refiner (kv_cache_mode="inject"): the active block (latent frames 2-3,
     # 4x4, 32 tokens) attends to [sink frame 0 | history frame 1 | itself]. The cache holds seeded stand-ins for the
@@ -224,7 +225,8 @@ def skyreels_v2(d, r):
     return m, x
 
 
-@case("WanAnimate2Transformer3DModel")
+@case("WanAnimate2Transformer3DModel",
+      cpu_only="its flex block masks and KV cache stand-ins are CPU tensors held outside the model's parameters")
 def wan_animate_2(d, r):
     # A denoising step (kv_cache_mode="cached"): generation tokens attend to themselves plus the cached reference
     # K/V of the same frame through a flex BlockMask. A 5-frame 64x64 segment: 2 reference latent frames and 3

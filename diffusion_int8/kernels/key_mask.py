@@ -1,0 +1,66 @@
+"""Key masks: attention masks that are the same for every query row (a text padding mask, (B, 1, 1, Sk) or (B, Sk)
+broadcast by diffusers), in the form the kernels run them at unmasked speed.
+
+A key mask becomes one additive bias per key in base-2 units (0 or -inf for a bool mask, ``mask · log2(e)`` for an
+additive one, -inf past the sequence), and per row of the bias (a batch, or a batch and head where the mask differs
+by head) a list of the row's key tiles: first the *clean* tiles (every bias 0: no mask to apply), then the
+*partial* ones (some key masked: the bias is added), ascending within each; tiles whose every key is masked are
+left out, never loaded. So the kernels run the clean tiles through their unmasked loop and the few partial ones
+(text padding, the sequence's tail) through the masked step, and the emulation (``reference``) takes the tiles in
+the same order. ``attention.key_mask_plan`` builds the kernels' form on the GPU; ``plan_reference`` is the same in
+PyTorch (no Triton needed here: the emulation is the CPU fallback). Every query row of a list row sees the same
+keys, so after the first tile no row's max is -inf, except in a list row with no tile at all, whose rows give 0.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .config import LOG2E
+from .layout import cdiv
+
+CLEAN, PARTIAL, EMPTY = 0, 1, 2  # a key tile's kind
+
+
+def as_key_mask(attn_mask: torch.Tensor | None, B: int, H: int) -> torch.Tensor | None:
+    """The mask as (B or 1, H or 1, Sk) where it is the same for every query row (size 1 along the queries of its
+    4-D broadcast), else None. No copy."""
+    if attn_mask is None or attn_mask.dim() > 4:
+        return None
+    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() < 4 else attn_mask
+    if m.shape[2] != 1 or m.shape[0] not in (1, B) or m.shape[1] not in (1, H):
+        return None
+    return m[:, :, 0, :]
+
+
+class KeyMaskPlan(NamedTuple):
+    """A key mask in the kernels' form. A list row is ``b · stride_b + h · stride_h``.
+
+    bias: float32 (rows, Sk_pad), base-2 units; counts: int32 (rows,), tiles listed; clean: int32 (rows, 2), how
+    many are clean, and how many of those are tiles 0, 1, ... in order (the prefix, addressed without the list);
+    tiles: int32 (rows, n_tiles): the row's tile indices, clean ones first (first ``counts`` valid)."""
+
+    bias: torch.Tensor
+    counts: torch.Tensor
+    clean: torch.Tensor
+    tiles: torch.Tensor
+    stride_b: int
+    stride_h: int
+
+
+def plan_reference(key_mask: torch.Tensor, Sk: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention.key_mask_plan``'s bias, float32 (B', H', n_tiles · block_n), and each tile's kind, int64 (B', H',
+    n_tiles), in PyTorch: what the emulation follows."""
+    nt = cdiv(Sk, block_n)
+    if key_mask.dtype == torch.bool:
+        bias = torch.zeros(key_mask.shape, dtype=torch.float32, device=key_mask.device)
+        bias = bias.masked_fill(~key_mask, float("-inf"))
+    else:
+        bias = key_mask.float() * LOG2E
+    bias = torch.nn.functional.pad(bias, (0, nt * block_n - Sk), value=float("-inf"))
+    tiles = bias.unflatten(-1, (nt, block_n))
+    kind = torch.full(tiles.shape[:-1], PARTIAL, dtype=torch.int64, device=bias.device)
+    kind = kind.masked_fill((tiles == 0).all(-1), CLEAN).masked_fill((tiles == float("-inf")).all(-1), EMPTY)
+    return bias, kind
