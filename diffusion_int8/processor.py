@@ -535,13 +535,20 @@ class Int8DiffusionProcessor:
                     scale=None, enable_gqa=False, return_lse=True, _save_ctx=True, _parallel_config=None):
         """The forward op diffusers' ring template calls for each K/V block, in ``mode`` (``_ring_mode``'s): the
         output (B, S, H, D) and log-sum-exp (B, S, H), which the template merges (inference: nothing is saved)."""
-        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        q, k, v = (_waited(t).transpose(1, 2) for t in (query, key, value))
         if mode is Mode.FP16:
             out, lse = sdpa_with_lse(q, k, v, scale=scale)
         else:
             out, lse = int8_core(mode, q, k, v, None, scale, self._static_ranges(q.device),
                                  qk_balance=self.qk_balance, qk_rotate=self.qk_rotate, return_lse=True)
         return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result as the plain tensor it wraps, once the collective is done: diffusers' ring
+    passes each K/V block on as a view of an all-gather's ``AsyncCollectiveTensor``, a tensor subclass with no
+    storage of its own, which a kernel cannot read; other tensors unchanged."""
+    return t.trigger_wait() if type(t) is not torch.Tensor and callable(getattr(t, "trigger_wait", None)) else t
 
 
 def _sparse(tau: float | None, key, attn_mask) -> bool:
