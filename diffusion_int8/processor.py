@@ -268,7 +268,8 @@ class Int8DiffusionProcessor:
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
         # Positional arguments go to the stock processor untouched (new-style modules pass
         # encoder_hidden_states, attention_mask, image_rotary_emb positionally); keyword arguments are
-        # forwarded as it declares them (``_DeclaredCall`` tells diffusers what to pass).
+        # forwarded as it declares them (this processor's class declares the stock processor's signature, so
+        # diffusers passes them: ``_declaring_class``).
         inner = self.inner
         if inner is None:
             inner = self._inferred.get(attn)
