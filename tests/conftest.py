@@ -32,6 +32,24 @@ def kdev(request) -> str:
     return request.param
 
 
+# The package's own settings as the session found them: a test or fixture that changes one must restore it (tests use
+# monkeypatch), or the tests after it silently run another backend
+_SETTINGS = ("DIFFUSION_INT8_",)
+_SETTINGS_AT_START = {k: v for k, v in os.environ.items() if k.startswith(_SETTINGS)}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_settings(request):
+    yield
+    now = {k: v for k, v in os.environ.items() if k.startswith(_SETTINGS)}
+    if now != _SETTINGS_AT_START:
+        for k in now:
+            os.environ.pop(k)
+        os.environ.update(_SETTINGS_AT_START)  # restored for the tests after this one, which then run as they should
+        pytest.fail(f"{request.node.nodeid} (or a fixture it used) left environment settings changed: "
+                    f"{now} instead of {_SETTINGS_AT_START}", pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     # Fresh inputs every run: realistic_qkv draws its seed from torch's generator, seeded at random;
