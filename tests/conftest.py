@@ -32,22 +32,34 @@ def kdev(request) -> str:
     return request.param
 
 
-# The package's own settings as the session found them: a test or fixture that changes one must restore it (tests use
-# monkeypatch), or the tests after it silently run another backend
-_SETTINGS = ("DIFFUSION_INT8_",)
-_SETTINGS_AT_START = {k: v for k, v in os.environ.items() if k.startswith(_SETTINGS)}
+# The package's own settings (DIFFUSION_INT8_*): a test, or a fixture, that changes one must restore it (monkeypatch
+# does), or the tests after it silently run another backend. Checked around every test, and around every module
+# (a module-scoped fixture may hold a setting for its module's tests, and must restore it when the module ends).
+def _settings() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("DIFFUSION_INT8_")}
+
+
+def _check_settings(before: dict[str, str], where: str) -> None:
+    now = _settings()
+    if now != before:
+        for k in now:
+            os.environ.pop(k)
+        os.environ.update(before)  # restored, so the tests after this one run as they should
+        pytest.fail(f"{where} left environment settings changed: {now} instead of {before}", pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_settings_leaked_by_a_module(request):
+    before = _settings()
+    yield
+    _check_settings(before, f"{request.node.nodeid} (a module-scoped fixture)")
 
 
 @pytest.fixture(autouse=True)
-def _no_leaked_settings(request):
+def _no_settings_leaked_by_a_test(request):
+    before = _settings()
     yield
-    now = {k: v for k, v in os.environ.items() if k.startswith(_SETTINGS)}
-    if now != _SETTINGS_AT_START:
-        for k in now:
-            os.environ.pop(k)
-        os.environ.update(_SETTINGS_AT_START)  # restored for the tests after this one, which then run as they should
-        pytest.fail(f"{request.node.nodeid} (or a fixture it used) left environment settings changed: "
-                    f"{now} instead of {_SETTINGS_AT_START}", pytrace=False)
+    _check_settings(before, f"{request.node.nodeid} (or a fixture it used)")
 
 
 @pytest.fixture(autouse=True)
