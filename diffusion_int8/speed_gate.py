@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .kernels.config import MAX_HEAD_DIM, Mode, padded_head_dim
-from .kernels.key_mask import as_key_mask
+from .kernels.key_mask import is_key_mask
 
 FORMAT = "diffusion-int8 crossover table"
 VERSION = 1
@@ -246,7 +246,7 @@ class SpeedGate:
         if q.device.type != "cuda" and self._fixed is None:
             return True
         B, H, Sq, D = q.shape
-        if attn_mask is not None and as_key_mask(attn_mask, B, H) is None:
+        if attn_mask is not None and not is_key_mask(attn_mask.shape, B, H):
             return False
         if torch.compiler.is_compiling():  # traced once per graph; a dict keyed by the shape would fix its values
             table = self.table_for(q.device)

@@ -24,14 +24,20 @@ from .layout import cdiv
 CLEAN, PARTIAL, EMPTY = 0, 1, 2  # a key tile's kind
 
 
+def is_key_mask(shape: torch.Size | tuple[int, ...], B: int, H: int) -> bool:
+    """Whether a mask of ``shape`` (broadcastable to (B, H, Sq, Sk)) is the same for every query row: size 1 along
+    the queries of its 4-D broadcast, and (1 or B, 1 or H) before them. Shapes only: no tensor is made."""
+    if len(shape) > 4:
+        return False
+    full = (1,) * (4 - len(shape)) + tuple(shape)
+    return full[2] == 1 and full[0] in (1, B) and full[1] in (1, H)
+
+
 def as_key_mask(attn_mask: torch.Tensor | None, B: int, H: int) -> torch.Tensor | None:
-    """The mask as (B or 1, H or 1, Sk) where it is the same for every query row (size 1 along the queries of its
-    4-D broadcast), else None. No copy."""
-    if attn_mask is None or attn_mask.dim() > 4:
+    """The mask as (B or 1, H or 1, Sk) where it is a key mask (``is_key_mask``), else None. No copy."""
+    if attn_mask is None or not is_key_mask(attn_mask.shape, B, H):
         return None
     m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() < 4 else attn_mask
-    if m.shape[2] != 1 or m.shape[0] not in (1, B) or m.shape[1] not in (1, H):
-        return None
     return m[:, :, 0, :]
 
 
