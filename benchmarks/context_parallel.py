@@ -1,7 +1,8 @@
 """Denoiser steps under diffusers' context parallelism, stock against INT8, each against one GPU.
 
-    torchrun --nproc_per_node 2 benchmarks/context_parallel.py --models wan,cogvideox --out bench_out/cp.json
+    torchrun --nproc_per_node 2 benchmarks/context_parallel.py --models wan,ltx --out bench_out/cp.json
     torchrun --nproc_per_node 2 benchmarks/context_parallel.py --split ring     # ring attention instead of Ulysses
+    torchrun --nproc_per_node 2 benchmarks/context_parallel.py --compile  # both variants under torch.compile
     torchrun --nproc_per_node 2 benchmarks/context_parallel.py --tiny     # CPU processes on gloo, the tiny Wan
 
 Every process builds the same random-weight model (``pipeline.py``'s full-size configs, seeded) and first runs it
@@ -12,6 +13,16 @@ time, its speed-up over stock on one GPU and over stock split the same way, and 
 against the one-GPU output of the same variant (Ulysses attends over every token, so the split changes only the
 order of sums; ring quantizes each K/V block on its own). Stock under ring needs a backend with ring attention:
 the stock rows then run diffusers' ``_native_cudnn`` (with ``--tiny``, the processor's exact ring in mode fp16).
+
+Only models diffusers can split run: those with a context-parallel plan (``_cp_plan``: Wan, LTX-Video, Flux,
+Qwen-Image, ...). CogVideoX and HunyuanVideo have none in diffusers 0.42, and CogVideoX's processor calls SDPA
+itself, so no plan could split it; they are reported and skipped. Ring skips models with masked attention:
+diffusers' ring template hands every K/V block the local mask.
+
+``--compile`` times the split variants under ``torch.compile`` (the one-GPU rows stay eager). Ulysses only: the
+compiled processor catches the SDPA call diffusers' template makes on each device's heads, but a ring split's
+per-block calls need a backend with a log-sum-exp, so compiled ring calls stay with diffusers' backend in both
+variants.
 """
 
 from __future__ import annotations
@@ -64,6 +75,18 @@ def _step_ms(model, x, steps: int, device: torch.device) -> tuple[float, torch.T
     return statistics.median(times), out.float()
 
 
+def _cannot_split(model, x: dict, split: str, compiled: bool) -> str | None:
+    """Why ``model`` cannot be compared split this way (None: it can)."""
+    if model._cp_plan is None:
+        return (f"diffusers gives {type(model).__name__} no context-parallel plan"
+                + (" (and its processor calls SDPA itself)" if "CogVideoX" in type(model).__name__ else ""))
+    if split == "ring" and any("mask" in k and v is not None for k, v in x.items()):
+        return "masked attention: diffusers' ring hands every K/V block the local mask"
+    if split == "ring" and compiled:
+        return "compiled, a ring split stays with diffusers' backend in both variants"
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="wan", help="comma-separated, from pipeline.py's builders (Ulysses needs "
@@ -72,6 +95,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--split", choices=("ulysses", "ring"), default="ulysses")
     ap.add_argument("--tiny", action="store_true", help="the tiny Wan on CPU processes (gloo): checks the script")
+    ap.add_argument("--compile", action="store_true", help="the split variants under torch.compile")
     ap.add_argument("--out", default="bench_out/context_parallel.json")
     args = ap.parse_args()
 
@@ -90,11 +114,18 @@ def main() -> None:
         torch.cuda.set_device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {"meta": {"device": "cpu" if args.tiny else torch.cuda.get_device_name(device), "processes": world,
-                        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}}
+                        "split": args.split, "compiled": args.compile, "torch": torch.__version__,
+                        "date": time.strftime("%Y-%m-%d")}}
     lines = [f"| model | variant | step ms | × stock, 1 GPU | × stock, {world} GPUs | rel L2 vs 1 GPU | INT8 / gated calls |",
              "|---|---|---|---|---|---|---|"]
-    for name in args.models.split(","):
-        model, x, _ = _build("wan" if args.tiny else name, args.tiny, device)
+    for name in ["wan"] if args.tiny else args.models.split(","):
+        model, x, _ = _build(name, args.tiny, device)
+        why = _cannot_split(model, x, args.split, args.compile)
+        if why:
+            lines.append(f"| {name} | skipped: {why} | | | | | |")
+            results[name] = {"skipped": why}
+            del model, x
+            continue
         one = {}
         for variant in ("stock", "int8"):
             handle = diffusion_int8.enable(model, "int8") if variant == "int8" else None
@@ -115,11 +146,14 @@ def main() -> None:
                     stock_ring = diffusion_int8.enable(model, "fp16")
                 elif ring:  # diffusers' native backend has no ring attention
                     model.set_attention_backend("_native_cudnn")
-                ms, outs[variant] = _step_ms(model, x, args.steps, device)
+                if args.compile:
+                    torch._dynamo.reset()
+                ms, outs[variant] = _step_ms(torch.compile(model) if args.compile else model, x, args.steps, device)
                 split[variant].append(ms)
                 if handle is not None:
                     handle.disable()
-                    calls = f"{handle.state.int8_calls} / {handle.state.gated_calls}"
+                    calls = ("not counted in a compiled graph" if args.compile else
+                             f"{handle.state.int8_calls} / {handle.state.gated_calls}")
                 elif stock_ring is not None:
                     stock_ring.disable()
                 elif ring:

@@ -29,7 +29,7 @@ from .kernels.layout import cdiv
 from .kernels.sparsity import check_tau, predict_block_mask
 from .models import any_stock_signature, call_params, stock_processor_for, stock_signature, text_position
 from .routing import (RouteToInt8, attention_dispatch, context_split, int8_core, keeps_stock, kernel_takes, other_backend,
-                      routed)
+                      routed, ulysses_share)
 from .schedule import PrecisionSchedule, noise_level
 from .speed_gate import CrossoverTable, SpeedGate
 
@@ -288,11 +288,15 @@ class Int8DiffusionProcessor:
         self._text = (context.shape[-2], text_position(inner)) if isinstance(context, torch.Tensor) else (0, None)
         if torch.compiler.is_compiling():
             # dynamo cannot trace a function whose globals differ from its module's; a torch-function mode
-            # costs nothing in a compiled graph (it is traced away). Another attention backend or a
-            # context-parallel split keeps the stock processor here (for ring, diffusers needs a backend that has it).
-            if other_backend(inner):
+            # costs nothing in a compiled graph (it is traced away). Under a Ulysses split on the native backend
+            # the SDPA call it catches is the one diffusers' template makes on this device's heads; another
+            # backend or a ring split keeps the stock processor (ring needs a backend with a log-sum-exp, and
+            # the native one has none).
+            share = ulysses_share(inner)
+            if other_backend(inner) and share is None:
                 return inner(attn, hidden_states, *args, **kwargs)
-            with RouteToInt8(self._attention):
+            sdpa = self._attention if share is None else functools.partial(self._attention, share=share)
+            with RouteToInt8(sdpa):
                 return inner(attn, hidden_states, *args, **kwargs)
         # Inputs whose every attention call the speed gate sent to SDPA last time go straight to the stock
         # processor: the gate decides by the call's mode, shapes, dtype and device, which follow from the module

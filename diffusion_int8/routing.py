@@ -82,6 +82,16 @@ def other_backend(inner) -> bool:
     return keeps_stock(getattr(inner, "_attention_backend", None), getattr(inner, "_parallel_config", None))
 
 
+def ulysses_share(inner) -> tuple[int, int] | None:
+    """(this device's rank, devices) where a stock processor's dispatcher call is split Ulysses-wise on diffusers'
+    native backend, whose template ends in one SDPA call on this device's share of the heads; else None."""
+    config = getattr(inner, "_parallel_config", None)
+    if context_split(config) != "ulysses" or keeps_stock(getattr(inner, "_attention_backend", None), None):
+        return None
+    cp = config.context_parallel_config
+    return cp._ulysses_local_rank, cp.ulysses_degree
+
+
 class RouteToInt8(TorchFunctionMode):
     """Routes F.scaled_dot_product_attention to ``sdpa`` for the duration of one processor call (traced by
     torch.compile); ``dispatch_attention_fn``'s native backend ends in that call."""

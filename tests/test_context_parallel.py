@@ -86,6 +86,13 @@ def _worker(rank: int, port: int, out_path: str) -> None:
                             "int8_calls": handle.state.int8_calls if handle else None})
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which asserts on it
             results.append({"error": f"{type(exc).__name__}: {exc}"})
+    # compiled, Ulysses: the SDPA call dynamo traces inside diffusers' template is this device's heads' and runs INT8
+    model, x = fresh()
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
+    diffusion_int8.enable(model, "int8")
+    with torch.no_grad():
+        out = torch.compile(model, backend="eager")(**x, return_dict=False)[0]
+    compiled = {"vs_stock": rel(out, stock), "vs_int8": rel(out, int8)}
     # calibrated ranges per head, cut to each device's heads under Ulysses
     model, x = fresh()
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
@@ -118,7 +125,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         observed = str(exc)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"int8_vs_stock": rel(int8, stock), "cases": results, "static": static,
+            json.dump({"int8_vs_stock": rel(int8, stock), "cases": results, "static": static, "compiled": compiled,
                        "masked_ring": masked_ring, "observed": observed}, f)
     dist.destroy_process_group()
 
@@ -153,13 +160,15 @@ def test_processor_under_context_parallelism(tmp_path):
     assert fp16_before["vs_stock"] < 1e-6 and shared["vs_stock"] < 1e-6
     # Ulysses: the INT8 self-attention ran on each device's heads, and equals the single-process INT8 output
     for case in (int8_before, int8_after):
-        assert case["int8_calls"] > 0 and case["vs_int8"] < 1e-6
+        assert case["int8_calls"] > 0 and case["vs_int8"] == 0, case
     # ring on diffusers' native backend (which has no ring attention): exact calls merge to the single-process
     # output; INT8 ones to the single-process INT8 output within INT8's own distance from stock
     assert ring_fp16.get("vs_stock", 1) < 1e-5, ring_fp16
     for case in (ring_before, ring_after):
         assert case["int8_calls"] > 0 and case["vs_int8"] < got["int8_vs_stock"], case
         assert case["vs_stock"] < 2 * got["int8_vs_stock"], case
+    # compiled under Ulysses: INT8 (not stock), equal to the single-process INT8 output
+    assert got["compiled"]["vs_int8"] == 0 and got["compiled"]["vs_stock"] > 1e-4, got["compiled"]
     # static ranges: each device's heads get their own, so the split output is the one-process output
     static = got["static"]
     assert static["int8_calls"] > 0 and static["static_vs_dynamic"] > 1e-5 and static["vs_int8_static"] < 1e-6, static
