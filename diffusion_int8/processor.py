@@ -377,9 +377,16 @@ class Int8DiffusionProcessor:
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False, share: tuple[int, int] | None = None):
         """What the stock processor's ``F.scaled_dot_product_attention`` call runs: this call's mode, shown to
-        the observer first."""
+        the observer first. ``share``: (rank, devices) under a Ulysses split, where the call holds that block of
+        the module's heads; a mask the processor made per head before the split (LTX-Video's (B, H, 1, Sk)) is cut
+        to them (diffusers' own split fails on it)."""
         if not torch.compiler.is_compiling():
             self._routed_hit = True
+        if share is not None and attn_mask is not None and attn_mask.dim() == 4:
+            rank, devices = share
+            heads = query.shape[1]
+            if devices > 1 and attn_mask.shape[1] == heads * devices:
+                attn_mask = attn_mask[:, rank * heads:(rank + 1) * heads]
         mode = self.current_mode()
         exact = None
         if self.observer is not None:
@@ -531,7 +538,7 @@ class Int8DiffusionProcessor:
                          _parallel_config=None):
         """The forward op diffusers' Ulysses template calls on each device's heads, (B, S, H, D) in and out
         (inference: nothing is saved for a backward pass). ``share``: (this device's rank, devices): its heads are
-        that block of the module's, which the calibration's per-head ranges are sliced to."""
+        that block of the module's, which the calibration's per-head ranges and per-head masks are sliced to."""
         out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
                               dropout_p, is_causal, scale, enable_gqa, share=share)
         return out.transpose(1, 2)

@@ -537,3 +537,18 @@ def test_set_attention_backend_reaches_the_wrapped_processor():
         out = model(**x, return_dict=False)[0]
     assert handle.state.int8_calls == 2 and not torch.equal(out, stock_math)
     handle.disable()
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+def test_ulysses_share_cuts_a_per_head_mask_to_the_devices_heads(mode):
+    """Under a Ulysses split each device holds a block of the heads; a mask the stock processor made per head before
+    the split (LTX-Video's (B, H, 1, Sk)) reaches it whole and is cut to that block: the second device's call equals
+    the same call on heads 2-3 given their own rows of the mask."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 96, 32, generator=g) for _ in range(3))
+    mask = torch.rand(1, 4, 1, 96, generator=g) > 0.3  # a different key set per head
+    proc = Int8DiffusionProcessor(mode, speed_gate=False)
+    got = proc._attention(q, k, v, mask, share=(1, 2))
+    want = proc._attention(q, k, v, mask[:, 2:4])
+    assert torch.equal(got, want)
+    assert not torch.equal(got, proc._attention(q, k, v, mask[:, 0:2]))  # the rows differ per head
