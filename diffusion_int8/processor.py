@@ -301,9 +301,10 @@ class Int8DiffusionProcessor:
         # Inputs whose every attention call the speed gate sent to SDPA last time go straight to the stock
         # processor: the gate decides by the call's mode, shapes, dtype and device, which follow from the module
         # and its inputs' shapes, so this is what the routed copy would run, without its host time (image models
-        # at 1-4K tokens, every call gated). A backend change clears what was learnt.
+        # at 1-4K tokens, every call gated). A backend change clears what was learnt. Not under a context-parallel
+        # split, where the routed copy also mends what diffusers' split gets wrong (per-head masks, ring).
         key = shapes = None
-        if self.gate is not None and self.observer is None and not tracing and not self._ring:
+        if self.gate is not None and self.observer is None and not tracing and self._parallel_config is None:
             shapes = self._stock_shapes.get(attn)
             key = (mode, hidden_states.shape, hidden_states.dtype, hidden_states.get_device(),
                    tuple(a.shape if isinstance(a, torch.Tensor) else None for a in args),
