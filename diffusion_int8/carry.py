@@ -25,6 +25,7 @@ then an img2img run of low strength) is taken for its continuation.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,17 @@ class _Site:
         self.kept = self.mask.sum()  # a 0-d device tensor: no host synchronization
 
 
+class _Generation(threading.local):
+    """The generation a thread runs through one processor: its call sites and where it is in its steps (each
+    thread's calls are a sequence of their own, so threads sharing a model do not take each other's sites)."""
+
+    def __init__(self):
+        self.sites: dict[int, _Site] = {}
+        self.noise: float | None = None  # the denoising step's noise level
+        self.step = 0  # denoising steps since the generation began
+        self.calls = 0  # calls in this denoising step: the index of the next call site
+
+
 class BlockCarry:
     """Skipped blocks carried across denoising steps (see the module docstring), for one attention processor.
 
@@ -64,22 +76,27 @@ class BlockCarry:
             raise ValueError(f"refresh_every must be an integer >= 2 (a dense refresh every that many denoising "
                              f"steps), got {every!r}")
         self.every = every
-        self._sites: dict[int, _Site] = {}
-        self._noise: float | None = None  # the denoising step's noise level
-        self._step = 0  # denoising steps since the generation began
-        self._calls = 0  # calls in this denoising step: the index of the next call site
+        self._gen = _Generation()
 
-    def _advance(self, noise: float) -> int:
-        """The call site of this call; a new noise level starts a denoising step, a higher one a generation."""
-        if noise != self._noise or self._calls == MAX_CALLS_PER_STEP:
-            if self._noise is None or noise >= self._noise:
-                self._sites.clear()
-                self._step = 0
+    def __getstate__(self):  # copies start with no carried state (a thread-local cannot be copied)
+        return {"every": self.every}
+
+    def __setstate__(self, state):
+        self.__init__(state["every"])
+
+    def _advance(self, noise: float) -> tuple[_Generation, int]:
+        """This thread's generation and the call site of this call; a new noise level starts a denoising step, a
+        higher one a generation."""
+        gen = self._gen
+        if noise != gen.noise or gen.calls == MAX_CALLS_PER_STEP:
+            if gen.noise is None or noise >= gen.noise:
+                gen.sites.clear()
+                gen.step = 0
             else:
-                self._step += 1
-            self._noise, self._calls = noise, 0
-        self._calls += 1
-        return self._calls - 1
+                gen.step += 1
+            gen.noise, gen.calls = noise, 0
+        gen.calls += 1
+        return gen, gen.calls - 1
 
     @torch.compiler.disable  # Python state across calls: runs eagerly inside a compiled denoiser
     def __call__(self, run, query: torch.Tensor, key: torch.Tensor, *, tau: float, scale: float | None, noise: float,
@@ -99,15 +116,15 @@ class BlockCarry:
             The output in ``query``'s dtype, and the (query block, key block) pairs computed: all of them at a
             refresh, the mask's (a 0-d device tensor: no host synchronization) between.
         """
-        index = self._advance(noise)
+        gen, index = self._advance(noise)
         shape = (query.shape, key.shape, query.dtype, query.device)
-        site = self._sites.get(index)
+        site = gen.sites.get(index)
         if site is None or site.shape != shape:
             mask = predict_block_mask(query, key, tau, sm_scale=scale, keep_kv_blocks=keep_kv_blocks,
                                       min_similarity=None)
-            site = self._sites[index] = _Site(mask, shape)
+            site = gen.sites[index] = _Site(mask, shape)
         out_k, lse_k = run(block_mask=site.mask, return_lse=True)
-        if self._step % self.every == 0 or site.last is None:
+        if gen.step % self.every == 0 or site.last is None:
             # rows whose every block is kept have an empty complement: -inf, and a zero weight in the merge
             out_c, lse_c = run(block_mask=site.rest, return_lse=True)
             site.before, site.last = site.last, (noise, out_c, lse_c)

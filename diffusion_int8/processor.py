@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import types
 import warnings
 import weakref
@@ -217,6 +218,7 @@ class Int8DiffusionProcessor:
         self._backend = None  # likewise an attention backend (set_attention_backend)
         # ring attention on diffusers' native backend, which has none: every call runs here, INT8 or exact
         self._ring = context_split(getattr(inner, "_parallel_config", None)) == "ring"
+        self._lock = threading.RLock()
 
     # diffusers' enable_parallelism and set_attention_backend set these on every module's processor: they belong
     # to the stock processor this one runs, whose dispatcher call carries them (unset, a context-parallel model
@@ -269,7 +271,21 @@ class Int8DiffusionProcessor:
         # Positional arguments go to the stock processor untouched (new-style modules pass
         # encoder_hidden_states, attention_mask, image_rotary_emb positionally); keyword arguments are
         # forwarded as it declares them (this processor's class declares the stock processor's signature, so
-        # diffusers passes them: ``_declaring_class``).
+        # diffusers passes them: ``_declaring_class``). An eager call holds the processor's lock: what a call
+        # plans (its text tokens, what its routed copy did) lives on the processor until it returns, so threads
+        # sharing a model take turns on the host side (the GPU work they queue is not waited for).
+        if torch.compiler.is_compiling():
+            return self._call(attn, hidden_states, *args, **kwargs)
+        with self._lock:
+            return self._call(attn, hidden_states, *args, **kwargs)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.RLock())
+
+    def _call(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
         inner = self.inner
         if inner is None:
             inner = self._inferred.get(attn)
