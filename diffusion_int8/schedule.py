@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from . import jsonfile
 from .kernels import Mode
 from .kernels.sparsity import check_tau
 
@@ -289,13 +290,11 @@ class PrecisionSchedule:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is neither a schedule file nor a preset ({', '.join(PRESETS)})")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not a schedule: not UTF-8 text (byte {e.start}: {e.reason}); "
                              f"a schedule is the JSON that PrecisionSchedule.save writes") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(jsonfile.loads(text, str(path)), source=str(path))
 
 
 _RULE_FIELDS = tuple(f.name for f in fields(Rule))

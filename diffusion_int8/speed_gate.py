@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import jsonfile
 from .kernels.config import MAX_HEAD_DIM, Mode, padded_head_dim
 from .kernels.key_mask import is_key_mask
 
@@ -145,21 +147,28 @@ class CrossoverTable:
                            "rows": list(g.rows), "speedup": [list(r) for r in g.speedup]} for g in self.grids]}
 
     def save(self, path: str | Path) -> None:
-        """Write atomically: a reader sees the old file or the new one, never half of one."""
+        """Write atomically: a reader sees the old file or the new one, never half of one. The temporary file is
+        made new under a random name (``O_EXCL``), so nothing planted beside ``path`` is followed or written."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        os.replace(tmp, path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.to_json(), indent=1) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: str | Path) -> "CrossoverTable":
         """Read and validate a table file; errors name the file and what is wrong."""
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path}: not a readable crossover table ({exc})") from None
+        data = jsonfile.loads(text, f"{path}: not a crossover table")
         try:
             return cls._from_json(data)
         except (KeyError, TypeError, ValueError) as exc:
@@ -171,28 +180,59 @@ class CrossoverTable:
             raise ValueError(f"expected a JSON object with \"format\": {FORMAT!r}")
         if data.get("version") != VERSION:
             raise ValueError(f"version {data.get('version')!r} is not supported (this release reads {VERSION})")
-        grids = []
+        if not isinstance(data.get("arch"), str) or not re.fullmatch(r"sm_\d+", data["arch"]):
+            raise ValueError(f"arch must name a CUDA architecture such as 'sm_90', got {data.get('arch')!r}")
+        if not isinstance(data.get("device"), str):
+            raise ValueError(f"device must be the GPU's name, got {data.get('device')!r}")
+        if not isinstance(data.get("grids"), list):
+            raise ValueError(f"grids must be a list, got {type(data.get('grids')).__name__}")
+        grids, seen = [], set()
         for n, g in enumerate(data["grids"]):
+            if not isinstance(g, dict):
+                raise ValueError(f"grid {n} must be a JSON object, got {type(g).__name__}")
             Mode.parse(g["mode"])
             if g["mode"] == "fp16":
                 raise ValueError(f"grid {n}: mode 'fp16' needs no gate")
             if g["dtype"] not in _DTYPES:
                 raise ValueError(f"grid {n}: dtype {g['dtype']!r} is not one of {sorted(_DTYPES)}")
-            keys, rows = tuple(int(x) for x in g["keys"]), tuple(int(x) for x in g["rows"])
-            if not 1 <= int(g["head_dim"]) <= MAX_HEAD_DIM:
-                raise ValueError(f"grid {n}: head_dim {g['head_dim']!r} is not in 1..{MAX_HEAD_DIM}")
-            if not keys or not rows or list(keys) != sorted(set(keys)) or list(rows) != sorted(set(rows)):
-                raise ValueError(f"grid {n}: keys and rows must be non-empty and strictly increasing")
-            speedup = tuple(tuple(None if x is None else float(x) for x in r) for r in g["speedup"])
-            if len(speedup) != len(keys) or any(len(r) != len(rows) for r in speedup):
+            head_dim = g["head_dim"]
+            if not _count(head_dim) or not head_dim <= MAX_HEAD_DIM:
+                raise ValueError(f"grid {n}: head_dim {head_dim!r} is not an integer in 1..{MAX_HEAD_DIM}")
+            if (g["mode"], head_dim, g["dtype"]) in seen:
+                raise ValueError(f"grid {n}: a second grid for mode {g['mode']!r}, head_dim {head_dim}, dtype "
+                                 f"{g['dtype']!r}; each may have one")
+            seen.add((g["mode"], head_dim, g["dtype"]))
+            for axis in ("keys", "rows"):
+                values = g[axis]
+                if not isinstance(values, list) or not values or not all(map(_count, values)) \
+                        or values != sorted(set(values)):
+                    raise ValueError(f"grid {n}: {axis} must be a non-empty, strictly increasing list of integers > 0, "
+                                     f"got {values!r}")
+            keys, rows = tuple(g["keys"]), tuple(g["rows"])
+            speedup = g["speedup"]
+            if not isinstance(speedup, list) or len(speedup) != len(keys) \
+                    or any(not isinstance(r, list) or len(r) != len(rows) for r in speedup):
                 raise ValueError(f"grid {n}: speedup must be {len(keys)} × {len(rows)} (keys × rows)")
-            if any(x is not None and not x > 0 for r in speedup for x in r):
-                raise ValueError(f"grid {n}: speed-ups must be positive numbers or null")
-            grids.append(Grid(g["mode"], int(g["head_dim"]), g["dtype"], keys, rows, speedup))
-        margin = float(data.get("margin", 1.03))
-        if not margin > 0:
-            raise ValueError(f"margin must be positive, got {margin}")
-        return cls(str(data["device"]), str(data["arch"]), tuple(grids), margin, dict(data.get("measured", {})))
+            bad = next((x for r in speedup for x in r if x is not None and not (_number(x) and x > 0)), None)
+            if bad is not None:
+                raise ValueError(f"grid {n}: speed-ups must be finite positive numbers or null, got {bad!r}")
+            grids.append(Grid(g["mode"], head_dim, g["dtype"], keys, rows,
+                              tuple(tuple(None if x is None else float(x) for x in r) for r in speedup)))
+        margin = data.get("margin", 1.03)
+        if not (_number(margin) and margin > 0):
+            raise ValueError(f"margin must be a finite positive number, got {margin!r}")
+        measured = data.get("measured", {})
+        if not isinstance(measured, dict):
+            raise ValueError(f"measured must be a JSON object, got {type(measured).__name__}")
+        return cls(data["device"], data["arch"], tuple(grids), float(margin), measured)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
 def arch_of(device: torch.device) -> str:
@@ -223,6 +263,12 @@ class SpeedGate:
             table = CrossoverTable.load(table)
         if table is not None and not isinstance(table, CrossoverTable):
             raise TypeError(f"table must be a CrossoverTable or its file, got {type(table).__name__}")
+        if table is not None and torch.cuda.is_available():
+            archs = {arch_of(torch.device("cuda", i)) for i in range(torch.cuda.device_count())}
+            if table.arch not in archs:
+                warnings.warn(f"diffusion_int8: the crossover table given was measured on {table.device} "
+                              f"({table.arch}); this machine's GPUs are {', '.join(sorted(archs))}, where its "
+                              f"speed-ups may not hold", RuntimeWarning, stacklevel=2)
         self._fixed = table
         self._tables: dict[int | None, CrossoverTable | None] = {}
         self._decisions: dict[tuple, bool] = {}
@@ -266,7 +312,10 @@ def _find_table(device: torch.device) -> CrossoverTable | None:
     path = cache_path(device)
     if path.exists():
         try:
-            return CrossoverTable.load(path)
+            table = CrossoverTable.load(path)
+            if table.arch != arch_of(device):
+                raise ValueError(f"{path}: measured on {table.arch}, and this GPU is {arch_of(device)}")
+            return table
         except ValueError as exc:
             warnings.warn(f"diffusion_int8: ignoring the cached crossover table: {exc}. Run `diffusion-int8 tune "
                           f"--overwrite` to measure it again.", RuntimeWarning, stacklevel=4)

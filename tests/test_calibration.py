@@ -397,11 +397,18 @@ def _file_parts(path):
         return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
 
 
-def _write(path, tensors, meta=None, raw_meta=None):
-    """A calibration file without a checksum (as written before checksums), so that its contents are checked."""
+def _write(path, tensors, meta=None, raw_meta=None, checksum=True):
+    """A calibration file of these parts with a checksum that fits them (as ``save`` writes it), so that its
+    contents are what is checked; ``checksum=False``: none, as files written before checksums."""
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"diffusion_int8": raw_meta if raw_meta is not None else json.dumps(meta)})
+    from diffusion_int8.calibration.file import file_sha256
+
+    raw = raw_meta if raw_meta is not None else json.dumps(meta)
+    header = {"diffusion_int8": raw}
+    if checksum:
+        header["diffusion_int8.sha256"] = file_sha256(raw, tensors)
+    save_file(tensors, str(path), metadata=header)
     return path
 
 
@@ -465,7 +472,7 @@ def test_unreadable_calibration_files_fail_naming_the_file(saved, tmp_path):
     assert str(garbage) in str(err.value)
     tensors, _ = _damaged(saved, None)
     bad_json = _write(tmp_path / "json.safetensors", tensors, raw_meta="{schema")
-    with pytest.raises(ValueError, match="metadata 'diffusion_int8' is not valid JSON") as err:
+    with pytest.raises(ValueError, match="metadata 'diffusion_int8': not valid JSON") as err:
         Calibration.load(bad_json)
     assert str(bad_json) in str(err.value)
     as_list = _write(tmp_path / "list.safetensors", tensors, raw_meta="[2]")
@@ -477,12 +484,14 @@ def test_unreadable_calibration_files_fail_naming_the_file(saved, tmp_path):
     assert str(v9) in str(err.value)
 
 
-def test_checksum_refuses_changed_tensors_and_files_without_one_still_load(saved, tmp_path):
+def test_checksum_covers_metadata_and_tensors_and_is_required_from_schema_3(saved, tmp_path):
     path, tensors, meta = saved
     _, header = _file_parts(path)
-    from diffusion_int8.calibration.file import tensors_sha256
+    from safetensors.torch import save_file
 
-    assert header["diffusion_int8.sha256"] == tensors_sha256(tensors)
+    from diffusion_int8.calibration.file import file_sha256
+
+    assert header["diffusion_int8.sha256"] == file_sha256(header["diffusion_int8"], tensors)
     # one flipped bit in the last tensor's data, which sits at the end of the file
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
@@ -492,19 +501,48 @@ def test_checksum_refuses_changed_tensors_and_files_without_one_still_load(saved
         Calibration.load(flipped)
     assert str(flipped) in str(err.value)
     # a tensor rewritten with the old checksum kept
-    from safetensors.torch import save_file
-
     edited = dict(tensors)
     key = next(k for k in edited if k.endswith("::fit.v"))
     edited[key] = edited[key] * 1.01
     save_file(edited, str(tmp_path / "edited.safetensors"), metadata=header)
-    with pytest.raises(ValueError, match="do not match the checksum"):
+    with pytest.raises(ValueError, match="metadata or tensors do not match the checksum"):
         Calibration.load(tmp_path / "edited.safetensors")
-    # written before checksums: loads, equal to the checksummed original
-    old = Calibration.load(_write(tmp_path / "old.safetensors", tensors, meta))
-    new = Calibration.load(path)
-    assert old.meta == new.meta and all(torch.equal(t, new.layers[n][k]) for n, st in old.layers.items()
-                                        for k, t in st.items())
+    # a metadata field changed (a valid value: only the checksum can tell), the checksum kept
+    changed = {**header, "diffusion_int8": json.dumps({**meta, "timestep_scale": 1.0})}
+    save_file(tensors, str(tmp_path / "meta.safetensors"), metadata=changed)
+    with pytest.raises(ValueError, match="metadata or tensors do not match the checksum"):
+        Calibration.load(tmp_path / "meta.safetensors")
+    # the checksum removed, or renamed, and a tensor changed
+    for name, extra in (("removed", {}), ("renamed", {"diffusion_int8.sha256_": header["diffusion_int8.sha256"]})):
+        save_file(edited, str(tmp_path / f"{name}.safetensors"), metadata={"diffusion_int8": header["diffusion_int8"], **extra})
+        with pytest.raises(ValueError, match="without its checksum" if name == "removed" else "is not part of a calibration"):
+            Calibration.load(tmp_path / f"{name}.safetensors")
+    # schema 2 files were written before checksums: they load without one
+    schema_2 = ("sparsity_levels",)
+    old_meta = {**{k: v for k, v in meta.items() if k not in schema_2}, "schema_version": 2}
+    old_tensors = {k: t for k, t in tensors.items() if not k.endswith(tuple(f"::{s}" for s in SCHEMA_4))
+                   and "::sparse." not in k}
+    Calibration.load(_write(tmp_path / "old.safetensors", old_tensors, old_meta, checksum=False))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m, t: m.pop("model_class"), "metadata field model_class is missing"),
+    (lambda m, t: m.update(timestep_scale=9000), "metadata field timestep_scale must be null, 1 or 1000"),
+    (lambda m, t: m.update(percentile=200), "metadata field percentile must be a number in (0, 100]"),
+    (lambda m, t: m.update(model_class=7), "metadata field model_class must be a non-empty string"),
+    (lambda m, t: t.update({k: -t[k] - 0.1 for k in t if k.endswith("err.int8.rel_l1")}),
+     "err.int8.rel_l1 holds -0.1"),
+    (lambda m, t: t.update({k: t[k] + float("nan") for k in t if k.endswith("err.int8.cos")}),
+     "a measured cos must be finite and in [-1, 1]"),
+])
+def test_every_metadata_field_and_measured_error_is_validated(saved, tmp_path, change, message):
+    _, tensors, meta = saved
+    tensors, meta = dict(tensors), json.loads(json.dumps(meta))
+    change(meta, tensors)
+    path = _write(tmp_path / "bad.safetensors", tensors, meta)
+    with pytest.raises(ValueError) as err:
+        Calibration.load(path)
+    assert str(err.value).startswith(str(path)) and message in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("fit, coef, message", [
@@ -679,7 +717,7 @@ def test_sparsity_levels_are_collected_as_directly_computed(monkeypatch):
         assert (st["sparse.rel_l1@0.5"] > 0).any()
     cal = Calibration.from_stats({"model": "tiny-dit", "model_class": "DiTTransformer2DModel",
                                   "num_train_timesteps": 1000}, timesteps, stats)
-    assert cal.sparsity_levels() == [0.5, 0.9] and cal.meta["schema_version"] == 4
+    assert cal.sparsity_levels() == [0.5, 0.9] and cal.meta["schema_version"] == 5
     assert cal.kept(0.5).shape == (2, 2) and bool((cal.sparse_error(0.5) >= 0).all())
     with pytest.raises(ValueError, match=r"level 0.7 was not calibrated; the calibrated sparsity levels are \[0.5, 0.9\]"):
         cal.sparse_error(0.7)
@@ -688,7 +726,8 @@ def test_sparsity_levels_are_collected_as_directly_computed(monkeypatch):
 def test_sparse_calibration_round_trips_and_schema_2_files_still_load(monkeypatch, tmp_path):
     _, record = collect_long_dit(monkeypatch)
     timesteps, stats = merge([record])
-    cal = Calibration.from_stats({"model": "tiny-dit", "num_train_timesteps": 1000}, timesteps, stats)
+    cal = Calibration.from_stats({"model": "tiny-dit", "model_class": "DiTTransformer2DModel", "num_train_timesteps": 1000},
+                                 timesteps, stats)
     back = Calibration.load(cal.save(tmp_path / "sparse.safetensors"))
     assert back.sparsity_levels() == [0.5, 0.9] and torch.equal(back.kept(0.9), cal.kept(0.9))
     # a file of the previous schema: no levels

@@ -2,13 +2,15 @@
 
 The file is safetensors (``calibration.safetensors``): tensors named ``{layer}::{stat}`` and the
 global ``timesteps`` and ``noise``, with JSON metadata under the key ``diffusion_int8`` (model,
-model class, diffusers version, scheduler, steps, prompt hash, schema version) and the tensors' sha256
-under ``diffusion_int8.sha256`` (``tensors_sha256``). Nothing is unpickled.
+model class, diffusers version, scheduler, steps, prompt hash, schema version) and a sha256 under
+``diffusion_int8.sha256``: of the metadata and the tensors since schema 5 (``file_sha256``), of the tensors
+alone in schemas 3 and 4 (``tensors_sha256``). Nothing is unpickled.
 
-``load`` checks the whole file before returning: the checksum (files written before it existed have none),
-the metadata, every tensor's presence and shape, and that the fitted ranges are finite and positive, and
-K's mean finite, over the whole noise interval [0, 1]. Anything wrong is a ``ValueError`` naming the file
-and the tensor or field, raised at load rather than during generation.
+``load`` checks the whole file before returning: the checksum (required from schema 3 on; schemas 1 and 2
+were written before it), every metadata field's type and range, every tensor's presence and shape, that the
+measured errors are finite and in range, and that the fitted ranges are finite and positive, and K's mean
+finite, over the whole noise interval [0, 1]. Anything wrong is a ``ValueError`` naming the file and the
+tensor or field, raised at load rather than during generation.
 
 Since schema 3 a file may also hold, per calibrated sparsity level tau (metadata ``sparsity_levels``), the error
 of block-sparse attention at that level and the fraction of block pairs it computes: ``sparse.rel_l1@{tau}``,
@@ -34,14 +36,17 @@ from pathlib import Path
 
 import torch
 
+from .. import jsonfile
 from ..kernels import Mode, StaticRanges
 from ..kernels.config import MAX_HEAD_DIM
 from ..models import attention_modules, head_dim_of
 from ..schedule import noise_level
 from .stats import SPARSE_STATS, sparse_key, sparse_stat
 
-SCHEMA_VERSION = 4
-READABLE_SCHEMAS = (1, 2, 3, 4)  # 3: no channel maxima; 2: nor sparsity levels; 1: nor Q/K maxima nor K's mean
+SCHEMA_VERSION = 5
+# 4: the checksum covers the tensors alone; 3: nor channel maxima; 2: nor sparsity levels, nor a checksum;
+# 1: nor Q/K maxima nor K's mean
+READABLE_SCHEMAS = (1, 2, 3, 4, 5)
 FILE_NAME = "calibration.safetensors"
 _META_KEY = "diffusion_int8"
 _SHA_KEY = "diffusion_int8.sha256"
@@ -81,13 +86,22 @@ def evaluate_fit(coef: torch.Tensor, noise: torch.Tensor | float) -> torch.Tenso
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over the tensors in name order: each one's name, dtype and shape, then its bytes."""
-    h = hashlib.sha256()
+    """sha256 over the tensors in name order: each one's name, dtype and shape, then its bytes (schemas 3, 4)."""
+    return _sha256(tensors).hexdigest()
+
+
+def file_sha256(raw_meta: str, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the metadata as stored (its JSON text), then the tensors as ``tensors_sha256`` (schema 5 on)."""
+    return _sha256(tensors, raw_meta.encode()).hexdigest()
+
+
+def _sha256(tensors: dict[str, torch.Tensor], prefix: bytes = b""):
+    h = hashlib.sha256(prefix)
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
+    return h
 
 
 def _expected_shapes(schema: int, H: int, D: int, T: int) -> dict[str, tuple[int, ...]]:
@@ -160,7 +174,8 @@ class Calibration:
                 tensors[f"{name}::{key}"] = t.contiguous()
         # serialized here and written with open(), so the file gets the mode any other file of the user's gets
         # (safetensors' save_file makes it owner-only)
-        path.write_bytes(save(tensors, metadata={_META_KEY: json.dumps(self.meta), _SHA_KEY: tensors_sha256(tensors)}))
+        raw = json.dumps(self.meta)
+        path.write_bytes(save(tensors, metadata={_META_KEY: raw, _SHA_KEY: file_sha256(raw, tensors)}))
         return path
 
     @classmethod
@@ -357,18 +372,24 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     raw = header.get(_META_KEY)
     if raw is None:
         raise ValueError(f"{path} is a safetensors file but not a diffusion-int8 calibration (no metadata {_META_KEY!r})")
-    try:
-        meta = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: metadata {_META_KEY!r} is not valid JSON ({e.msg}); the file is damaged") from None
+    meta = jsonfile.loads(raw, f"{path}: metadata {_META_KEY!r}")
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: metadata {_META_KEY!r} must be a JSON object, got {type(meta).__name__}")
     if meta.get("schema_version") not in READABLE_SCHEMAS:
         raise ValueError(f"{path} has calibration schema {meta.get('schema_version')} (metadata field schema_version); "
                          f"this version of diffusion-int8 reads schemas {READABLE_SCHEMAS}")
-    want = header.get(_SHA_KEY)
-    if want is not None and tensors_sha256(tensors) != want:  # files written before the checksum have none
-        raise ValueError(f"{path}: its tensors do not match the checksum stored with them (metadata {_SHA_KEY!r}): "
+    schema, want = meta["schema_version"], header.get(_SHA_KEY)
+    unknown = sorted(set(header) - {_META_KEY, _SHA_KEY})
+    if unknown:
+        raise ValueError(f"{path}: metadata key {unknown[0]!r} is not part of a calibration (the keys are "
+                         f"{_META_KEY!r} and {_SHA_KEY!r}); the file was changed after `diffusion-int8 calibrate` wrote it")
+    if want is None and schema >= 3:
+        raise ValueError(f"{path}: a schema {schema} calibration without its checksum (metadata {_SHA_KEY!r}): the "
+                         f"file was changed after `diffusion-int8 calibrate` wrote it; calibrate again or restore a copy")
+    covered = "metadata or tensors" if schema >= 5 else "tensors"
+    # ``save`` covers the metadata whatever the schema; schema 3 and 4 files written before cover the tensors
+    if want is not None and want != file_sha256(raw, tensors) and (schema >= 5 or want != tensors_sha256(tensors)):
+        raise ValueError(f"{path}: its {covered} do not match the checksum stored with them (metadata {_SHA_KEY!r}): "
                          f"the file was changed or damaged after `diffusion-int8 calibrate` wrote it; calibrate again "
                          f"or restore a copy")
     return meta, tensors
@@ -376,6 +397,59 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def _positive_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# metadata field -> (what it must be, the check); "model" and "model_class" are required
+_META_FIELDS = {
+    "model": ("a non-empty string", lambda v: isinstance(v, str) and v != ""),
+    "model_class": ("a non-empty string (the denoiser's class name)", lambda v: isinstance(v, str) and v != ""),
+    "pipeline_class": ("a string", lambda v: isinstance(v, str)),
+    "diffusers_version": ("a string", lambda v: isinstance(v, str)),
+    "scheduler": ("a string", lambda v: isinstance(v, str)),
+    "scheduler_config": ("a JSON object", lambda v: isinstance(v, dict)),
+    "dtype": ("a string", lambda v: isinstance(v, str)),
+    "items_kind": ("'prompt' or 'class_labels'", lambda v: v in ("prompt", "class_labels")),
+    "prompts_sha256": ("a sha256 in hex", lambda v: isinstance(v, str) and len(v) == 64
+                       and all(c in "0123456789abcdef" for c in v)),
+    "num_items": ("an integer > 0", lambda v: _positive_int(v)),
+    "processes": ("an integer > 0", lambda v: _positive_int(v)),
+    "seed": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "percentile": ("a number in (0, 100]", lambda v: _number(v) and 0 < v <= 100),
+    "guidance_scale": ("null or a finite number", lambda v: v is None or _number(v)),
+    "num_train_timesteps": ("null or a number > 0", lambda v: v is None or (_number(v) and v > 0)),
+    "timestep_scale": ("null, 1 or 1000 (what the denoiser's timesteps are out of)", lambda v: v is None or v in (1, 1000)),
+}
+
+
+def _check_meta_fields(path: Path, meta: dict) -> None:
+    for key in ("model", "model_class"):
+        if key not in meta:
+            raise ValueError(f"{path}: metadata field {key} is missing; a calibration names the model it was made "
+                             f"on, which is checked against the model it is used with")
+    for key, (what, ok) in _META_FIELDS.items():
+        if key in meta and not ok(meta[key]):
+            raise ValueError(f"{path}: metadata field {key} must be {what}, got {meta[key]!r}")
+
+
+def _check_values(path: Path, name: str, stat: str, t: torch.Tensor) -> None:
+    """Measured errors finite and in range (a schedule picks its modes and levels from them)."""
+    what = stat.split("@")[0].rsplit(".", 1)[-1]
+    bounds = _ERROR_BOUNDS.get(what)
+    if bounds is None:
+        return
+    low, high, text = bounds
+    bad = ~torch.isfinite(t) | (t < low) | (t > high)
+    if bad.any():
+        where = bad.nonzero()[0].tolist()
+        raise ValueError(f"{path}: tensor {name}::{stat} holds {float(t[tuple(where)])} (head {where[0]}, step "
+                         f"{where[-1]}); a measured {what} must be finite and {text}")
+
+
+_ERROR_BOUNDS = {"rel_l1": (0.0, math.inf, ">= 0"), "cos": (-1.001, 1.001, "in [-1, 1]"), "kept": (0.0, 1.0, "in [0, 1]")}
 
 
 def _check_structure(path: Path, meta: dict, tensors: dict[str, torch.Tensor], layers: dict) -> None:
@@ -391,10 +465,7 @@ def _check_structure(path: Path, meta: dict, tensors: dict[str, torch.Tensor], l
     if tensors["timesteps"].numel() != T or meta.get("steps", T) != T:
         raise ValueError(f"{path}: tensors 'timesteps' and 'noise' and metadata field steps disagree on the number of "
                          f"steps: {tensors['timesteps'].numel()}, {T}, {meta.get('steps')}")
-    for key in ("num_train_timesteps", "timestep_scale"):
-        v = meta.get(key)
-        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
-            raise ValueError(f"{path}: metadata field {key} must be null or a number > 0, got {v!r}")
+    _check_meta_fields(path, meta)
     declared = meta.get("layers")
     if not isinstance(declared, dict):
         raise ValueError(f"{path}: metadata field layers must map layer names to heads and head_dim, "
@@ -426,6 +497,7 @@ def _check_structure(path: Path, meta: dict, tensors: dict[str, torch.Tensor], l
             if tuple(t.shape) != want or not t.is_floating_point():
                 raise ValueError(f"{path}: tensor {name}::{stat} has shape {tuple(t.shape)} ({t.dtype}); "
                                  f"layer {name!r} ({H} heads of dim {D}, {T} steps) needs a float tensor of shape {want}")
+            _check_values(path, name, stat, t)
         missing = sorted(set(shapes) - set(st))
         if missing:
             raise ValueError(f"{path}: layer {name!r} lacks tensor {name}::{missing[0]} "
