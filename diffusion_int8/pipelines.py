@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +114,8 @@ def load(model: str | Path, device: torch.device, dtype: torch.dtype | None = No
     (``embedded``, ``embedded-long``: ``embedded.variants``).
 
     ``dtype`` defaults to fp16 on CUDA and fp32 on the CPU. ``FileNotFoundError`` for a directory that holds
-    no pipeline, or a shipped model whose weights are not in this install.
+    no pipeline, or a shipped model whose weights are not in this install; ``ValueError`` for a directory
+    whose pipeline cannot be loaded from it (see ``check_model``).
     """
     from .embedded import load_pipeline
 
@@ -122,17 +124,44 @@ def load(model: str | Path, device: torch.device, dtype: torch.dtype | None = No
     if variant is not None:
         return load_pipeline(variant=variant.key, device=device, dtype=dtype)
     path = Path(model)
+    index = check_model(path)
+    try:
+        if index["_class_name"] == "ShapesPipeline":
+            return load_pipeline(path, device=device, dtype=dtype)
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as e:  # diffusers' for missing or mismatched files: the directory's fault
+        raise ValueError(f"{path} cannot be loaded: {' '.join(str(e).split())}") from e
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def check_model(model: str | Path) -> dict:
+    """The model index of the pipeline directory ``model``, checked without loading anything:
+    ``FileNotFoundError`` for no index or a component directory it lists that is missing, ``ValueError`` for
+    an index that is not one. A shipped model's name passes (returns ``{}``)."""
+    if shipped(model) is not None:
+        return {}
+    path = Path(model)
     index = path / "model_index.json"
     if not index.is_file():
         raise FileNotFoundError(f"{path} is not a local diffusers pipeline (no model_index.json); "
                                 f"pass a directory saved with save_pretrained, or a shipped model: {describe()}")
-    if json.loads(index.read_text()).get("_class_name") == "ShapesPipeline":
-        return load_pipeline(path, device=device, dtype=dtype)
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{index} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{index} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    if not (isinstance(data, dict) and isinstance(data.get("_class_name"), str)):
+        raise ValueError(f"{index} is not a diffusers model index (a JSON object with _class_name)")
+    for name, entry in data.items():
+        # a component: ["library", "Class"]; [null, null] marks an optional one that is absent
+        if (not name.startswith("_") and isinstance(entry, list) and len(entry) == 2 and None not in entry
+                and not (path / name).is_dir()):
+            raise FileNotFoundError(f"{path} has no {name}/ (model_index.json lists it): not a complete pipeline")
+    return data
 
 
 def model_id(model: str | Path) -> str:
@@ -244,3 +273,23 @@ class Shards:
     def barrier(self) -> None:
         if self.world > 1:
             self.state.wait_for_everyone()
+
+
+MAX_STEPS = 10_000  # far more than any diffusion scheduler is run with
+MAX_BATCH_SIZE = 4096
+
+
+def check_run(steps, batch_size, seed, guidance_scale) -> None:
+    """``ValueError`` (``TypeError`` for a wrong type) naming the argument unless these describe a run: integers
+    1..``MAX_STEPS`` steps and 1..``MAX_BATCH_SIZE`` images a batch, an integer seed >= 0, and a finite guidance
+    scale or None. Checked before any work (a typo's 10**9 steps would grow until the OOM killer stops it)."""
+    for name, value, high in (("steps", steps, MAX_STEPS), ("batch_size", batch_size, MAX_BATCH_SIZE)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        if not 1 <= value <= high:
+            raise ValueError(f"{name} must be from 1 to {high}, got {value}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if guidance_scale is not None and (isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float))
+                                       or not math.isfinite(guidance_scale)):
+        raise ValueError(f"guidance_scale must be a finite number or None, got {guidance_scale!r}")

@@ -4,10 +4,13 @@ checks before any work, and output sets that are written whole or not at all."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -353,3 +356,249 @@ def test_check_prints_the_shape_in_the_order_shape_takes(capsys):
     assert main(["check", "--shape", "1", "2", "48", "16", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("attention (B=1, H=2, S=48, D=16) fp16 on cpu"), out
+
+
+# ------------------------------------------------------------------------------- probe: bad input
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """A machine without a CUDA GPU, whatever this one has."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.mark.parametrize("command", [CALIBRATE, EVAL, ["demo"], ["check"], ["eval", "--score", "a", "b"]],
+                         ids=lambda c: " ".join(c[:2]))
+@pytest.mark.parametrize("device, fragment", [
+    ("foo", "must be cpu, cuda or cuda:N, got 'foo'"),
+    ("cuda", "'cuda' is not available: this machine has no CUDA GPU; use cpu"),
+    ("cuda:7", "'cuda:7' is not available: this machine has no CUDA GPU; use cpu"),
+])
+def test_device_is_checked_up_front(command, device, fragment, tmp_path, capsys, no_model, no_cuda):
+    code, err = cli(command + ["--device", device] + (["--out", tmp_path / "o"] if command[0] != "check" else []),
+                    capsys)
+    assert_usage_error(code, err, command[0], "argument --device: ", fragment)
+
+
+def test_device_index_beyond_the_gpus(tmp_path, capsys, no_model, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    code, err = cli(CALIBRATE + ["--device", "cuda:7", "--out", tmp_path / "o"], capsys)
+    assert_usage_error(code, err, "calibrate", "'cuda:7' is not available: this machine has 2 CUDA GPUs (cuda:0 to cuda:1)")
+
+
+def test_model_directory_that_is_not_a_pipeline(tmp_path, capsys):
+    shipped = pipelines.VARIANTS["base"].path
+    malformed = tmp_path / "malformed"
+    malformed.mkdir()
+    (malformed / "model_index.json").write_text('{"_class_name": ')
+    a_list = tmp_path / "a_list"
+    a_list.mkdir()
+    (a_list / "model_index.json").write_text("[1, 2]")
+    no_component = tmp_path / "no_component"
+    shutil.copytree(shipped, no_component)
+    shutil.rmtree(no_component / "transformer")
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(shipped, no_weights)
+    (no_weights / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    cases = [(malformed, "model_index.json is not valid JSON (Expecting value at line 1"),
+             (a_list, "model_index.json is not a diffusers model index (a JSON object with _class_name)"),
+             (no_component, "has no transformer/ (model_index.json lists it)"),
+             (no_weights, "cannot be loaded: Error no file named diffusion_pytorch_model")]
+    for model, fragment in cases:
+        for argv in (CALIBRATE, EVAL):
+            code, err = cli(argv + ["--model", model, "--out", tmp_path / "o"], capsys)
+            assert_usage_error(code, err, argv[0], model, fragment, alone=False)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture
+def no_check_work(monkeypatch):
+    """Fail the test if ``check`` makes its attention inputs."""
+    from diffusion_int8.cli import check
+
+    def realistic_qkv(*_, **__):
+        raise AssertionError("check made its inputs before the arguments were checked")
+
+    monkeypatch.setattr(check, "realistic_qkv", realistic_qkv)
+
+
+def test_check_refuses_shapes_it_cannot_run_before_any_work(tmp_path, capsys, no_check_work):
+    code, err = cli(["check", "--shape", "1", "1", "64", "300", "--device", "cpu"], capsys)
+    assert_usage_error(code, err, "check", "--shape: head dim 300 is not supported; accepted: 1 to 256")
+    code, err = cli(["check", "--shape", "1", "1", "2000000", "64", "--device", "cpu"], capsys)
+    assert_usage_error(code, err, "check", "--shape 1 1 2000000 64 (float64 reference attention) needs about 64 TB",
+                       "available on cpu",
+                       "choose a smaller B, H or S")
+
+
+def test_check_json_destination_is_checked_before_any_work(tmp_path, capsys, no_check_work, monkeypatch):
+    missing = tmp_path / "missing" / "r.json"
+    code, err = cli(["check", "--device", "cpu", "--json", missing], capsys)
+    assert_usage_error(code, err, "check", f"--json {missing}: the directory {missing.parent} does not exist")
+    code, err = cli(["check", "--device", "cpu", "--json", tmp_path], capsys)
+    assert_usage_error(code, err, "check", f"--json {tmp_path} is a directory")
+    monkeypatch.setattr(outputs.os, "access", lambda *_: False)
+    code, err = cli(["check", "--device", "cpu", "--json", tmp_path / "r.json"], capsys)
+    assert_usage_error(code, err, "check", f"--json {tmp_path / 'r.json'}: cannot write in {tmp_path} (permission denied)")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """``tune`` on a pretend GPU whose measurement fails the test unless replaced."""
+    import torch
+    from diffusion_int8.cli import tune
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def measure(*_, **__):
+        raise AssertionError("tune measured before --out was checked")
+
+    monkeypatch.setattr(tune, "measure", measure)
+    return tune
+
+
+def test_tune_out_is_checked_before_measuring(tmp_path, capsys, fake_gpu, monkeypatch):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for out, fragment in ((tmp_path, f"--out {tmp_path} is a directory"),
+                          (a_file / "t.json", f"{a_file} is a file, not a directory"),
+                          (a_file, f"--out {a_file} exists; pass --overwrite")):
+        code, err = cli(["tune", "--out", out], capsys)
+        assert_usage_error(code, err, "tune", fragment)
+    monkeypatch.setattr(outputs.os, "access", lambda *_: False)
+    code, err = cli(["tune", "--out", tmp_path / "new" / "t.json"], capsys)
+    assert_usage_error(code, err, "tune", f"cannot write in {tmp_path} (permission denied)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+@pytest.mark.parametrize("failure, status", [(OSError("No space left on device"), 2), (KeyboardInterrupt(), 130)])
+def test_tune_leaves_no_temporary_file(failure, status, tmp_path, capsys, fake_gpu, monkeypatch):
+    from diffusion_int8 import speed_gate
+
+    monkeypatch.setattr(fake_gpu, "measure", lambda *_, **__: speed_gate.CrossoverTable("test", "sm_90", ()))
+    real_replace = speed_gate.os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith("t.json"):
+            raise failure
+        real_replace(src, dst)
+
+    monkeypatch.setattr(speed_gate.os, "replace", replace)
+    code, err = cli(["tune", "--out", tmp_path / "t.json"], capsys)
+    assert code == status and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def unprivileged() -> list[str]:
+    """A command prefix under which a mode-000 file cannot be read: none for a user, for root one without the
+    capabilities that read any file."""
+    if os.geteuid() != 0:
+        return []
+    if not shutil.which("setpriv"):
+        pytest.skip("root reads any file, and setpriv is missing to drop that capability")
+    drop = "-dac_override,-dac_read_search"
+    return ["setpriv", f"--inh-caps={drop}", f"--bounding-set={drop}"]
+
+
+def test_unreadable_input_files_say_permission_denied(calibrated, tmp_path):
+    prefix = unprivileged()
+    cal = tmp_path / "cal.safetensors"
+    shutil.copy(calibrated / "calibration.safetensors", cal)
+    schedule = tmp_path / "schedule.json"
+    shutil.copy(calibrated / "schedule.json", schedule)
+    cal_dir = tmp_path / "cal_dir"
+    cal_dir.mkdir()
+    shutil.copy(calibrated / "calibration.safetensors", cal_dir)
+    for p in (cal, schedule, cal_dir / "calibration.safetensors"):
+        p.chmod(0)
+    for option, path, named in (("--calibration", cal, cal), ("--schedule", schedule, schedule),
+                                ("--calibration", cal_dir, cal_dir / "calibration.safetensors")):
+        argv = [*prefix, sys.executable, "-m", "diffusion_int8", *EVAL, option, str(path), "--out", "r"]
+        res = subprocess.run(argv, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+            f"diffusion-int8 eval: error: cannot read {named} (permission denied)"], res.stderr
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["calibrate", "--steps", "1000000000", "--out", "x"], "argument --steps: must be an integer from 1 to 10000"),
+    (["eval", "--steps", "10001", "--out", "x"], "argument --steps: must be an integer from 1 to 10000"),
+    (["demo", "--steps", "99999"], "argument --steps: must be an integer from 1 to 10000"),
+    (["calibrate", "--batch-size", "1000000000", "--out", "x"], "argument --batch-size: must be an integer from 1 to 4096"),
+    (["demo", "--batch-size", "5000"], "argument --batch-size: must be an integer from 1 to 4096"),
+])
+def test_absurd_counts_are_refused_with_the_accepted_range(argv, fragment, capsys, no_model):
+    code, err = cli(argv, capsys)
+    assert_usage_error(code, err, argv[0], fragment)
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signals_end_a_run_in_one_line_and_leave_no_temporary_outputs(sig, status, tmp_path):
+    out = tmp_path / "demo"
+    argv = [sys.executable, "-m", "diffusion_int8", "demo", "--class-labels", "red circle", "--batch-size", "1",
+            "--out", str(out)]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".demo.tmp-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".demo.tmp-*")), "the demo's temporary output set never appeared"
+    time.sleep(0.5)  # into the work
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=120)[1]
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip()]
+    assert proc.returncode == status, err
+    assert "Traceback" not in err and lines[-1] == f"diffusion-int8 demo: interrupted; nothing was written to {out}", err
+    assert sum("interrupted" in ln for ln in lines) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [EVAL, ["demo"], ["eval", "--score", "a", "b"]], ids=lambda c: " ".join(c[:2]))
+@pytest.mark.parametrize("option", ["--lpips-weights", "--fid-weights"])
+def test_weights_the_user_names_must_exist(command, option, tmp_path, capsys, no_model):
+    missing = tmp_path / "nonexistent.pth"
+    code, err = cli(command + [option, missing, "--out", tmp_path / "o"], capsys)
+    assert_usage_error(code, err, command[0], f"{option} {missing} does not exist")
+    code, err = cli(command + [option, tmp_path, "--out", tmp_path / "o"], capsys)
+    assert_usage_error(code, err, command[0], f"{option} {tmp_path} is a directory")
+
+
+def test_scorer_refuses_missing_weights_it_was_given(tmp_path):
+    from diffusion_int8.eval.score import Scorer
+
+    with pytest.raises(FileNotFoundError, match="nonexistent.pth"):
+        Scorer(lpips_weights=tmp_path / "nonexistent.pth")
+    with pytest.raises(FileNotFoundError, match="nonexistent.pth"):
+        Scorer(fid_weights=tmp_path / "nonexistent.pth")
+
+
+MATHTEXT = r"$\foo$ and $x^$"  # matplotlib parses text between pairs of $ as mathtext: both fail
+
+
+def test_plots_show_user_strings_literally(calibrated, tmp_path):
+    pytest.importorskip("matplotlib")
+    from diffusion_int8.calibration import summary
+    from diffusion_int8.eval import report
+
+    uri = report.schedule_plot({"schedule": {"name": MATHTEXT, "per_step": ["int8", "fp16"],
+                                             "errors": {MATHTEXT: [0.01, 0.02]}}})
+    assert uri and uri.startswith("data:image/png;base64,")
+    cal = Calibration.load(calibrated)
+    cal.layers[MATHTEXT] = cal.layers.pop(next(iter(cal.layers)))
+    assert [p.name for p in summary.plot(cal, tmp_path, budget=0.02)] == ["ranges.png", "errors.png"]
+    assert (tmp_path / "ranges.png").stat().st_size > 0
+
+
+def test_eval_report_plots_a_schedule_named_in_mathtext(calibrated, tmp_path):
+    pytest.importorskip("matplotlib")
+    schedule = json.loads((calibrated / "schedule.json").read_text())
+    schedule["name"] = MATHTEXT
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps(schedule))
+    assert main([*EVAL, "--schedule", str(path), "--out", str(tmp_path / "r")]) == 0
+    html = (tmp_path / "r" / "report.html").read_text()
+    assert "data:image/png;base64," in html and "schedule:" in html

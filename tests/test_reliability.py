@@ -213,3 +213,66 @@ def test_deeply_nested_json_is_refused_before_parsing(tmp_path):
     for load in (PrecisionSchedule.load, CrossoverTable.load):
         with pytest.raises(ValueError, match="JSON nested 100000 deep"):
             load(deep)
+
+
+# -- library entry points: arguments checked before any work, the pipeline left as it was --
+
+def test_a_non_finite_scale_is_refused():
+    from diffusion_int8 import int8_attention
+
+    q = torch.randn(1, 2, 64, 32).half()
+    for scale in (float("inf"), float("nan"), -1.0, True):
+        with pytest.raises(ValueError, match="scale must be a finite positive number"):
+            int8_attention(q, q, q, mode="int8", scale=scale)
+
+
+@pytest.fixture(scope="module")
+def shipped_pipe():
+    from diffusion_int8.embedded import load_pipeline
+
+    return load_pipeline()
+
+
+def _processors(pipe):
+    from diffusion_int8.models import attention_modules
+    from diffusion_int8.pipelines import denoiser
+
+    return {n: type(m.processor) for n, m in attention_modules(denoiser(pipe)).items()}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": 0}, "batch_size must be from 1 to 4096, got 0"),
+    ({"steps": 0}, "steps must be from 1 to 10000, got 0"),
+    ({"steps": 1_000_000_000}, "steps must be from 1 to 10000"),
+    ({"percentile": 200}, "percentile must be a number in (0, 100], got 200"),
+    ({"seed": -1}, "seed must be an integer >= 0"),
+])
+def test_calibrate_refuses_bad_arguments_first_and_leaves_the_pipeline_as_it_was(shipped_pipe, kwargs, message):
+    from diffusion_int8 import calibrate, enable
+
+    before = _processors(shipped_pipe)
+    with pytest.raises(ValueError) as err:
+        calibrate(shipped_pipe, class_labels=["red circle"], progress=False, **{"steps": 2, **kwargs})
+    assert message in str(err.value), str(err.value)
+    assert _processors(shipped_pipe) == before
+    enable(shipped_pipe, "int8").disable()  # not "already enabled"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"steps": 0}, "steps must be from 1 to 10000, got 0"),
+    ({"batch_size": 0}, "batch_size must be from 1 to 4096, got 0"),
+    ({"modes": ["int4"]}, "mode must be one of"),
+    ({"modes": "int8"}, "modes must be a list of mode names"),
+    ({"lpips_weights": "/nonexistent/lpips.pth"}, "lpips_weights: no file at /nonexistent/lpips.pth"),
+])
+def test_evaluate_refuses_bad_arguments_before_any_image(shipped_pipe, kwargs, message, monkeypatch):
+    from diffusion_int8.eval import evaluate
+    from diffusion_int8.eval import run as eval_run
+
+    def no_images(*args, **kwargs):
+        raise AssertionError("generation started")
+
+    monkeypatch.setattr(eval_run, "generate_all", no_images)
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        evaluate(shipped_pipe, class_labels=["red circle"], progress=False, **{"steps": 2, **kwargs})
+    assert message in str(err.value), str(err.value)

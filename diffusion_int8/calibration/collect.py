@@ -33,6 +33,8 @@ class Collector:
     """
 
     def __init__(self, percentile: float = 99.0, modes=QUANTIZED_MODES, sparsity_levels: Sequence[float] = ()):
+        if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
+            raise ValueError(f"percentile must be a number in (0, 100], got {percentile!r}")
         self.percentile = percentile
         self.modes = tuple(Mode.parse(m) for m in modes)
         self.sparsity_levels = tuple(check_sparsity_levels(sparsity_levels))

@@ -57,20 +57,22 @@ def calibrate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Seque
 
     Raises:
         ValueError: class labels the pipeline does not know, neither prompts nor labels for a pipeline
-            without default labels, or sparsity levels outside (0, 1).
+            without default labels, sparsity levels outside (0, 1), a percentile outside (0, 100], or steps,
+            batch size, seed or guidance scale out of range (``pipelines.check_run``); all before any work.
     """
     from .. import enable
 
+    pipelines.check_run(steps, batch_size, seed, guidance_scale)
     collector = Collector(percentile=percentile, sparsity_levels=sparsity_levels)
     items = pipelines.resolve_items(pipe, prompts, class_labels)
     shards = shards or pipelines.Shards(str(pipelines.denoiser(pipe).device))
     denoiser = pipelines.denoiser(pipe)
-    handle = enable(pipe, mode="fp16", observer=collector)
     records = []
     batches = shards.mine(items.batches(batch_size))
     # one tick per denoising step of each batch: with a few large batches a bar of batches would not move
     bar = tqdm(total=len(batches) * steps, desc=f"calibrate[{shards.rank}]", unit="step",
                disable=not progress or (not shards.is_main and shards.world > 1))
+    handle = enable(pipe, mode="fp16", observer=collector)
     try:
         for b, batch, idx in batches:
             handle.state.reset()

@@ -7,6 +7,9 @@ from pathlib import Path
 
 from .file import Calibration
 
+# the plots show names as given: a "$" in a schedule's or a layer's name is text, not the start of TeX
+PLAIN_TEXT = {"text.usetex": False, "text.parse_math": False}
+
 
 def summarize(cal: Calibration, schedule=None, top: int = 8) -> dict:
     names = list(cal.layers)
@@ -91,45 +94,46 @@ def plot(cal: Calibration, out_dir: Path, budget: float | None = None) -> list[P
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    noise = cal.noise.numpy()
-    names = list(cal.layers)
-    # colour by depth, and name at most 8 evenly spaced layers (first and last among them) in the legend
-    cmap = plt.get_cmap("viridis")
-    named = {round(i * (len(names) - 1) / 7) for i in range(8)} if len(names) > 8 else set(range(len(names)))
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for ax, stat, title in zip(axes, ("q_p99", "k_p99", "v_amax"), ("|Q| p99", "|K − mean| p99", "|V| max")):
-        for i, (name, st) in enumerate(cal.layers.items()):
-            y = st[stat].float()
-            y = y.mean(0) if y.dim() == 2 else y.mean((0, 1))
-            ax.plot(noise, y.numpy(), lw=1, alpha=0.8, color=cmap(i / max(len(names) - 1, 1)),
-                    label=name if i in named else None)
-        ax.set_xlabel("noise level σ (denoising runs left to right)")
-        ax.set_title(f"{title}, mean over heads")
-        ax.invert_xaxis()  # as in errors.png: high noise first, as denoising proceeds
-    handles, labels = axes[0].get_legend_handles_labels()
-    title = "layer" + (f" ({len(names)}, colour = depth; {len(named)} named)" if len(named) < len(names) else "")
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, title=title,
-               title_fontsize=8)
-    fig.tight_layout()
-    ranges = out_dir / "ranges.png"
-    fig.savefig(ranges, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    with matplotlib.rc_context(PLAIN_TEXT):
+        noise = cal.noise.numpy()
+        names = list(cal.layers)
+        # colour by depth, and name at most 8 evenly spaced layers (first and last among them) in the legend
+        cmap = plt.get_cmap("viridis")
+        named = {round(i * (len(names) - 1) / 7) for i in range(8)} if len(names) > 8 else set(range(len(names)))
+        fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+        for ax, stat, title in zip(axes, ("q_p99", "k_p99", "v_amax"), ("|Q| p99", "|K − mean| p99", "|V| max")):
+            for i, (name, st) in enumerate(cal.layers.items()):
+                y = st[stat].float()
+                y = y.mean(0) if y.dim() == 2 else y.mean((0, 1))
+                ax.plot(noise, y.numpy(), lw=1, alpha=0.8, color=cmap(i / max(len(names) - 1, 1)),
+                        label=name if i in named else None)
+            ax.set_xlabel("noise level σ (denoising runs left to right)")
+            ax.set_title(f"{title}, mean over heads")
+            ax.invert_xaxis()  # as in errors.png: high noise first, as denoising proceeds
+        handles, labels = axes[0].get_legend_handles_labels()
+        title = "layer" + (f" ({len(names)}, colour = depth; {len(named)} named)" if len(named) < len(names) else "")
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, title=title,
+                   title_fontsize=8)
+        fig.tight_layout()
+        ranges = out_dir / "ranges.png"
+        fig.savefig(ranges, dpi=110, bbox_inches="tight")
+        plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    for i, m in enumerate(cal.modes()):
-        e = cal.error(m)
-        ax.plot(noise, e.amax(0).numpy(), marker="o", ms=3, color=f"C{i}", label=f"{m} (worst layer)")
-        ax.plot(noise, e.mean(0).numpy(), ls="--", color=f"C{i}", label=f"{m} (mean over layers)")
-    if budget is not None:
-        ax.axhline(budget, color="k", lw=0.8, ls=":", label=f"budget {budget}")
-    ax.set_xlabel("noise level σ (denoising runs left to right)")
-    ax.set_ylabel("relative L1 of attention output")
-    ax.invert_xaxis()  # the same direction as ranges.png
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    errors = out_dir / "errors.png"
-    fig.savefig(errors, dpi=110)
-    plt.close(fig)
+        fig, ax = plt.subplots(figsize=(6.5, 3.6))
+        for i, m in enumerate(cal.modes()):
+            e = cal.error(m)
+            ax.plot(noise, e.amax(0).numpy(), marker="o", ms=3, color=f"C{i}", label=f"{m} (worst layer)")
+            ax.plot(noise, e.mean(0).numpy(), ls="--", color=f"C{i}", label=f"{m} (mean over layers)")
+        if budget is not None:
+            ax.axhline(budget, color="k", lw=0.8, ls=":", label=f"budget {budget}")
+        ax.set_xlabel("noise level σ (denoising runs left to right)")
+        ax.set_ylabel("relative L1 of attention output")
+        ax.invert_xaxis()  # the same direction as ranges.png
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        errors = out_dir / "errors.png"
+        fig.savefig(errors, dpi=110)
+        plt.close(fig)
     return [ranges, errors]
 
 

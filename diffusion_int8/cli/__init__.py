@@ -3,6 +3,7 @@
 ``calibrate`` and ``eval`` call ``diffusion_int8.calibrate`` and ``diffusion_int8.evaluate``; ``demo`` runs
 those two commands' functions on the shipped model; ``check`` and ``tune`` call the kernels and
 ``speed_gate.measure``. ``common`` holds the model and prompt arguments that ``calibrate`` and ``eval``
-share, ``usage`` the user errors and checked argument types, ``outputs`` the output sets written whole or
-not at all. ``diffusion_int8.__main__`` wires the subcommands; nothing outside this package imports it.
+share, ``usage`` the user errors, checked argument types and input and memory checks, ``outputs`` the output
+sets written whole or not at all and the ending of a command on Ctrl-C or SIGTERM (``outputs.command``).
+``diffusion_int8.__main__`` wires the subcommands; nothing outside this package imports it.
 """

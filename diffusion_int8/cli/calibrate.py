@@ -20,8 +20,8 @@ from .. import pipelines
 from ..calibration import FILE_NAME, calibrate, write_outputs
 from ..calibration.run import OUTPUTS
 from ..schedule import PrecisionSchedule
-from .common import add_model_args, item_kwargs, items_for, load_pipeline, read_items
-from .outputs import check_out, output_set
+from .common import add_model_args, check_model, item_kwargs, items_for, load_pipeline, read_items
+from .outputs import check_out, command, output_set
 from .usage import UsageError, percentile as percentile_arg, positive_float, sparsity_levels as levels_arg
 
 DEFAULT_BUDGET = 0.02
@@ -42,6 +42,7 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
         sparsity_budget = DEFAULT_SPARSITY_BUDGET
     check_out(out, OUTPUTS, overwrite)
     items = read_items(prompts, class_labels)
+    check_model(model)
     shards = pipelines.Shards(device)
     pipe = load_pipeline(model, shards.device)
     items = items_for(model, pipe, items)
@@ -101,4 +102,4 @@ def add_parser(sub) -> None:
     p.add_argument("--sparsity-budget", type=positive_float, default=None,
                    help="largest relative L1 attention error block sparsity may add, on top of --budget's "
                         f"(default with --sparsity-levels: {DEFAULT_SPARSITY_BUDGET})")
-    p.set_defaults(func=run)
+    p.set_defaults(func=command(run))

@@ -10,13 +10,31 @@ import time
 import torch
 
 from ..kernels import Mode, attention_ref, int8_attention, kernel_info
+from ..kernels.config import MAX_HEAD_DIM
 from ..testing import cos_l1, realistic_qkv
-from .usage import positive_int
+from .outputs import check_out_file, command
+from .usage import UsageError, check_fits, device_arg, positive_int, user_errors
+
+
+def check_shape(shape: list[int], device: torch.device) -> None:
+    """``UsageError`` for a shape the kernel does not take, or whose attention this machine cannot hold."""
+    B, H, S, D = shape
+    if D > MAX_HEAD_DIM:
+        raise UsageError(f"--shape: head dim {D} is not supported; accepted: 1 to {MAX_HEAD_DIM}")
+    shown = f"--shape {B} {H} {S} {D}"
+    remedy = "choose a smaller B, H or S"
+    # the float64 reference holds B·H·S² scores twice (logits and softmax), beside the inputs in float64
+    check_fits(16 * B * H * S * S + 64 * B * H * S * D, device, f"{shown} (float64 reference attention)", remedy)
+    if device.type == "cuda":  # the inputs are drawn in float32 on the host first
+        check_fits(16 * B * H * S * D, torch.device("cpu"), f"{shown} (inputs drawn on the host)", remedy)
 
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     B, H, S, D = args.shape
+    check_shape(args.shape, device)
+    if args.json:
+        check_out_file(args.json, "--json", overwrite=True)
     q, k, v = realistic_qkv(B, H, S, S, D, dtype=torch.float16, layout="BSHD", device=device, seed=0)
     ref = attention_ref(q, k, v, layout="BSHD")
     print(f"attention (B={B}, H={H}, S={S}, D={D}) fp16 on {device}"
@@ -41,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {mode.value:11s} backend={info['backend']:9s} P·V={str(info['pv']):5s} "
               f"cos={row['cos']:.6f} rel_L1={row['rel_l1']:.4f}{speed}")
     if args.json:
-        with open(args.json, "w") as f:
+        with user_errors(OSError), open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
         print(f"wrote {args.json}")
     return 0
@@ -56,6 +74,6 @@ def add_parser(sub) -> None:
                                    "run the kernel's PyTorch emulation and no time is shown.")
     p.add_argument("--shape", type=positive_int, nargs=4, default=[1, 4, 1024, 64], metavar=("B", "H", "S", "D"),
                    help="batch, heads, sequence length, head dim (default: 1 4 1024 64)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    p.set_defaults(func=run)
+    p.add_argument("--device", type=device_arg, default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file (its directory must exist)")
+    p.set_defaults(func=command(run))

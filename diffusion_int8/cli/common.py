@@ -7,7 +7,8 @@ from pathlib import Path
 
 from .. import pipelines
 from ..embedded.variants import describe
-from .usage import UsageError, nonnegative_float, nonnegative_int, positive_int, user_errors
+from .usage import (UsageError, check_input_file, check_readable, device_arg, int_at_least, nonnegative_float,
+                    nonnegative_int, user_errors)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -18,19 +19,46 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", type=Path, help="text file, one prompt per line")
     src.add_argument("--class-labels", nargs="+", help="class names or ids, for class-conditional pipelines")
-    p.add_argument("--steps", type=positive_int, default=20, help="denoising steps (default: %(default)s)")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="images per pipeline call (default: %(default)s)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="image i is seeded with seed + i (default: %(default)s)")
+    add_run_args(p, batch_size=8)
     p.add_argument("--guidance-scale", type=nonnegative_float, default=None, help="default: the pipeline's")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: the process's GPU, else cpu)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cuda, cuda:N or cpu (default: the process's GPU, else cpu)")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs in --out")
+
+
+def add_run_args(p: argparse.ArgumentParser, batch_size: int) -> None:
+    """``--steps``, ``--batch-size`` and ``--seed``: ``calibrate``'s, ``eval``'s and ``demo``'s."""
+    p.add_argument("--steps", type=int_at_least(1, pipelines.MAX_STEPS), default=20,
+                   help=f"denoising steps, at most {pipelines.MAX_STEPS} (default: %(default)s)")
+    p.add_argument("--batch-size", type=int_at_least(1, pipelines.MAX_BATCH_SIZE), default=batch_size,
+                   help=f"images per pipeline call, at most {pipelines.MAX_BATCH_SIZE} (default: %(default)s)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="image i is seeded with seed + i (default: %(default)s)")
+
+
+WEIGHTS = {"--lpips-weights": "torchvision's AlexNet weights file (alexnet-owt-7be5be79.pth)",
+           "--fid-weights": "torch-fidelity's Inception weights file (weights-inception-2015-12-05-6726825d.pth)"}
+
+
+def check_weights(lpips_weights: str | None, fid_weights: str | None) -> None:
+    """The metric weights the user named: files that exist and can be read, checked before any work."""
+    for flag, path in (("--lpips-weights", lpips_weights), ("--fid-weights", fid_weights)):
+        if path is not None:
+            check_input_file(path, flag, WEIGHTS[flag])
+
+
+def check_model(model: str) -> None:
+    """``--model``: a shipped name, or a directory whose model index is sound, checked before anything loads."""
+    with user_errors():
+        pipelines.check_model(model)
 
 
 def read_items(prompts: Path | None, class_labels: list[str] | None) -> pipelines.Items | None:
     """``--prompts`` or ``--class-labels``, read before the model loads (None: the pipeline's default)."""
     if prompts is None and class_labels is None:
         return None
+    if prompts is not None:
+        check_readable(prompts)
     with user_errors():
         return pipelines.read_items(prompts, class_labels)
 
@@ -53,5 +81,5 @@ def item_kwargs(items: pipelines.Items) -> dict:
 
 def load_pipeline(model: str, device):
     """``--model`` on ``device``; a directory that is not a pipeline is the user's error."""
-    with user_errors(FileNotFoundError):
+    with user_errors(FileNotFoundError, ValueError):
         return pipelines.load(model, device)

@@ -20,9 +20,10 @@ from .. import pipelines
 from ..embedded.variants import NAMES, describe
 from ..eval.run import OUTPUTS as EVAL_OUTPUTS
 from .calibrate import DEFAULT_BUDGET, calibrate_command
+from .common import add_run_args, check_weights
 from .eval import eval_command
-from .outputs import check_out, output_set
-from .usage import nonnegative_int, positive_float, positive_int
+from .outputs import check_out, command, output_set
+from .usage import device_arg, positive_float
 
 OUTPUTS = ("calibration",) + EVAL_OUTPUTS
 DEMO_BUDGET = 0.015
@@ -35,6 +36,7 @@ BUDGET_WHY = (f"Tighter than calibrate's default {DEFAULT_BUDGET} on purpose: on
 
 def run(args: argparse.Namespace) -> int:
     check_out(args.out, OUTPUTS, args.overwrite)
+    check_weights(args.lpips_weights, args.fid_weights)
     with output_set(args.out, OUTPUTS, args.overwrite) as tmp:
         # both steps write into the demo's fresh temporary directory: nothing there to overwrite
         common = dict(model=args.model, prompts=None, class_labels=args.class_labels, steps=args.steps,
@@ -64,13 +66,11 @@ def add_parser(sub) -> None:
                    help=f"the shipped model: {describe()} (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("diffusion-int8-demo"), help="output directory (default ./diffusion-int8-demo)")
     p.add_argument("--class-labels", nargs="+", default=None, help="default: one image of each of the 16 classes")
-    p.add_argument("--steps", type=positive_int, default=20, help="denoising steps (default: %(default)s)")
-    p.add_argument("--batch-size", type=positive_int, default=16, help="images per pipeline call (default: %(default)s)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="image i is seeded with seed + i (default: %(default)s)")
+    add_run_args(p, batch_size=16)
     p.add_argument("--budget", type=positive_float, default=DEMO_BUDGET,
                    help=f"error budget of the derived schedule (default: %(default)s). {BUDGET_WHY}")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: the GPU if there is one, else cpu)")
+    p.add_argument("--device", type=device_arg, default=None, help="cuda, cuda:N or cpu (default: the GPU if there is one, else cpu)")
     p.add_argument("--lpips-weights", default=None, help="torchvision AlexNet weights for LPIPS (see eval --help)")
     p.add_argument("--fid-weights", default=None, help="torch-fidelity Inception weights for FID/KID (see eval --help)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs in --out")
-    p.set_defaults(func=run)
+    p.set_defaults(func=command(run))

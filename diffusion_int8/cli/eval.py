@@ -23,19 +23,23 @@ from typing import Sequence
 import torch
 
 from .. import pipelines
-from ..calibration import Calibration
+from ..calibration import FILE_NAME, Calibration
 from ..eval import report as R
 from ..eval.run import DEFAULT_MODES, OUTPUTS, evaluate, write_report, write_report_files
 from ..eval.score import Scorer, load_folder
 from ..kernels import Mode, kernel_info
-from ..schedule import PrecisionSchedule
-from .common import add_model_args, item_kwargs, items_for, load_pipeline, read_items
-from .outputs import check_out, output_set
-from .usage import UsageError, at_least_two, sparsity_level, user_errors
+from ..schedule import PRESETS, PrecisionSchedule
+from .common import WEIGHTS, add_model_args, check_model, check_weights, item_kwargs, items_for, load_pipeline, read_items
+from .outputs import check_out, command, output_set
+from .usage import UsageError, at_least_two, check_readable, sparsity_level, user_errors
 
 
 def load_inputs(schedule: str | None, calibration: str | None) -> tuple[PrecisionSchedule | None, Calibration | None]:
     """``--schedule`` and ``--calibration``, loaded (so checked) before the model loads or any image is made."""
+    if schedule and schedule not in PRESETS:
+        check_readable(schedule)
+    if calibration:
+        check_readable(Path(calibration) / FILE_NAME if Path(calibration).is_dir() else calibration)
     with user_errors():
         schedule = PrecisionSchedule.load(schedule) if schedule else None
         calibration = Calibration.load(calibration) if calibration else None
@@ -56,6 +60,8 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
     schedule, calibration = load_inputs(schedule, calibration)
     if refresh_every is not None and sparsity is None:
         raise UsageError("--refresh-every carries the blocks --sparsity skips: give --sparsity TAU too")
+    check_weights(lpips_weights, fid_weights)
+    check_model(model)
     shards = pipelines.Shards(device)
     if shards.is_main:
         print(f"eval on {shards.device}: INT8 kernel {kernel_info(shards.device, 'int8')['backend']}"
@@ -126,6 +132,7 @@ def score_folders(args) -> int:
     ref_dir, *cands = [Path(p) for p in args.score]
     if not cands:
         raise UsageError("--score needs a reference folder and at least one folder to score")
+    check_weights(args.lpips_weights, args.fid_weights)
     with user_errors():
         names, ref = load_folder(ref_dir)
         folders = [(c, *load_folder(c)) for c in cands]
@@ -168,6 +175,6 @@ def add_parser(sub) -> None:
                    help="run INT8 for every attention call the variant's mode covers, also where the speed gate would "
                         "send it to SDPA (on a GPU, by default INT8 runs only for shapes where it is faster)")
     p.add_argument("--score", nargs="+", metavar="FOLDER", help="score image folders instead: REFERENCE then candidates")
-    p.add_argument("--lpips-weights", help="torchvision AlexNet weights (alexnet-owt-7be5be79.pth) for LPIPS")
-    p.add_argument("--fid-weights", help="torch-fidelity Inception weights (weights-inception-2015-12-05-6726825d.pth) for FID/KID")
-    p.set_defaults(func=run)
+    p.add_argument("--lpips-weights", help=f"{WEIGHTS['--lpips-weights']} for LPIPS")
+    p.add_argument("--fid-weights", help=f"{WEIGHTS['--fid-weights']} for FID/KID")
+    p.set_defaults(func=command(run))

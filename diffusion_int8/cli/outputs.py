@@ -6,16 +6,22 @@ same parent, so the same file system, where renames are atomic) and moved into `
 With ``--overwrite`` the previous outputs move aside to ``.<name>.old-<pid>`` until the new ones are in
 place, and move back if anything fails on the way. An interrupted run therefore leaves the previous
 outputs or none, never a mix, and no temporary directory. Files in ``--out`` that are not the command's
-outputs are left where they are.
+outputs are left where they are. ``command`` makes SIGTERM interrupt a command as Ctrl-C does, so that the
+same clean-up runs, and ends an interrupted command with one line. ``check_out_file`` checks a single output
+file (``check --json``, ``tune --out``) before any work.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import signal
+import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .usage import UsageError, user_errors
 
@@ -48,6 +54,66 @@ def check_out(out: Path, names: Sequence[str], overwrite: bool) -> None:
         raise UsageError(f"--out {out}: cannot replace its outputs (permission denied)")
 
 
+def check_out_file(path: Path, flag: str, overwrite: bool, make_parents: bool = False) -> None:
+    """Raise ``UsageError`` unless the file ``path`` (given as ``flag``) can be written: not a directory, its
+    directory writable (with ``make_parents``, the nearest existing ancestor, under which the rest is made),
+    and not there already unless ``overwrite``."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file name")
+    parent = path.absolute().parent
+    while make_parents and not _present(parent):
+        parent = parent.parent
+    if not _present(parent):
+        raise UsageError(f"{flag} {path}: the directory {path.parent} does not exist; create it first")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path} cannot be written: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot write in {parent} (permission denied)")
+    if _present(path) and not overwrite:
+        raise UsageError(f"{flag} {path} exists; pass --overwrite to replace it")
+    if _present(path) and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {path}: cannot replace it (permission denied)")
+
+
+_written: list[Path] = []  # the output sets this process has moved into place
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises ``KeyboardInterrupt``: the same clean-up runs for both."""
+
+
+def _terminate(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+    raise Terminated
+
+
+def command(run: Callable) -> Callable:
+    """``run(args)`` as a subcommand: Ctrl-C and SIGTERM end it, once the output sets' temporary directories
+    are removed, with one line on stderr and status 130 (SIGINT) or 143 (SIGTERM)."""
+
+    @functools.wraps(run)
+    def wrapped(args) -> int:
+        main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+        previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+        written = len(_written)
+        try:
+            return run(args)
+        except KeyboardInterrupt as e:
+            out = getattr(args, "out", None) or getattr(args, "json", None)
+            if out is not None and Path(os.path.realpath(out)) in _written[written:]:
+                what = f"after writing {out}"
+            else:
+                what = "nothing was written" + (f" to {out}" if out else "")
+            print(f"diffusion-int8 {args.command}: interrupted; {what}", file=sys.stderr)
+            return 143 if isinstance(e, Terminated) else 130
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+    return wrapped
+
+
 @contextmanager
 def output_set(out: Path, names: Sequence[str], overwrite: bool) -> Iterator[Path]:
     """Yield an empty temporary directory to write the outputs ``names`` into; on leaving without an
@@ -63,6 +129,7 @@ def output_set(out: Path, names: Sequence[str], overwrite: bool) -> Iterator[Pat
             tmp.mkdir()
         yield tmp
         _commit(tmp, real, names, overwrite)
+        _written.append(real)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if not _present(real):  # nothing was written: nor are the parents made for it kept

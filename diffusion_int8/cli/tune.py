@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
 from ..kernels.config import MAX_HEAD_DIM
 from ..speed_gate import _DTYPES, cache_path, measure
+from .outputs import check_out_file, command
+from .usage import UsageError, user_errors
 
 
 def add_parser(sub) -> None:
@@ -18,30 +19,27 @@ def add_parser(sub) -> None:
     p.add_argument("--head-dims", default="64,128", help="comma-separated head dims to measure (default 64,128)")
     p.add_argument("--dtypes", default="float16,bfloat16", help="float16 and/or bfloat16")
     p.add_argument("--overwrite", action="store_true", help="replace an existing table file")
-    p.set_defaults(func=run)
+    p.set_defaults(func=command(run))
 
 
 def run(args) -> int:
-    if not torch.cuda.is_available():
-        print("diffusion-int8 tune: needs a CUDA GPU (the gate only decides for CUDA devices)", file=sys.stderr)
-        return 2
     try:
         head_dims = tuple(int(x) for x in args.head_dims.split(","))
-        dtypes = tuple(args.dtypes.split(","))
     except ValueError:
-        print(f"diffusion-int8 tune: --head-dims takes integers, got {args.head_dims!r}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--head-dims takes comma-separated integers, got {args.head_dims!r}") from None
+    dtypes = tuple(args.dtypes.split(","))
     bad = [d for d in head_dims if not 1 <= d <= MAX_HEAD_DIM] + [t for t in dtypes if t not in _DTYPES]
     if bad:
-        print(f"diffusion-int8 tune: not accepted: {bad} (head dims 1..{MAX_HEAD_DIM}; dtypes {sorted(_DTYPES)})",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"not accepted: {bad} (head dims 1..{MAX_HEAD_DIM}; dtypes {sorted(_DTYPES)})")
+    if args.out:
+        check_out_file(args.out, "--out", args.overwrite, make_parents=True)
+    if not torch.cuda.is_available():
+        raise UsageError("needs a CUDA GPU (the speed gate only decides for CUDA devices)")
     device = torch.device("cuda", torch.cuda.current_device())
     out = Path(args.out) if args.out else cache_path(device)
-    if out.exists() and not args.overwrite:
-        print(f"diffusion-int8 tune: {out} exists; pass --overwrite to replace it", file=sys.stderr)
-        return 2
+    check_out_file(out, "--out", args.overwrite, make_parents=True)
     table = measure(device, head_dims=head_dims, dtypes=dtypes, progress=lambda s: print(s, flush=True))
-    table.save(out)
+    with user_errors(OSError):  # save removes its temporary file on any failure
+        table.save(out)
     print(f"wrote {out}")
     return 0

@@ -1,4 +1,5 @@
-"""User errors of the command line: ``UsageError``, the wrapper that marks them, and checked argument types.
+"""User errors of the command line: ``UsageError``, the wrapper that marks them, checked argument types, and
+checks of input files and of memory made before any work.
 
 ``diffusion-int8 <command>`` prints a ``UsageError`` as one line, ``diffusion-int8 <command>: error: ...``,
 and exits with status 2 (``diffusion_int8.__main__.main``); any other exception is a bug and keeps its traceback. Code
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class UsageError(Exception):
@@ -36,9 +39,63 @@ def _message(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
+# ----------------------------------------------------------------------------- input files
+def check_readable(path: str | Path) -> None:
+    """``UsageError`` for a file that exists but cannot be read (some loaders report it as missing); a missing
+    file is left to the loader, which says what it wanted."""
+    try:
+        with open(path, "rb"):
+            pass
+    except PermissionError:
+        raise UsageError(f"cannot read {path} (permission denied)") from None
+    except OSError:
+        pass
+
+
+def check_input_file(path: str | Path, flag: str, accepted: str) -> None:
+    """``UsageError`` unless ``path``, given as ``flag``, is a file this process can read."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise UsageError(f"{flag} {path} {what}; give {accepted}")
+    check_readable(path)
+
+
+# ----------------------------------------------------------------------------- resources
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}"
+        n /= 1000
+
+
+def available_bytes(device) -> int | None:
+    """Free memory of ``device``: a CUDA GPU's, else the host's RAM; None where it cannot be told."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available
+    except ImportError:
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+def check_fits(nbytes: int, device, what: str, remedy: str) -> None:
+    """``UsageError`` when ``what`` needs more than ``device`` has free: refused up front, not out of memory later."""
+    free = available_bytes(device)
+    if free is not None and nbytes > free:
+        raise UsageError(f"{what} needs about {_size(nbytes)}, and {_size(free)} is available on {device}: {remedy}")
+
+
 # ----------------------------------------------------------------------------- argument types
-def int_at_least(low: int):
-    """argparse ``type=``: an integer >= ``low``."""
+def int_at_least(low: int, high: int | None = None):
+    """argparse ``type=``: an integer >= ``low`` (and <= ``high``)."""
 
     def parse(text: str) -> int:
         try:
@@ -47,6 +104,8 @@ def int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {value}")
         return value
 
     parse.__name__ = f"int_at_least_{low}"
@@ -56,6 +115,27 @@ def int_at_least(low: int):
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
 at_least_two = int_at_least(2)
+
+
+def device_arg(text: str) -> str:
+    """argparse ``type=``: ``cpu``, ``cuda`` or ``cuda:N``, present on this machine."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cpu":
+        return "cpu"
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not available: this machine has no CUDA GPU; use cpu")
+    if device.index is not None and device.index >= n:
+        gpus = "1 CUDA GPU (cuda:0)" if n == 1 else f"{n} CUDA GPUs (cuda:0 to cuda:{n - 1})"
+        raise argparse.ArgumentTypeError(f"{text!r} is not available: this machine has {gpus}")
+    return text
 
 
 def _finite(text: str) -> float:

@@ -27,6 +27,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+# the plots show names as given: a "$" in a schedule's or a layer's name is text, not the start of TeX
+PLAIN_TEXT = {"text.usetex": False, "text.parse_math": False}
+
 REPORT_FILES = ("report.json", "report.md", "report.html")
 
 
@@ -239,23 +242,24 @@ def schedule_plot(report: dict) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    order = ["int8", "int8_fp16v", "fp16"]
-    fig, ax = plt.subplots(figsize=(7, 2.8))
-    steps = list(range(len(s["per_step"])))
-    ax.step(steps, [order.index(m) for m in s["per_step"]], where="mid", color="C0", lw=2, label="mode")
-    ax.set_yticks(range(3), order)
-    ax.set_xlabel("denoising step")
-    if s.get("errors"):
-        ax2 = ax.twinx()
-        for i, (mode, errs) in enumerate(s["errors"].items()):
-            ax2.plot(range(len(errs)), errs, ls="--", marker=".", color=f"C{i + 1}", label=f"{mode} error (calibrated)")
-        ax2.set_ylabel("attention rel. L1, worst layer")
-        ax2.legend(fontsize=7, loc="upper right")
-    ax.set_title(f"schedule {s['name']}")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
+    with matplotlib.rc_context(PLAIN_TEXT):
+        order = ["int8", "int8_fp16v", "fp16"]
+        fig, ax = plt.subplots(figsize=(7, 2.8))
+        steps = list(range(len(s["per_step"])))
+        ax.step(steps, [order.index(m) for m in s["per_step"]], where="mid", color="C0", lw=2, label="mode")
+        ax.set_yticks(range(3), order)
+        ax.set_xlabel("denoising step")
+        if s.get("errors"):
+            ax2 = ax.twinx()
+            for i, (mode, errs) in enumerate(s["errors"].items()):
+                ax2.plot(range(len(errs)), errs, ls="--", marker=".", color=f"C{i + 1}", label=f"{mode} error (calibrated)")
+            ax2.set_ylabel("attention rel. L1, worst layer")
+            ax2.legend(fontsize=7, loc="upper right")
+        ax.set_title(f"schedule {s['name']}")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100)
+        plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 

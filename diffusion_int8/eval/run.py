@@ -69,6 +69,16 @@ class StepTimer:
         self._post.remove()
 
 
+def check_modes(modes: Sequence[str]) -> list[str]:
+    """``modes`` as a list of distinct mode names, or ``ValueError`` naming the one that is not."""
+    if isinstance(modes, str) or not all(isinstance(m, (str, Mode)) for m in modes):
+        raise ValueError(f"modes must be a list of mode names ({', '.join(m.value for m in Mode)}), got {modes!r}")
+    names = [Mode.parse(m).value for m in modes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"modes lists a mode twice: {names}")
+    return names
+
+
 def variants(modes: Sequence[str] = DEFAULT_MODES, schedule: PrecisionSchedule | None = None,
              calibration: Calibration | None = None, sparsity: float | None = None,
              refresh_every: int | None = None) -> dict[str, dict]:
@@ -224,9 +234,15 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
         tensor in [0, 1]}`` on the CPU, the baseline ``fp16`` first. None on the other processes of a launch.
 
     Raises:
-        ValueError: class labels the pipeline does not know, a calibration of another model, or an invalid
-            schedule or calibration file (``FileNotFoundError`` where it is missing).
+        ValueError: class labels the pipeline does not know, a mode that is not one, steps, batch size, seed or
+            guidance scale out of range, a calibration of another model, or an invalid schedule or calibration
+            file (``FileNotFoundError`` where it, or a weights file given, is missing); all before any image.
     """
+    pipelines.check_run(steps, batch_size, seed, guidance_scale)
+    modes = check_modes(modes)
+    for what, path in (("lpips_weights", lpips_weights), ("fid_weights", fid_weights)):
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"{what}: no file at {path} (leave it out to report the metric unavailable)")
     items = pipelines.resolve_items(pipe, prompts, class_labels)
     check_carry(refresh_every, check_sparsity(sparsity, None))
     if schedule is not None and not isinstance(schedule, PrecisionSchedule):

@@ -35,6 +35,11 @@ class Scorer:
     """Holds the (optional) LPIPS and Inception networks; scores candidate sets against one reference."""
 
     def __init__(self, lpips_weights=None, fid_weights=None, device="cpu", kid_subset_size: int = 100):
+        """``FileNotFoundError`` for weights given that are not a file: only weights not given, and not found,
+        make a metric unavailable."""
+        for what, path in (("LPIPS", lpips_weights), ("FID/KID", fid_weights)):
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"{what} weights {path}: no such file")
         self.lpips = M.lpips_model(lpips_weights, device)
         self.inception = M.inception_model(fid_weights, device)
         self.kid_subset_size = kid_subset_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import NamedTuple
 
@@ -231,8 +232,8 @@ def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q
         _check_block_mask(block_mask, q, (B, Hq, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)))
     if scale is None:
         scale = D**-0.5
-    elif not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive number (None: D ** -0.5), got {scale!r}")
     given_bal = isinstance(qk_balance, torch.Tensor)
     if not (isinstance(qk_balance, bool) or given_bal):
         raise TypeError(f"qk_balance must be True, False or a tensor of balance scales broadcastable to (B, Hkv, D) = "
