@@ -57,7 +57,8 @@ def test_kernel_matches_emulation_and_float64(kdev, pv, D):
         # emulation's worst was cos 0.99695 / rel L1 0.077 at D = 40 (16-bit P·V read 0.99922 / 0.042 once on the
         # H100). The kernel-against-emulation comparison in check() is the strict one.
         bounds = (0.995, 0.1) if Sq == 1 else (0.998, 0.065) if pv is PV.INT8 else None
-        check(out, R.emulate_attention(q, k, v, **kw), _sparse_ref(q, k, v, mask, layout), pv, q.dtype, bounds)
+        check(out, R.emulate_attention(q, k, v, **kw), _sparse_ref(q, k, v, mask, layout), pv, q.dtype, bounds,
+              call=(q, k, v, kw))
 
 
 @pytest.mark.parametrize("pv", list(PV))
@@ -82,7 +83,7 @@ def test_skipped_blocks_change_nothing_else(kdev):
         sparse = R.emulate_attention(q, k, v, pv=pv, block_mask=mask)
         assert torch.equal(sparse, R.emulate_attention(q, k, v, pv=pv, attn_mask=keys))
         check(run_kernel(q, k, v, layout="BHSD", pv=pv, block_mask=mask), sparse,
-              _sparse_ref(q, k, v, mask), pv, q.dtype)
+              _sparse_ref(q, k, v, mask), pv, q.dtype, call=(q, k, v, dict(block_mask=mask)))
 
 
 def test_with_a_key_padding_mask(kdev):
@@ -92,7 +93,7 @@ def test_with_a_key_padding_mask(kdev):
     mask = _random_mask(2, 2, 200, 300, 0.6, kdev, seed=3)
     kw = dict(layout="BHSD", pv=PV.FP8, attn_mask=pad, block_mask=mask)
     ref = R.attention_ref(q, k, v, attn_mask=pad & expand_block_mask(mask, 200, 300))
-    check(run_kernel(q, k, v, **kw), R.emulate_attention(q, k, v, **kw), ref, PV.FP8, q.dtype)
+    check(run_kernel(q, k, v, **kw), R.emulate_attention(q, k, v, **kw), ref, PV.FP8, q.dtype, call=(q, k, v, kw))
 
 
 def test_block_lists(kdev):
@@ -115,7 +116,8 @@ def test_public_op_and_mode_fp16():
     # read 0.0022 off against an absolute 0.002 alone)
     torch.testing.assert_close(exact.double(), ref, atol=2e-3, rtol=2**-11)
     out = int8_attention(q, k, v, mode="int8", layout="BSHD", block_mask=mask)
-    check(out, R.emulate_attention(q, k, v, layout="BSHD", pv=PV.FP8, block_mask=mask), ref, PV.FP8, q.dtype)
+    check(out, R.emulate_attention(q, k, v, layout="BSHD", pv=PV.FP8, block_mask=mask), ref, PV.FP8, q.dtype,
+          call=(q, k, v, dict(layout="BSHD", block_mask=mask)))
 
 
 def test_bad_block_masks_are_refused_before_any_work():
@@ -151,7 +153,7 @@ def test_predicted_in_the_call_matches_the_predictor(kdev, pv, D):
         assert 0.2 < 1 - want.float().mean().item() < 0.9  # something to predict, not the whole row
         assert torch.equal(out, run_kernel(q, k, v, block_mask=mask, **kw))
         check(out, R.emulate_attention(q, k, v, block_mask=mask, **kw), _sparse_ref(q, k, v, mask, layout), pv, q.dtype,
-              bounds=_LOCAL_FP8_BOUNDS if pv is PV.FP8 else None)
+              bounds=_LOCAL_FP8_BOUNDS if pv is PV.FP8 else None, call=(q, k, v, dict(kw, block_mask=mask)))
 
 
 def test_predicted_keeps_the_always_kept_blocks_and_tau_one_is_dense(kdev):
