@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from . import jsonfile
 from .embedded.variants import VARIANTS, describe, shipped
 from .models import denoiser
 
@@ -149,11 +150,9 @@ def check_model(model: str | Path) -> dict:
         raise FileNotFoundError(f"{path} is not a local diffusers pipeline (no model_index.json); "
                                 f"pass a directory saved with save_pretrained, or a shipped model: {describe()}")
     try:
-        data = json.loads(index.read_text(encoding="utf-8"))
+        data = jsonfile.loads(index.read_text(encoding="utf-8"), str(index))
     except UnicodeDecodeError as e:
         raise ValueError(f"{index} is not UTF-8 text (byte {e.start}: {e.reason})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{index} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     if not (isinstance(data, dict) and isinstance(data.get("_class_name"), str)):
         raise ValueError(f"{index} is not a diffusers model index (a JSON object with _class_name)")
     for name, entry in data.items():

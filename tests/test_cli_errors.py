@@ -404,7 +404,7 @@ def test_model_directory_that_is_not_a_pipeline(tmp_path, capsys):
     no_weights = tmp_path / "no_weights"
     shutil.copytree(shipped, no_weights)
     (no_weights / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
-    cases = [(malformed, "model_index.json is not valid JSON (Expecting value at line 1"),
+    cases = [(malformed, "model_index.json: not valid JSON: Expecting value at line 1"),
              (a_list, "model_index.json is not a diffusers model index (a JSON object with _class_name)"),
              (no_component, "has no transformer/ (model_index.json lists it)"),
              (no_weights, "cannot be loaded: Error no file named diffusion_pytorch_model")]

@@ -208,11 +208,14 @@ def test_deeply_nested_json_is_refused_before_parsing(tmp_path):
     from diffusion_int8 import PrecisionSchedule
     from diffusion_int8.speed_gate import CrossoverTable
 
+    from diffusion_int8.pipelines import check_model
+
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
-    for load in (PrecisionSchedule.load, CrossoverTable.load):
+    (tmp_path / "model_index.json").write_text(deep.read_text())
+    for load, path in ((PrecisionSchedule.load, deep), (CrossoverTable.load, deep), (check_model, tmp_path)):
         with pytest.raises(ValueError, match="JSON nested 100000 deep"):
-            load(deep)
+            load(path)
 
 
 # -- library entry points: arguments checked before any work, the pipeline left as it was --
