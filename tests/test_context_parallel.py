@@ -42,6 +42,11 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     # diffusers picks each rank's device as rank % torch.accelerator.device_count(), which is 0 on a CPU machine
     torch.accelerator.device_count = lambda: 1
     sys.path.insert(0, os.path.dirname(__file__))
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest where there is no GPU
+    if interpreting:
+        from interpreter_fixes import patch_interpreter
+
+        patch_interpreter()  # as conftest does in the parent process
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from diffusers import ContextParallelConfig
     from tiny_models import build
@@ -86,6 +91,27 @@ def _worker(rank: int, port: int, out_path: str) -> None:
                             "int8_calls": handle.state.int8_calls if handle else None})
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which asserts on it
             results.append({"error": f"{type(exc).__name__}: {exc}"})
+    # the real kernel (Triton's interpreter on these CPU processes; on a GPU machine tests/test_multi_gpu.py runs it
+    # over NCCL): Ulysses equal to one process bit for bit, ring within INT8's error, as with the emulation
+    kernel = None
+    if interpreting:
+        os.environ["DIFFUSION_INT8_BACKEND"] = "triton"
+        model, x = fresh()
+        with torch.no_grad():
+            handle = diffusion_int8.enable(model, "int8")
+            one_kernel = model(**x, return_dict=False)[0]
+            handle.disable()
+        kernel = {"one_vs_emulation": rel(one_kernel, int8)}
+    for split in ("ulysses", "ring") if interpreting else ():
+        model, x = fresh()
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2) if split == "ulysses" else
+                                 ContextParallelConfig(ring_degree=2))
+        handle = diffusion_int8.enable(model, "int8")
+        with torch.no_grad():
+            out = model(**x, return_dict=False)[0]
+        kernel[split] = {"vs_one": rel(out, one_kernel), "equal": torch.equal(out, one_kernel),
+                         "int8_calls": handle.state.int8_calls}
+    os.environ["DIFFUSION_INT8_BACKEND"] = "emulation"
     # compiled, Ulysses: the SDPA call dynamo traces inside diffusers' template is this device's heads' and runs INT8
     model, x = fresh()
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
@@ -126,7 +152,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"int8_vs_stock": rel(int8, stock), "cases": results, "static": static, "compiled": compiled,
-                       "masked_ring": masked_ring, "observed": observed}, f)
+                       "kernel": kernel, "masked_ring": masked_ring, "observed": observed}, f)
     dist.destroy_process_group()
 
 
@@ -167,6 +193,11 @@ def test_processor_under_context_parallelism(tmp_path):
     for case in (ring_before, ring_after):
         assert case["int8_calls"] > 0 and case["vs_int8"] < got["int8_vs_stock"], case
         assert case["vs_stock"] < 2 * got["int8_vs_stock"], case
+    # the Triton kernel (interpreted): close to the emulation, and split as the emulation is
+    kernel = got["kernel"]
+    assert (kernel is None) == (os.environ.get("TRITON_INTERPRET") != "1")
+    if kernel is not None:
+        _check_kernel_splits(got, kernel)
     # compiled under Ulysses: INT8 (not stock), equal to the single-process INT8 output
     assert got["compiled"]["vs_int8"] == 0 and got["compiled"]["vs_stock"] > 1e-4, got["compiled"]
     # static ranges: each device's heads get their own, so the split output is the one-process output
@@ -174,3 +205,9 @@ def test_processor_under_context_parallelism(tmp_path):
     assert static["int8_calls"] > 0 and static["static_vs_dynamic"] > 1e-5 and static["vs_int8_static"] < 1e-6, static
     assert "return_lse" in got["masked_ring"], got["masked_ring"]  # diffusers' native backend refusing ring
     assert "observer" in got["observed"] and "one device" in got["observed"], got["observed"]
+
+
+def _check_kernel_splits(got: dict, kernel: dict) -> None:
+    assert kernel["one_vs_emulation"] < 0.1 * got["int8_vs_stock"], kernel
+    assert kernel["ulysses"]["int8_calls"] > 0 and kernel["ulysses"]["equal"], kernel
+    assert kernel["ring"]["int8_calls"] > 0 and kernel["ring"]["vs_one"] < got["int8_vs_stock"], kernel

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import pytest
@@ -552,3 +553,23 @@ def test_ulysses_share_cuts_a_per_head_mask_to_the_devices_heads(mode):
     want = proc._attention(q, k, v, mask[:, 2:4])
     assert torch.equal(got, want)
     assert not torch.equal(got, proc._attention(q, k, v, mask[:, 0:2]))  # the rows differ per head
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on CPU needs Triton's interpreter "
+                    "(conftest sets it where there is no GPU; on a GPU test_gpu.py runs these models)")
+@pytest.mark.parametrize("family", ["dit", "flux", "wan"])
+def test_models_run_the_triton_kernel(family, monkeypatch):
+    """A diffusers model through the real kernel (Triton's interpreter), not the emulation the other model tests
+    use: its output is the emulation's up to a small fraction of INT8's own distance from stock."""
+    model, x = build(family)
+    with torch.no_grad():
+        stock = run(model, x)
+        outs = {}
+        for backend in ("emulation", "triton"):
+            monkeypatch.setenv("DIFFUSION_INT8_BACKEND", backend)
+            handle = enable(model, "int8", speed_gate=False)
+            outs[backend] = run(model, x)
+            assert handle.state.int8_calls > 0
+            handle.disable()
+    int8_error = rel_l2(outs["emulation"], stock)
+    assert int8_error > 1e-4 and rel_l2(outs["triton"], outs["emulation"]) < 0.1 * int8_error
