@@ -407,3 +407,28 @@ def test_sparse_schedule_reports_skipped_blocks_per_step(tmp_path, monkeypatch, 
     check_html_in_chromium(tmp_path / "report.html")
     out = capsys.readouterr().out
     assert f"{sparse['overall']:.1%} of attention blocks skipped" in out and f"blocks skipped per step {shown}" in out
+
+
+def test_demo_end_to_end(tmp_path):
+    """The first command a user runs, at a small size: calibration, the schedule derived from it, and the report of
+    every variant (each INT8 mode, the schedule, calibrated static ranges) with finite scores and the page."""
+    res = subprocess.run([sys.executable, "-m", "diffusion_int8", "demo", "--class-labels", "red circle", "blue ring",
+                          "--steps", "3", "--batch-size", "2", "--out", "demo"], cwd=tmp_path, env=cli_env(),
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "demo"
+    from diffusion_int8 import PrecisionSchedule
+    from diffusion_int8.calibration import Calibration
+
+    cal = Calibration.load(out / "calibration")
+    assert cal.meta["steps"] == 3 and cal.meta["num_items"] == 2
+    schedule = PrecisionSchedule.load(out / "calibration" / "schedule.json")
+    report = json.loads((out / "report.json").read_text())
+    names = set(report["variants"])
+    assert {"int8", "int8_fp16v", f"schedule:{schedule.name}"} <= names and any("static-ranges" in n for n in names)
+    for name, v in report["variants"].items():
+        psnr = v["quality"]["aggregate"]["psnr"]
+        assert psnr["n"] == 2 and math.isfinite(psnr["mean"]) and psnr["mean"] > 15, (name, psnr)
+    assert len(list((out / "images" / "fp16").glob("*.png"))) == 2
+    check_html_in_chromium(out / "report.html")
+    assert "report.html" in res.stdout  # the command names what to open

@@ -135,3 +135,27 @@ def test_families_at_real_shapes(name):
     cos = torch.nn.functional.cosine_similarity(out.double().flatten(), stock.double().flatten(), dim=0).item()
     assert cos >= 0.99, cos
     assert torch.equal(run(), stock)
+
+
+def test_tune_measures_a_table_the_gate_reads(tmp_path):
+    """``diffusion-int8 tune`` at one head dim and dtype: a table for this GPU's architecture with both INT8 modes'
+    grids, every measured cell a positive speed-up, which a speed gate loads and decides with (long sequences, where
+    BENCHMARKS.md measures INT8 ahead on the H100, pay; the shortest do not)."""
+    import subprocess
+    import sys
+
+    from diffusion_int8.kernels.config import Mode
+    from diffusion_int8.speed_gate import CrossoverTable, SpeedGate, arch_of
+
+    out = tmp_path / "table.json"
+    res = subprocess.run([sys.executable, "-m", "diffusion_int8", "tune", "--out", str(out), "--head-dims", "128",
+                          "--dtypes", "float16"], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    table = CrossoverTable.load(out)
+    assert table.arch == arch_of(torch.device("cuda"))
+    assert {(g.mode, g.head_dim, g.dtype) for g in table.grids} == {("int8", 128, "float16"), ("int8_fp16v", 128, "float16")}
+    assert all(x is None or x > 0 for g in table.grids for r in g.speedup for x in r)
+    gate = SpeedGate(out)
+    q = torch.empty(1, 24, 32768, 128, dtype=torch.float16, device="cuda")
+    short = torch.empty(1, 24, 1024, 128, dtype=torch.float16, device="cuda")
+    assert gate.pays(Mode.INT8, q, q) and not gate.pays(Mode.INT8, short, short)
