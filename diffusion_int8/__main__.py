@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 import sys
+import warnings
 
 from .cli.usage import UsageError
 
@@ -46,10 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one line each, written above a progress bar rather than through it (no source line)."""
+    from tqdm.auto import tqdm
+
+    text = str(message).removeprefix("diffusion_int8: ")
+    tqdm.write(f"diffusion-int8: warning: {text}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line
+            return args.func(args)
     except UsageError as e:
         if args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise

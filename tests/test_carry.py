@@ -100,7 +100,7 @@ def test_refresh_steps_give_the_dense_result_and_the_steps_between_skip():
         else:
             assert 0 < int(computed) < total / 2
     # the mask was predicted once, at the first step
-    assert len(carry._sites) == 1
+    assert len(carry._gen.sites) == 1
 
 
 def test_the_forecast_follows_the_skipped_blocks_linearly_in_the_noise_level():
@@ -116,7 +116,7 @@ def test_the_forecast_follows_the_skipped_blocks_linearly_in_the_noise_level():
     forecast, computed = carry(run_for(q, k, v_next), q, k, tau=0.3, scale=None, noise=0.4)
     assert 0 < int(computed) < 16
     reference, _ = exact(q, k, v_next)
-    site = carry._sites[0]
+    site = carry._gen.sites[0]
     stale = merge_reference(*int8_core(Mode.INT8, q, k, v_next, None, None, None, block_mask=site.mask,
                                        return_lse=True), site.last[1], site.last[2])
     # the linear forecast lands on the new V's skipped output; the last refresh's alone does not
@@ -130,11 +130,11 @@ def test_a_new_generation_predicts_its_mask_again_and_refreshes():
     carry = BlockCarry(3)
     for noise in (1.0, 0.9, 0.8):
         carry(run_for(q, k, v), q, k, tau=0.5, scale=None, noise=noise)
-    first_mask = carry._sites[0].mask
+    first_mask = carry._gen.sites[0].mask
     q2, k2, v2 = local_qkv(1, 2, 600, 600, 64, seed=5)
     _, computed = carry(run_for(q2, k2, v2), q2, k2, tau=0.5, scale=None, noise=1.0)  # noise rose: a new one
-    assert computed == 2 * 5 * 5 and carry._step == 0
-    assert carry._sites[0].mask is not first_mask and carry._sites[0].before is None
+    assert computed == 2 * 5 * 5 and carry._gen.step == 0
+    assert carry._gen.sites[0].mask is not first_mask and carry._gen.sites[0].before is None
 
 
 @pytest.mark.parametrize("every", [1, 0, -2, 2.5, True, "2"])
@@ -253,7 +253,7 @@ def test_gpu_kernels_carry_as_the_emulation_does(monkeypatch, mode, D):
         assert torch.isfinite(out).all()
         assert (out.double().cpu() - reference).abs().max() < 1.1 * dense_err
     assert 0 < int(computed) < n * n * 4
-    mask = carry._sites[0].mask
+    mask = carry._gen.sites[0].mask
     assert mask.all(-1).any() and (~mask).any()  # some rows keep every block, and blocks are skipped
 
 
@@ -265,4 +265,4 @@ def test_a_timestep_that_does_not_move_keeps_the_call_sites_bounded():
     for _ in range(3 * MAX_CALLS_PER_STEP):
         _, computed = carry(run_for(q, k, v), q, k, tau=0.5, scale=None, noise=0.5)
         assert computed == 3 * 3  # every call a refresh: the step never advances
-    assert len(carry._sites) <= MAX_CALLS_PER_STEP
+    assert len(carry._gen.sites) <= MAX_CALLS_PER_STEP

@@ -602,3 +602,16 @@ def test_eval_report_plots_a_schedule_named_in_mathtext(calibrated, tmp_path):
     assert main([*EVAL, "--schedule", str(path), "--out", str(tmp_path / "r")]) == 0
     html = (tmp_path / "r" / "report.html").read_text()
     assert "data:image/png;base64," in html and "schedule:" in html
+
+
+def test_cli_warnings_are_one_line_without_source(capsys, monkeypatch):
+    """A warning raised during a command (here the emulation fallback's) prints as one line, above any progress
+    bar, without the Python source line the default format adds."""
+    import warnings as w
+
+    from diffusion_int8.__main__ import _one_line
+
+    monkeypatch.setattr(w, "showwarning", _one_line)
+    w.warn("diffusion_int8: no GPU; using the PyTorch emulation of the INT8 kernel", RuntimeWarning)
+    err = capsys.readouterr().err
+    assert err == "diffusion-int8: warning: no GPU; using the PyTorch emulation of the INT8 kernel\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 
 import torch
 
@@ -39,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     ref = attention_ref(q, k, v, layout="BSHD")
     print(f"attention (B={B}, H={H}, S={S}, D={D}) fp16 on {device}"
           + ("" if device.type == "cuda" else " — no GPU: INT8 modes run the PyTorch emulation of the kernel"))
+    warnings.filterwarnings("ignore", message="diffusion_int8: .*using the PyTorch emulation")  # said just above
     rows = []
     for mode in Mode:
         info = kernel_info(device, mode)

@@ -7,10 +7,10 @@
     diffusion-int8 eval --score imgs/images/fp16 other/folder --out scores/              # score folders
     accelerate launch --multi_gpu --num_processes 8 -m diffusion_int8 eval ...         # prompts sharded
 
-Writes ``report.json``, ``report.md``, ``report.html`` and ``images/<variant>/*.png`` to ``--out``, all at
-once (``outputs.output_set``); existing reports are kept unless ``--overwrite``. ``--schedule`` and
-``--calibration`` are loaded, and the calibration checked against the model, before any image is made.
-Images with NaN or Inf values are flagged in the reports and left out of the quality metrics.
+Writes report.json, report.md, report.html and images/<variant>/*.png to --out, all at once: an
+interrupted run leaves the previous reports or none. Existing reports are kept unless --overwrite.
+--schedule and --calibration are loaded, and the calibration checked against the model, before any image
+is made. Images with NaN or Inf values are flagged in the reports and left out of the quality metrics.
 """
 
 from __future__ import annotations

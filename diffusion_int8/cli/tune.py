@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -12,9 +13,21 @@ from .outputs import check_out_file, command
 from .usage import UsageError, user_errors
 
 
+DESCRIPTION = """diffusion-int8 tune: measure where INT8 attention beats SDPA on this GPU. Needs a CUDA GPU.
+
+Times SDPA and each INT8 mode over a grid of sequence lengths (1,024 to 32,768 keys) and query rows, for each
+head dim and dtype asked for, and writes the table the speed gate reads to decide, per attention call, whether
+INT8 pays: by default to this GPU's cache file, which enable() then finds. On an H100 it takes about 2 minutes
+the first time (compiling the kernels), 26 s after. A GPU of an architecture diffusion-int8 ships a table for
+(sm_90) uses that one until it has its own.
+
+    diffusion-int8 tune                                   # this GPU's table, into the cache
+    diffusion-int8 tune --head-dims 128 --dtypes bfloat16 --out table.json"""
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="measure where INT8 attention beats SDPA on this GPU (the speed gate's table)",
-                       description=measure.__doc__)
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="table file to write (default: this GPU's cache file, see cache_path)")
     p.add_argument("--head-dims", default="64,128", help="comma-separated head dims to measure (default 64,128)")
     p.add_argument("--dtypes", default="float16,bfloat16", help="float16 and/or bfloat16")
