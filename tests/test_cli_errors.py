@@ -615,3 +615,17 @@ def test_cli_warnings_are_one_line_without_source(capsys, monkeypatch):
     w.warn("diffusion_int8: no GPU; using the PyTorch emulation of the INT8 kernel", RuntimeWarning)
     err = capsys.readouterr().err
     assert err == "diffusion-int8: warning: no GPU; using the PyTorch emulation of the INT8 kernel\n"
+
+
+def test_a_label_the_shipped_model_does_not_know_is_refused_before_it_loads(monkeypatch, capsys):
+    from diffusion_int8 import pipelines
+    from diffusion_int8.__main__ import main
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(pipelines, "load", no_loading)
+    for command in ("calibrate", "eval"):
+        assert main([command, "--class-labels", "purple hexagon", "--out", "never"]) == 2
+        err = capsys.readouterr().err
+        assert "'purple hexagon' names no class; the classes are: red circle" in err and err.count("\n") == 1

@@ -41,7 +41,7 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
     if sparsity_levels and sparsity_budget is None:
         sparsity_budget = DEFAULT_SPARSITY_BUDGET
     check_out(out, OUTPUTS, overwrite)
-    items = read_items(prompts, class_labels)
+    items = read_items(prompts, class_labels, model)
     check_model(model)
     shards = pipelines.Shards(device)
     pipe = load_pipeline(model, shards.device)

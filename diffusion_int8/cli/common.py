@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from .. import pipelines
-from ..embedded.variants import describe
+from ..embedded.variants import describe, shipped
 from .usage import (UsageError, check_input_file, check_readable, device_arg, int_at_least, nonnegative_float,
                     nonnegative_int, user_errors)
 
@@ -53,14 +53,21 @@ def check_model(model: str) -> None:
         pipelines.check_model(model)
 
 
-def read_items(prompts: Path | None, class_labels: list[str] | None) -> pipelines.Items | None:
-    """``--prompts`` or ``--class-labels``, read before the model loads (None: the pipeline's default)."""
+def read_items(prompts: Path | None, class_labels: list[str] | None, model: str) -> pipelines.Items | None:
+    """``--prompts`` or ``--class-labels``, read before the model loads (None: the pipeline's default); for a
+    shipped model, each checked to name one of its classes then too."""
     if prompts is None and class_labels is None:
         return None
     if prompts is not None:
         check_readable(prompts)
     with user_errors():
-        return pipelines.read_items(prompts, class_labels)
+        items = pipelines.read_items(prompts, class_labels)
+    if shipped(model) is not None:
+        from ..embedded.shapes import label_ids
+
+        with user_errors(ValueError):
+            label_ids(items.values)
+    return items
 
 
 def items_for(model: str, pipe, items: pipelines.Items | None) -> pipelines.Items:

@@ -56,7 +56,7 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
     """The command (without ``--score``) with its arguments as keywords (``demo`` calls it); ``shown_out``:
     ``out`` as messages name it (the demo writes into a temporary directory). Returns the exit status."""
     check_out(out, OUTPUTS, overwrite)
-    items = read_items(prompts, class_labels)
+    items = read_items(prompts, class_labels, model)
     schedule, calibration = load_inputs(schedule, calibration)
     if refresh_every is not None and sparsity is None:
         raise UsageError("--refresh-every carries the blocks --sparsity skips: give --sparsity TAU too")

@@ -21,7 +21,7 @@ from diffusers import DiffusionPipeline, DiTTransformer2DModel, FlowMatchEulerDi
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.utils.torch_utils import randn_tensor
 
-from .shapes import CLASSES, NUM_CLASSES
+from .shapes import CLASSES, NUM_CLASSES, label_ids
 from .variants import get_variant
 
 
@@ -37,18 +37,8 @@ class ShapesPipeline(DiffusionPipeline):
         self.register_modules(transformer=transformer, scheduler=scheduler)
 
     def label_ids(self, class_labels: int | str | Sequence[int | str]) -> list[int]:
-        """Class indices of ``class_labels``: indices, class names, or prompts that name one class ("a red
-        circle on white" is ``red circle``); one string or index is one label."""
-        if isinstance(class_labels, (str, int)):
-            class_labels = [class_labels]
-        ids = []
-        for c in class_labels:
-            if isinstance(c, str):
-                c = CLASSES.index(_class_named_in(c))
-            if not 0 <= int(c) < NUM_CLASSES:
-                raise ValueError(f"class index {c} is out of range 0..{NUM_CLASSES - 1}")
-            ids.append(int(c))
-        return ids
+        """Class indices of ``class_labels`` (``shapes.label_ids``)."""
+        return label_ids(class_labels)
 
     @torch.no_grad()
     def __call__(
@@ -118,18 +108,6 @@ class ShapesPipeline(DiffusionPipeline):
             if output_type == "pil":
                 out = self.numpy_to_pil(out)
         return ImagePipelineOutput(images=out) if return_dict else (out,)
-
-
-def _class_named_in(text: str) -> str:
-    """The class a label or prompt names: the class name itself, or the one class name the prompt contains."""
-    if text in CLASSES:
-        return text
-    words = " ".join(text.lower().replace(",", " ").split())
-    named = [c for c in CLASSES if f" {c} " in f" {words} "]
-    if len(named) != 1:
-        why = "names no class" if not named else f"names several classes ({', '.join(named)})"
-        raise ValueError(f"{text!r} {why}; the classes are: {', '.join(CLASSES)}")
-    return named[0]
 
 
 def load_pipeline(path: str | Path | None = None, *, variant: str = "base", device: str | torch.device | None = None,

@@ -8,6 +8,7 @@ distance functions. Everything is a function of the generator, so a seed fixes t
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -15,6 +16,33 @@ SHAPES = ("circle", "square", "triangle", "ring")
 COLOURS = {"red": (0.9, 0.15, 0.1), "green": (0.15, 0.75, 0.2), "blue": (0.15, 0.3, 0.95), "yellow": (0.95, 0.85, 0.1)}
 CLASSES = tuple(f"{c} {s}" for s in SHAPES for c in COLOURS)
 NUM_CLASSES = len(CLASSES)
+
+
+def label_ids(class_labels: int | str | Sequence[int | str]) -> list[int]:
+    """Class indices of ``class_labels``: indices, class names, or prompts that name one class ("a red circle on
+    white" is ``red circle``); one string or index is one label. ``ValueError`` names a label that is none."""
+    if isinstance(class_labels, (str, int)):
+        class_labels = [class_labels]
+    ids = []
+    for c in class_labels:
+        if isinstance(c, str):
+            c = CLASSES.index(_class_named_in(c))
+        if not 0 <= int(c) < NUM_CLASSES:
+            raise ValueError(f"class index {c} is out of range 0..{NUM_CLASSES - 1}")
+        ids.append(int(c))
+    return ids
+
+
+def _class_named_in(text: str) -> str:
+    """The class a label or prompt names: the class name itself, or the one class name the prompt contains."""
+    if text in CLASSES:
+        return text
+    words = " ".join(text.lower().replace(",", " ").split())
+    named = [c for c in CLASSES if f" {c} " in f" {words} "]
+    if len(named) != 1:
+        why = "names no class" if not named else f"names several classes ({', '.join(named)})"
+        raise ValueError(f"{text!r} {why}; the classes are: {', '.join(CLASSES)}")
+    return named[0]
 
 
 def _sdf(shape: torch.Tensor, p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
