@@ -192,7 +192,10 @@ def generate(pipe, items: Items, batch_items: list, indices: list[int], *, steps
     kwargs = {"num_inference_steps": steps, "generator": gens, "output_type": "np"}
     if guidance_scale is not None:
         kwargs["guidance_scale"] = guidance_scale
-    with _step_progress(pipe, kwargs, steps, on_step):
+    # the caller shows progress (on_step): the pipeline's own bar would print beside it
+    bar = dict(getattr(pipe, "_progress_bar_config", {}))
+    pipe.set_progress_bar_config(**{**bar, "disable": True})
+    with _step_progress(pipe, kwargs, steps, on_step), _restored(pipe, bar):
         if items.kind == "class_labels":
             ids = batch_items
             if hasattr(pipe, "label_ids"):
@@ -203,6 +206,14 @@ def generate(pipe, items: Items, batch_items: list, indices: list[int], *, steps
         else:
             out = pipe(prompt=batch_items, **kwargs).images
     return torch.from_numpy(np.asarray(out, dtype=np.float32)).permute(0, 3, 1, 2).contiguous()
+
+
+@contextmanager
+def _restored(pipe, bar: dict):
+    try:
+        yield
+    finally:
+        pipe._progress_bar_config = bar
 
 
 @contextmanager

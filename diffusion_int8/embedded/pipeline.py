@@ -136,5 +136,4 @@ def load_pipeline(path: str | Path | None = None, *, variant: str = "base", devi
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     pipe = ShapesPipeline.from_pretrained(path, dtype=dtype)
-    pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
