@@ -120,3 +120,17 @@ def test_generate_reports_every_denoising_step(wrap):
     imgs = pipelines.generate(pipe, items, items.values, [0, 1], steps=4, seed=0, on_step=ticks.append)
     assert imgs.shape == (2, 3, 32, 32)
     assert ticks == [1, 1, 1, 1]  # one per step as it happens, not one lump at the end
+
+
+def test_progress_shows_from_python_and_not_inside_the_commands(capsys):
+    """Called from Python the shipped pipeline shows diffusers' progress bar; the CLIs' generation, which counts
+    steps on its own bar, turns it off for its calls and leaves the pipeline's setting as it was."""
+    from diffusion_int8 import pipelines
+
+    pipe = load_pipeline()
+    pipe(class_labels=["red circle"], num_inference_steps=2)
+    assert "2/2" in capsys.readouterr().err
+    before = dict(pipe._progress_bar_config)
+    items = pipelines.Items(["red circle"], "class_labels")
+    pipelines.generate(pipe, items, items.values, [0], steps=2, seed=0)
+    assert "2/2" not in capsys.readouterr().err and pipe._progress_bar_config == before
