@@ -31,7 +31,7 @@ from .kernels.key_mask import is_key_mask
 FORMAT = "diffusion-int8 crossover table"
 VERSION = 1
 SHIPPED = Path(__file__).parent / "tables"
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # the dtypes a table measures, by their names
 
 
 @dataclass(frozen=True)
@@ -193,8 +193,8 @@ class CrossoverTable:
             Mode.parse(g["mode"])
             if g["mode"] == "fp16":
                 raise ValueError(f"grid {n}: mode 'fp16' needs no gate")
-            if g["dtype"] not in _DTYPES:
-                raise ValueError(f"grid {n}: dtype {g['dtype']!r} is not one of {sorted(_DTYPES)}")
+            if g["dtype"] not in DTYPES:
+                raise ValueError(f"grid {n}: dtype {g['dtype']!r} is not one of {sorted(DTYPES)}")
             head_dim = g["head_dim"]
             if not _count(head_dim) or not head_dim <= MAX_HEAD_DIM:
                 raise ValueError(f"grid {n}: head_dim {head_dim!r} is not an integer in 1..{MAX_HEAD_DIM}")
@@ -359,8 +359,8 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
     for i, (d, dt, n, r) in enumerate(todo):
         bh = r // n
         # (B, S, H, D) memory viewed (B, H, S, D), as diffusers' processors hand attention its inputs
-        q, k, v = (torch.randn(1, n, bh, d, device=device, dtype=_DTYPES[dt]).transpose(1, 2) for _ in range(3))
-        k += 3.0 * torch.randn(1, bh, 1, d, device=device, dtype=_DTYPES[dt])  # a K channel bias, as in real models
+        q, k, v = (torch.randn(1, n, bh, d, device=device, dtype=DTYPES[dt]).transpose(1, 2) for _ in range(3))
+        k += 3.0 * torch.randn(1, bh, 1, d, device=device, dtype=DTYPES[dt])  # a K channel bias, as in real models
         times = {"sdpa": graph_ms(lambda: F.scaled_dot_product_attention(q, k, v), reps)}
         for m in modes:
             times[m] = graph_ms(lambda m=m: int8_attention(q, k, v, mode=m), reps)

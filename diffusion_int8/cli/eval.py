@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_summary(report: dict, out: Path) -> None:
     print("wrote " + ", ".join(str(out / f) for f in R.REPORT_FILES))
-    timing = R._timing(report)
+    timing = R.timing_of(report)
     if timing["note"]:
         print(f"  {timing['note']}")
     sparse = R.sparse_variants(report)
@@ -115,8 +115,8 @@ def _print_summary(report: dict, out: Path) -> None:
         ms, base = v["speed"].get("denoiser_ms_per_step"), report["baseline"]["speed"].get("denoiser_ms_per_step")
         ratio = R.vs_stock(base, ms) if timing["speed"] else None
         excluded = agg["psnr"].get("excluded", 0)
-        print(f"  {name:28s} PSNR {R._fmt(agg['psnr']['mean'], 2)} dB (min {R._fmt(agg['psnr']['min'], 2)}), "
-              f"SSIM {R._fmt(agg['ssim']['mean'], 4)}" + (f", denoiser step {ms:.2f} ms: {ratio}" if ratio else "")
+        print(f"  {name:28s} PSNR {R.fmt(agg['psnr']['mean'], 2)} dB (min {R.fmt(agg['psnr']['min'], 2)}), "
+              f"SSIM {R.fmt(agg['ssim']['mean'], 4)}" + (f", denoiser step {ms:.2f} ms: {ratio}" if ratio else "")
               + (f"; {excluded} non-finite image(s) left out" if excluded else "")
               + (f"; {v['sparsity']['overall']:.1%} of attention blocks skipped" if name in sparse else ""))
     for name, steps in R.sparsity_lines(report):

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.config import MAX_HEAD_DIM
-from ..speed_gate import _DTYPES, cache_path, measure
+from ..speed_gate import DTYPES, cache_path, measure
 from .outputs import check_out_file, command
 from .usage import UsageError, user_errors
 
@@ -41,9 +41,9 @@ def run(args) -> int:
     except ValueError:
         raise UsageError(f"--head-dims takes comma-separated integers, got {args.head_dims!r}") from None
     dtypes = tuple(args.dtypes.split(","))
-    bad = [d for d in head_dims if not 1 <= d <= MAX_HEAD_DIM] + [t for t in dtypes if t not in _DTYPES]
+    bad = [d for d in head_dims if not 1 <= d <= MAX_HEAD_DIM] + [t for t in dtypes if t not in DTYPES]
     if bad:
-        raise UsageError(f"not accepted: {bad} (head dims 1..{MAX_HEAD_DIM}; dtypes {sorted(_DTYPES)})")
+        raise UsageError(f"not accepted: {bad} (head dims 1..{MAX_HEAD_DIM}; dtypes {sorted(DTYPES)})")
     if args.out:
         check_out_file(args.out, "--out", args.overwrite, make_parents=True)
     if not torch.cuda.is_available():

@@ -44,7 +44,8 @@ def _clean(obj):
     return obj
 
 
-def _fmt(x, digits=3) -> str:
+def fmt(x, digits=3) -> str:
+    """A metric as the reports print it: a number to ``digits`` places, or its text ("n/a", "inf", ...)."""
     if isinstance(x, str):
         return x
     if x is None:
@@ -82,13 +83,13 @@ def _quality_cells(q: dict) -> list[str]:
         elif a.get("n") == 0:
             cells.append("– (no finite image)")
         elif "mean" in a:
-            cells.append(f"{_fmt(a['mean'], 2 if k == 'psnr' else 4)} ± {_fmt(a['std'], 2 if k == 'psnr' else 4)} "
-                         f"(min {_fmt(a['min'] if k != 'lpips' else a['max'], 2 if k == 'psnr' else 4)})")
+            cells.append(f"{fmt(a['mean'], 2 if k == 'psnr' else 4)} ± {fmt(a['std'], 2 if k == 'psnr' else 4)} "
+                         f"(min {fmt(a['min'] if k != 'lpips' else a['max'], 2 if k == 'psnr' else 4)})")
         else:
             cells.append("–")
     for k in ("fid", "kid"):
         a = agg.get(k, {})
-        cells.append("n/a" if a.get("available") is False else _fmt(a.get("value", a.get("mean")), 4) if a else "–")
+        cells.append("n/a" if a.get("available") is False else fmt(a.get("value", a.get("mean")), 4) if a else "–")
     excluded = agg.get("psnr", {}).get("excluded")
     if excluded:
         cells[0] += f" [{excluded} non-finite excluded]"
@@ -108,7 +109,8 @@ def timing(device_type: str, kernel: str) -> dict:
 NO_TIMINGS = {"speed": False, "note": "Scored only: the images were made elsewhere, so there are no timings."}
 
 
-def _timing(report: dict) -> dict:
+def timing_of(report: dict) -> dict:
+    """``report``'s ``timing`` (``timing``'s dict), also for reports written before the field."""
     if "timing" in report:
         return report["timing"]
     # reports written before the field: a GPU's name, or "cpu"
@@ -131,13 +133,13 @@ def sparse_variants(report: dict) -> dict[str, dict]:
 
 def header(report: dict) -> list[str]:
     cols = ["variant", "PSNR dB (min)", "SSIM (min)", "LPIPS (max)", "FID", "KID", "denoiser ms/step"]
-    return (cols + (["vs stock"] if _timing(report)["speed"] else []) + ["s/image", "peak MiB", "INT8 / gated calls"]
+    return (cols + (["vs stock"] if timing_of(report)["speed"] else []) + ["s/image", "peak MiB", "INT8 / gated calls"]
             + (["blocks skipped"] if sparse_variants(report) else []))
 
 
 def _peak(report: dict, speed: dict) -> str:
     if speed.get("peak_memory_mib") is not None:
-        return _fmt(speed["peak_memory_mib"], 0)
+        return fmt(speed["peak_memory_mib"], 0)
     if speed and report.get("device") == "cpu":
         return "n/a (CPU run)"  # GPU memory is all it measures
     return "–"
@@ -145,7 +147,7 @@ def _peak(report: dict, speed: dict) -> str:
 
 def _rows(report: dict) -> list[list[str]]:
     base = report["baseline"]["speed"]
-    show_ratio = _timing(report)["speed"]
+    show_ratio = timing_of(report)["speed"]
     show_sparsity = bool(sparse_variants(report))
     rows = []
     for name, v in [(report["baseline"]["name"], report["baseline"]), *report["variants"].items()]:
@@ -153,7 +155,7 @@ def _rows(report: dict) -> list[list[str]]:
         ms = sp.get("denoiser_ms_per_step")
         ratio = ["stock" if v is report["baseline"] else (vs_stock(base.get("denoiser_ms_per_step"), ms) or "–")]
         rows.append([name, *(_quality_cells(v["quality"]) if "quality" in v else ["reference"] + ["–"] * 4),
-                     _fmt(ms, 2), *(ratio if show_ratio else []), _fmt(sp.get("seconds_per_image"), 3),
+                     fmt(ms, 2), *(ratio if show_ratio else []), fmt(sp.get("seconds_per_image"), 3),
                      _peak(report, sp), _calls(sp)] + ([_skipped(v.get("sparsity"))] if show_sparsity else []))
     return rows
 
@@ -214,7 +216,7 @@ def write_markdown(report: dict, out: Path) -> Path:
     lines = [f"# INT8 attention evaluation: {report['model']}", "",
              f"{report['num_images']} images, {report['steps']} steps, seeds {report['seed']}+i, on {report['device']} "
              f"(INT8 kernel: {report['kernel']}).", ""]
-    note = _timing(report)["note"]
+    note = timing_of(report)["note"]
     lines += [f"**{note}**", ""] if note else []
     cols = header(report)
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -327,9 +329,9 @@ def write_html(report: dict, images: dict[str, torch.Tensor], labels: list[str],
         span = f"Variant {first}" if last == first else f"Variants {first}–{last}"
         caption = f"<h3>{span} of {len(names) - 1}</h3>" if len(pages) > 1 else ""
         tables.append(f'{caption}<table class="grid"><tr><th></th>{head}</tr>{"".join(body)}</table>')
-    timing_note = _timing(report)["note"]
+    timing_note = timing_of(report)["note"]
     speed_note = (f"Speed: denoiser time per step (median over steps after a warm-up run), and how much faster or "
-                  f"slower than stock ({e(names[0])}) it is." if _timing(report)["speed"] else
+                  f"slower than stock ({e(names[0])}) it is." if timing_of(report)["speed"] else
                   "Times: denoiser time per step (median over steps after a warm-up run) and seconds per image.")
     table = "".join(f"<th>{e(h)}</th>" for h in header(report))
     rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in _rows(report))
