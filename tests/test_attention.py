@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -39,7 +40,7 @@ def run_kernel(q, k, v, **kw):
     return res
 
 
-FLIPS = 3  # P elements of a row the GPU may round one step apart from the emulation (its exp2's last bit); seen: 1
+FLIPS = 1  # P elements of a row the GPU may round one step apart from the emulation (its exp2's last bit); seen: 1
 V_FLIPS = 4  # channels of a row an e4m3 V element rounded one step apart may move (seen on the H100: 1 in a row)
 
 
@@ -109,19 +110,23 @@ def check(out, emu, ref, pv, dtype, bounds=None, *, call=None):
 
 
 def test_a_wrong_row_fails_the_check():
-    """What ``check`` is for: a 0.9x row per head, or the last 10 rows per head at 0.95x, in an otherwise exact
-    output, fail it in either 8-bit P·V format (1,023 tokens, D 64)."""
+    """What ``check`` is for: rows off by 10%, or a tail off by 5%, in an otherwise exact output fail it (1,023
+    tokens, D 64). With INT8 P every row 10% off is caught; with FP8 P most are, all but those whose second
+    strongest key weighs enough that one e4m3 step of its P could move the row as far (seen: 18% of rows here)."""
     q, k, v = realistic_qkv(1, 2, 1023, 1023, 64)
     ref = R.attention_ref(q, k, v)
-    for pv in (PV.FP8, PV.INT8):
+    for pv, share in ((PV.FP8, 0.7), (PV.INT8, 1.0)):
         kw = dict(layout="BHSD", pv=pv)
         emu = R.emulate_attention(q, k, v, **kw)
         check(emu.clone(), emu, ref, pv, q.dtype, call=(q, k, v, kw))
-        for rows, factor in ((slice(500, 501), 0.9), (slice(-10, None), 0.95)):
-            planted = emu.clone()
-            planted[:, :, rows] *= factor
-            with pytest.raises(AssertionError, match="rows past their bound"):
-                check(planted, emu, ref, pv, q.dtype, call=(q, k, v, kw))
+        with pytest.raises(AssertionError, match="rows past their bound") as err:
+            check(emu * 0.9, emu, ref, pv, q.dtype, call=(q, k, v, kw))
+        caught, rows = map(int, re.match(r"(\d+) of (\d+) rows", str(err.value)).groups())
+        assert caught >= share * rows, (pv, caught, rows)
+        tail = emu.clone()
+        tail[:, :, -10:] *= 0.95
+        with pytest.raises(AssertionError, match="rows past their bound"):
+            check(tail, emu, ref, pv, q.dtype, call=(q, k, v, kw))
 
 
 def _lengths(kdev):
