@@ -192,9 +192,10 @@ def generate(pipe, items: Items, batch_items: list, indices: list[int], *, steps
     kwargs = {"num_inference_steps": steps, "generator": gens, "output_type": "np"}
     if guidance_scale is not None:
         kwargs["guidance_scale"] = guidance_scale
-    # the caller shows progress (on_step): the pipeline's own bar would print beside it
-    bar = dict(getattr(pipe, "_progress_bar_config", {}))
-    pipe.set_progress_bar_config(**{**bar, "disable": True})
+    # the caller shows progress (on_step): a diffusers pipeline's own bar would print beside it
+    bar = dict(getattr(pipe, "_progress_bar_config", {})) if hasattr(pipe, "set_progress_bar_config") else None
+    if bar is not None:
+        pipe.set_progress_bar_config(**{**bar, "disable": True})
     with _step_progress(pipe, kwargs, steps, on_step), _restored(pipe, bar):
         if items.kind == "class_labels":
             ids = batch_items
@@ -209,11 +210,12 @@ def generate(pipe, items: Items, batch_items: list, indices: list[int], *, steps
 
 
 @contextmanager
-def _restored(pipe, bar: dict):
+def _restored(pipe, bar: dict | None):
     try:
         yield
     finally:
-        pipe._progress_bar_config = bar
+        if bar is not None:
+            pipe._progress_bar_config = bar
 
 
 @contextmanager
