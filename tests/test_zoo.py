@@ -125,8 +125,9 @@ def test_conformance_on_gpu(name, monkeypatch):
     if x is None:
         pytest.skip("the model draws noise from a CPU generator inside its forward")
     model.cuda()
-    if not same(run(model, x), run(model, x)):  # bit-for-bit claims need a reproducible stock forward
-        pytest.skip("two stock forwards differ on this GPU (non-deterministic kernels in the model itself)")
+    first = run(model, x)  # bit-for-bit claims need a reproducible stock forward: four alike (NucleusMoE's differ
+    if not all(same(first, run(model, x)) for _ in range(3)):  # now and then, two in a row were seen alike)
+        pytest.skip("stock forwards differ on this GPU (non-deterministic kernels in the model itself)")
     conformance(model, x, name, cos_bound=COS)
 
 

@@ -103,6 +103,13 @@ def balance_scales(q: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor | None
     return F.pad(balance_from_ranges(q_range, k_range), (0, padded_head_dim(D) - D), value=1.0)
 
 
+def needs_balance(q: torch.Tensor, k: torch.Tensor, smooth_k: bool = True) -> bool:
+    """Whether ``balance_scales`` moves any channel of ``q`` (B, H, Sq, D) and ``k`` (B, H_kv, Sk, D), K smoothed
+    by its token mean (``smooth_k``): whether Q or K carries outlier channels of its own. Reads one flag from the
+    tensors' device."""
+    return bool((balance_scales(q, k, k.float().mean(2) if smooth_k else None) != 1).any())
+
+
 def balance_from_ranges(q_range: torch.Tensor, k_range: torch.Tensor) -> torch.Tensor:
     """The balance of ``balance_scales`` from per-channel ranges (float32, same shape, e.g. (..., D)) of Q (over the
     query heads of a K/V head) and of K (smoothed, if the call smooths): the same shape, powers of two."""
@@ -302,9 +309,13 @@ def emulate_attention(
     block_n: int | None = None,
     k_groups: int | None = None,
     return_lse: bool = False,
+    p_trace=None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What the Triton kernel computes, in PyTorch. Same arguments as the kernel wrapper; ``block_n`` and
-    ``k_groups`` override the tile table's (for studies of K's quantization).
+    ``k_groups`` override the tile table's (for studies of K's quantization). ``p_trace``, a list or anything
+    with ``append``, gets ``(start, p, m)`` for each key tile in the order they are visited: P before its 8-bit
+    rounding (B, H, Sq, block_n) float32, FP8's 2^8 included, and the running max it is relative to (B, H, Sq);
+    for tests that bound where a GPU's last bit of exp2 may round P differently.
 
     Returns a tensor shaped like ``q``, in ``q``'s dtype, laid out by ``layout.output_like(q)``; with ``return_lse``
     also the log-sum-exp of each query row's scaled logits as the kernel computed them, K's smoothing added back
@@ -388,6 +399,8 @@ def emulate_attention(
         m_safe = torch.where(m_new == -math.inf, 0.0, m_new) if masked else m_new
         p = torch.exp2(s - (m_safe - p_shift)[..., None])
         alpha = torch.exp2(m_i - m_safe)
+        if p_trace is not None:
+            p_trace.append((start, p, m_safe))
         l_i = l_i * alpha + p.sum(-1)
         vj = vq[:, :, start : start + block_n]
         if pv is PV.FP16:
