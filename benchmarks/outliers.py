@@ -1,4 +1,4 @@
-"""Accuracy on inputs with outlier channels, with and without the Q·Kᵀ channel balance or the Hadamard rotation.
+"""Accuracy on inputs with outlier channels: the balance turned off, the default, and the Hadamard rotation.
 
     python benchmarks/outliers.py --out bench_out/outliers.json             # the kernels, on a GPU
     python benchmarks/outliers.py --device cpu --lengths 1024               # the emulation, on the CPU
@@ -7,11 +7,14 @@ Inputs are ``testing.realistic_qkv`` (K channel bias, sink token) with ``--gain`
 ``separate`` gives Q and K outlier channels of their own (each channel ``gain`` times larger), ``shared`` the
 same channels in both (each sqrt(gain), so their product is ``gain`` times larger), and ``shared, both ×gain``
 the extreme of each ``gain`` times larger in the same channels (products ``gain``² larger). Every cell is the
-worst cosine against float64 attention over the seeds. ``--static`` adds static per-head ranges (a calibration's
-kind, here the maxima of the same inputs) with and without a given balance (``Calibration.ranges(...,
-balance=True)``'s, from the channel maxima). On the GPU the last rows time the whole call at Flux's
-and SDXL's shapes without either, with the balance and with the rotation, replayed from CUDA graphs in one run,
-the variants taking turns in every round (``--timing-only`` skips the accuracy grid).
+worst cosine against float64 attention over the seeds. *Default* is what ``enable(pipe)`` does without a flag:
+the Q·Kᵀ balance where the module's first call finds a channel it moves (``reference.needs_balance``), else
+none; *off* is ``qk_balance=False``. ``--static`` adds static per-head ranges (a calibration's kind, here the
+maxima of the same inputs), off and with the calibration's balance (``Calibration.ranges(..., balance=True)``'s,
+from the channel maxima: the default with a calibration). On the GPU the last rows time the whole call at
+Flux's and SDXL's shapes, on inputs without outlier channels of their own (shared ones) and with them
+(separate, 3 channels), off, by default and with the rotation, replayed from CUDA graphs in one run, the
+variants taking turns in every round (``--timing-only`` skips the accuracy grid).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 import torch
 
 from diffusion_int8 import int8_attention
-from diffusion_int8.kernels.reference import attention_ref, balance_from_ranges, token_mean
+from diffusion_int8.kernels.reference import attention_ref, balance_from_ranges, needs_balance, token_mean
 from diffusion_int8.testing import cosine, interleaved_ms, realistic_qkv
 
 KINDS = {"separate": dict(outliers="separate"), "shared": dict(outliers="shared"),
@@ -46,7 +49,7 @@ def static_inputs(q, k, v, balance):
     return dict(static, q_amax=qf.abs().amax((2, 3)), k_amax=kf.abs().amax((2, 3)))
 
 
-def worst_cos(device, D, S, n, kind, gain, mode, balance, seeds, static=False, rotate=False):
+def worst_cos(device, D, S, n, kind, gain, mode, how, seeds, static=False):
     opts = dict(KINDS[kind])
     square = opts.pop("square", False)
     worst = 1.0
@@ -54,7 +57,10 @@ def worst_cos(device, D, S, n, kind, gain, mode, balance, seeds, static=False, r
         q, k, v = realistic_qkv(1, 2, S, S, D, device=device, seed=seed * 1000 + D + S + n,
                                 outlier_gain=gain**2 if square else gain, n_outliers=n, **opts)
         ref = attention_ref(q, k, v)
-        kw = static_inputs(q, k, v, balance) if static else dict(qk_balance=balance, qk_rotate=rotate)
+        if static:
+            kw = static_inputs(q, k, v, how == "default")
+        else:
+            kw = dict(qk_balance=how == "default" and needs_balance(q, k), qk_rotate=how == "rotation")
         out = int8_attention(q, k, v, mode=mode, **kw)
         worst = min(worst, cosine(out, ref).item())
     return worst
@@ -82,12 +88,11 @@ def main():
     for kind, D, S, n in [] if args.timing_only else grid:
         row = dict(kind=kind, D=D, S=S, n=n)
         for static, mode, how in itertools.product((False, True) if args.static else (False,),
-                                                   ("int8_fp16v", "int8"), ("no balance", "balance", "rotation")):
+                                                   ("int8_fp16v", "int8"), ("off", "default", "rotation")):
             if static and how == "rotation":  # the rotation measures Q's and K's ranges
                 continue
-            label = f"{mode}{', static' if static else ''}{'' if how == 'balance' else ', ' + how}"
-            row[label] = worst_cos(dev, D, S, n, kind, args.gain, mode, how == "balance", args.seeds, static,
-                                   how == "rotation")
+            label = f"{mode}{', static' if static else ''}, {how}"
+            row[label] = worst_cos(dev, D, S, n, kind, args.gain, mode, how, args.seeds, static)
         rows.append(row)
         print(row, flush=True)
     if rows:
@@ -101,21 +106,27 @@ def main():
             sel = [r for r in rows if r["kind"] == kind]
             print(f"worst over {kind}: " + ", ".join(f"{c} {min(r[c] for r in sel):.5f}" for c in cols))
     timing = {}
-    if dev.type == "cuda":  # what the balance and the rotation cost: the whole call, graph-replayed, in turns
+    if dev.type == "cuda":  # what the default and the rotation cost: the whole call, graph-replayed, in turns
         for shape_name, shape in (("flux", (2, 24, 4608, 128)), ("sdxl", (2, 10, 4096, 64))):
             B, H, N, D = shape
-            q, k, v = realistic_qkv(B, H, N, N, D, device=dev)
-            fns = {f"{mode}, {how}": (lambda mode=mode, how=how: int8_attention(
-                       q, k, v, mode=mode, qk_balance=how == "balance", qk_rotate=how == "rotation"))
-                   for mode, how in itertools.product(("int8_fp16v", "int8"), ("no balance", "balance", "rotation"))}
+            fns = {}
+            for inputs, opts in (("without", {}), ("with", dict(outliers="separate", n_outliers=3))):
+                q, k, v = realistic_qkv(B, H, N, N, D, device=dev, outlier_gain=args.gain, **opts)
+                balance = needs_balance(q, k)  # the module's first call: once, not timed
+                for mode, how in itertools.product(("int8_fp16v", "int8"), ("off", "default", "rotation")):
+                    fns[f"{inputs}, {mode}, {how}"] = (lambda q=q, k=k, v=v, mode=mode, how=how, b=balance: int8_attention(
+                        q, k, v, mode=mode, qk_balance=how == "default" and b, qk_rotate=how == "rotation"))
+                timing.setdefault("balanced", {})[f"{shape_name}, {inputs}"] = balance
             times = timing[shape_name] = interleaved_ms(fns, 50, rounds=args.rounds)
             print(f"\n{shape_name} {shape}, whole call replayed from a CUDA graph, median of {args.rounds} rounds "
                   "taking turns:")
-            for mode in ("int8_fp16v", "int8"):
-                off = times[f"{mode}, no balance"]
-                for how in ("balance", "rotation"):
-                    on = times[f"{mode}, {how}"]
-                    print(f"  {mode}: {on:.3f} ms with the {how}, {off:.3f} ms without: {on / off - 1:+.1%}")
+            for inputs in ("without", "with"):
+                for mode in ("int8_fp16v", "int8"):
+                    off = times[f"{inputs}, {mode}, off"]
+                    for how in ("default", "rotation"):
+                        on = times[f"{inputs}, {mode}, {how}"]
+                        print(f"  {inputs} outlier channels of their own, {mode}: {on:.3f} ms {how}, {off:.3f} ms "
+                              f"off: {on / off - 1:+.1%}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

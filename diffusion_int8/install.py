@@ -50,17 +50,26 @@ class Int8Handle:
 
     def summary(self) -> dict:
         """What ``enable`` installed: ``{"model": class name, "routed": {stock processor class: modules},
-        "left_stock": {module name: reason}}`` (``routed`` is empty once disabled)."""
+        "left_stock": {module name: reason}, "qk_balance": {what the module does (``Int8DiffusionProcessor.
+        balance_status``): [module names]}}`` (``routed`` and ``qk_balance`` are empty once disabled)."""
         routed: dict[str, int] = {}
         for proc in self.originals.values():
             routed[type(proc).__name__] = routed.get(type(proc).__name__, 0) + 1
+        balance: dict[str, list[str]] = {}
+        if self.originals:
+            modules = attention_modules(self.model)
+            for name in self.originals:
+                proc = modules[name].processor
+                if isinstance(proc, Int8DiffusionProcessor):
+                    balance.setdefault(proc.balance_status(), []).append(name)
         return {"model": type(self.model).__name__, "routed": dict(sorted(routed.items())),
-                "left_stock": dict(sorted(self.skipped.items()))}
+                "left_stock": dict(sorted(self.skipped.items())), "qk_balance": dict(sorted(balance.items()))}
 
     def __str__(self) -> str:
         s = self.summary()
         lines = [f"diffusion_int8 on {s['model']}: {sum(s['routed'].values())} attention module(s) routed to INT8"]
         lines += [f"  {n} x {cls}" for cls, n in s["routed"].items()]
+        lines += [f"  Q·Kᵀ balance {status}: {len(names)} module(s)" for status, names in s["qk_balance"].items()]
         if s["left_stock"]:
             lines.append(f"  {len(s['left_stock'])} left on their stock processor:")
             lines += [f"    {name}: {why}" for name, why in s["left_stock"].items()]
@@ -102,7 +111,7 @@ def enable(
     speed_gate: "bool | SpeedGate | str | Path" = True,
     sparsity: float | None = None,
     refresh_every: int | None = None,
-    qk_balance: bool = False,
+    qk_balance: bool | None = None,
     qk_rotate: bool = False,
 ) -> Int8Handle:
     """Install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoiser.
@@ -130,7 +139,10 @@ def enable(
             ``refresh_every``-th denoising step and forecast in between from the last two such steps, the mask
             predicted once per generation (``carry.BlockCarry``; see ``Int8DiffusionProcessor``). Eager
             pipelines only: each attention module keeps its skipped blocks' last two outputs.
-        qk_balance: passed to ``int8_attention``: the exact Q·Kᵀ channel balance against outlier channels.
+        qk_balance: ``int8_attention``'s exact Q·Kᵀ channel balance against outlier channels that Q or K carries
+            alone. None (default): where each module needs it (the calibration's, the schedule's
+            ``balance_layers``, else the module's first INT8 call decides; ``Int8DiffusionProcessor``); True:
+            every call; False: none. ``handle.summary()["qk_balance"]`` lists which modules balance.
         qk_rotate: passed to ``int8_attention``: the Hadamard rotation of Q and K against outlier channels, those
             Q and K share included (with ``qk_balance`` too, both apply).
 

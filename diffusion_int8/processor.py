@@ -26,7 +26,8 @@ from .carry import BlockCarry
 from .kernels import Mode, StaticRanges
 from .kernels.api import sdpa_with_lse
 from .kernels.config import SPARSE_BLOCK
-from .kernels.layout import cdiv
+from .kernels.layout import BALANCE_MIN_QUERIES, cdiv
+from .kernels.reference import needs_balance
 from .kernels.sparsity import check_tau, predict_block_mask
 from .models import any_stock_signature, call_params, stock_processor_for, stock_signature, text_position
 from .routing import (RouteToInt8, attention_dispatch, context_split, int8_core, keeps_stock, kernel_takes, other_backend,
@@ -138,10 +139,14 @@ class Int8DiffusionProcessor:
             every ``refresh_every``-th denoising step computes them too, the steps between forecast them from
             the last two such steps; the mask is predicted once per generation. Needs the timestep (``enable``
             reads it), and eager mode between calls (not CUDA graph replays of single steps).
-        qk_balance: ``int8_attention``'s Q·Kᵀ channel balance, for models whose Q and K carry outlier channels
-            of their own (see its docstring; applies with measured ranges and at least 1,024 queries per head).
-            With a calibration, the balance is the calibration's static one (``Calibration.ranges(...,
-            balance=True)``), which files from ``calibrate`` since schema 4 hold; older files warn and run without.
+        qk_balance: ``int8_attention``'s Q·Kᵀ channel balance, against outlier channels that Q or K carries
+            alone (see its docstring; with measured ranges it needs at least 1,024 queries per head). None (the
+            default) balances where the module needs it: with a calibration, by its static balance (files from
+            ``calibrate`` since schema 4; a channel without outliers is left as it is); with a schedule from a
+            calibration, in the modules its ``balance_layers`` name; else by the module's first INT8 call of
+            1,024+ queries per head, which looks once for a channel the balance would move (one read from the
+            GPU; under ``torch.compile`` or CUDA-graph capture before that, every call measures its balance).
+            True balances every call, False none; ``balance_status()`` says what this module does.
         qk_rotate: ``int8_attention``'s Hadamard rotation of Q and K, for outlier channels, Q and K sharing them or
             not (with ``qk_balance`` too, both apply). With a calibration, Q's and K's ranges are then measured per
             call (the calibrated ones are of the unrotated tensors); its V ranges, K mean and balance still apply.
@@ -168,7 +173,7 @@ class Int8DiffusionProcessor:
         speed_gate: "bool | SpeedGate | str | Path" = True,
         sparsity: float | None = None,
         refresh_every: int | None = None,
-        qk_balance: bool = False,
+        qk_balance: bool | None = None,
         qk_rotate: bool = False,
     ):
         self.mode = Mode.parse(mode)
@@ -181,8 +186,8 @@ class Int8DiffusionProcessor:
         self.sparsity = check_sparsity(sparsity, schedule)
         self.carry = check_carry(refresh_every, self.sparsity, schedule)
         self._warned_carry = False
-        if not isinstance(qk_balance, bool):
-            raise TypeError(f"qk_balance must be True or False, got {qk_balance!r}")
+        if qk_balance is not None and not isinstance(qk_balance, bool):
+            raise TypeError(f"qk_balance must be None (where the module needs it), True or False, got {qk_balance!r}")
         if not isinstance(qk_rotate, bool):
             raise TypeError(f"qk_rotate must be True or False, got {qk_rotate!r}")
         self.qk_balance = qk_balance
@@ -199,14 +204,20 @@ class Int8DiffusionProcessor:
         if calibration is not None and qk_balance and not calibration.has_channel_ranges():
             _warn_no_channel_ranges(calibration.meta.get("schema_version"))
         self.calibration = calibration
-        # the calibration's static balance, where asked for and recorded
-        self._static_balance = bool(qk_balance and calibration is not None and calibration.has_channel_ranges())
+        # the calibration's static balance, unless turned off, where recorded
+        self._static_balance = bool(qk_balance is not False and calibration is not None
+                                    and calibration.has_channel_ranges())
+        # whether calls that measure their ranges measure the balance too: given, from the schedule, or from the
+        # module's first call (None until then: ``_balance_for``); and where the decision came from
+        self._balance, self._balance_from = qk_balance, "asked"
+        if qk_balance is None and isinstance(schedule, PrecisionSchedule) and schedule.balance_layers is not None:
+            self._balance, self._balance_from = name in schedule.balance_layers, "schedule"
         self.observer = observer
         self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_infer = False
         self._routed_calls: dict[type, Callable] = {}  # stock processor type -> its routed __call__
         self._routed_hit = False  # set by the routes: did the first routed call reach them
-        self._ranges: tuple = (None, None, None)  # (timestep, device, ranges) of the last call
+        self._ranges: dict = {}  # (timestep, device) -> the calibration's ranges there (``_static_ranges``)
         self._text: tuple[int, str | None] = (0, None)  # text tokens of the current call and where they are
         self._keep: dict = {}  # (keys, text tokens, where, device) -> always-kept key blocks
         # module -> {(mode, input shapes, dtype, device): gated calls} for inputs whose every attention call was gated
@@ -379,16 +390,20 @@ class Int8DiffusionProcessor:
             return inner(attn, hidden_states, *args, **kwargs)
 
     def _static_ranges(self, device: torch.device):
-        """The calibration's ranges at the current timestep, evaluated once per step and device (without Q's and K's
-        with ``qk_rotate``)."""
+        """The calibration's ranges at the current timestep on ``device`` (without Q's and K's with ``qk_rotate``),
+        evaluated once per timestep and device: a generation's steps reuse those of the last one with the same
+        schedule, with no work on the host and no copy to the GPU."""
         if self.calibration is None or self.state.timestep is None:
             return None
-        t, dev, ranges = self._ranges
-        if t != self.state.timestep or dev != device:
+        key = (self.state.timestep, device)
+        ranges = self._ranges.get(key)
+        if ranges is None:
             ranges = self.calibration.ranges(self.name, self.state.timestep, device, balance=self._static_balance)
             if self.qk_rotate:  # the rotated Q and K are measured: their calibrated ranges are of the unrotated ones
                 ranges = ranges._replace(q_amax=None, k_amax=None)
-            self._ranges = (self.state.timestep, device, ranges)
+            if len(self._ranges) >= 4096:  # steps x devices of the schedules in use; bounded all the same
+                self._ranges.clear()
+            self._ranges[key] = ranges
         return ranges
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -441,13 +456,13 @@ class Int8DiffusionProcessor:
             ranges = heads_share(ranges, *share)
         if tau is not None and self.carry is not None and self._carry_ready():
             run = functools.partial(int8_core, mode, query, key, value, None, scale, ranges,
-                                    qk_balance=self.qk_balance, qk_rotate=self.qk_rotate)
+                                    qk_balance=self._balance_for(query, key), qk_rotate=self.qk_rotate)
             out, kept = self.carry(run, query, key, tau=tau, scale=scale, keep_kv_blocks=self._text_blocks(query, key),
                                    noise=noise_level(self.state.timestep, None, self.state.timestep_scale))
             if blocks:
                 self.state.count_blocks(kept, _block_pairs(query, key))
             return out
-        res = int8_core(mode, query, key, value, attn_mask, scale, ranges, qk_balance=self.qk_balance,
+        res = int8_core(mode, query, key, value, attn_mask, scale, ranges, qk_balance=self._balance_for(query, key),
                         qk_rotate=self.qk_rotate, sparsity=tau,
                         keep_kv_blocks=None if tau is None else self._text_blocks(query, key),
                         return_block_mask=blocks and tau is not None)
@@ -456,6 +471,33 @@ class Int8DiffusionProcessor:
             total = _block_pairs(query, key)
             self.state.count_blocks(total if block_mask is None else block_mask.sum(), total)
         return out
+
+    def _balance_for(self, query: torch.Tensor, key: torch.Tensor) -> bool:
+        """Whether this INT8 call (BHSD) measures the Q·Kᵀ balance, where its ranges are measured (a calibration's
+        static balance is in its ranges): as decided (``__init__``), else by this call if it has the queries the
+        balance needs, reading once whether any channel of its Q and K would move (``needs_balance``)."""
+        if self._balance is not None:
+            return self._balance
+        if query.shape[2] * (query.shape[1] // key.shape[1]) < BALANCE_MIN_QUERIES:
+            return False  # the kernel would not balance this call: decided by a later one
+        if torch.compiler.is_compiling() or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return True  # no read from the GPU here: measured, it moves only the channels that need it
+        self._balance, self._balance_from = needs_balance(query, key), "first call"
+        return self._balance
+
+    def balance_status(self) -> str:
+        """What this module does about the Q·Kᵀ balance, in words (``Int8Handle.summary`` groups modules by it)."""
+        if self.calibration is not None and not self.qk_rotate:
+            if self._static_balance:
+                moved = self.calibration.layer_balanced(self.name)
+                return f"{'on' if moved else 'off'} (calibration{'' if moved else ': no outlier channels'})"
+            why = "asked" if self.qk_balance is False else "calibration without per-channel maxima"
+            return f"off ({why})"
+        if self._balance is None:
+            return "undecided (no INT8 call of 1,024+ queries per head yet)"
+        if self._balance_from == "first call":
+            return "on (outlier channels at the first call)" if self._balance else "off (no outlier channels at the first call)"
+        return f"{'on' if self._balance else 'off'} ({self._balance_from})"
 
     def _carry_ready(self) -> bool:
         """Whether the skipped blocks can be carried: the denoising step is known (else, one warning, and they
@@ -569,7 +611,7 @@ class Int8DiffusionProcessor:
             out, lse = sdpa_with_lse(q, k, v, scale=scale)
         else:
             out, lse = int8_core(mode, q, k, v, None, scale, self._static_ranges(q.device),
-                                 qk_balance=self.qk_balance, qk_rotate=self.qk_rotate, return_lse=True)
+                                 qk_balance=self._balance_for(q, k), qk_rotate=self.qk_rotate, return_lse=True)
         return out.transpose(1, 2), lse.transpose(1, 2)
 
 

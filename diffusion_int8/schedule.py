@@ -35,9 +35,10 @@ from . import jsonfile
 from .kernels import Mode
 from .kernels.sparsity import check_tau
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)  # 1: no sparsity levels (no default_tau, no rule tau)
-_FIELDS = ("schema_version", "kind", "name", "default", "default_tau", "num_train_timesteps", "rules")  # to_dict's
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)  # 1: no sparsity levels (no default_tau, no rule tau); 2: no balance_layers
+_FIELDS = ("schema_version", "kind", "name", "default", "default_tau", "num_train_timesteps", "rules",
+           "balance_layers")  # to_dict's
 
 
 def _is_number(x) -> bool:
@@ -96,13 +97,16 @@ class Rule:
 @dataclass(frozen=True)
 class PrecisionSchedule:
     """An ordered list of rules, a default mode and a default sparsity level (None: dense). Callable as
-    ``schedule(timestep) -> Mode``."""
+    ``schedule(timestep) -> Mode``. ``balance_layers``: the modules whose Q and K a calibration found to carry
+    outlier channels of their own, where the processor's default ``qk_balance`` balances Q·Kᵀ (and nowhere
+    else); None where not known (the processor then looks at each module's first call)."""
 
     rules: tuple[Rule, ...] = ()
     default: Mode = Mode.INT8
     num_train_timesteps: float | None = None
     name: str = field(default="custom", compare=False)
     default_tau: float | None = None
+    balance_layers: tuple[str, ...] | None = None
     _memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
@@ -110,12 +114,16 @@ class PrecisionSchedule:
         object.__setattr__(self, "default", Mode.parse(self.default))
         if self.default_tau is not None:
             object.__setattr__(self, "default_tau", check_tau(self.default_tau, "default_tau"))
+        if self.balance_layers is not None:
+            if isinstance(self.balance_layers, str) or not all(isinstance(n, str) for n in self.balance_layers):
+                raise ValueError(f"balance_layers must be a list of module names or None, got {self.balance_layers!r}")
+            object.__setattr__(self, "balance_layers", tuple(self.balance_layers))
         ntt = self.num_train_timesteps
         if ntt is not None and not (_is_number(ntt) and ntt > 0):
             raise ValueError(f"num_train_timesteps must be null or a number > 0 (the timesteps' scale), got {ntt!r}")
 
     def __hash__(self):
-        return hash((self.rules, self.default, self.default_tau, self.num_train_timesteps))
+        return hash((self.rules, self.default, self.default_tau, self.num_train_timesteps, self.balance_layers))
 
     @property
     def sparse(self) -> bool:
@@ -160,7 +168,8 @@ class PrecisionSchedule:
 
         Each calibrated step covers the noise levels half-way to its neighbours, so the schedule applies
         to any number of steps. Modes are tried in the order ``int8``, ``int8_fp16v``, ``fp16``; sparsity
-        applies where the mode is an INT8 one.
+        applies where the mode is an INT8 one. ``balance_layers`` are the calibration's ``balanced_layers()``
+        (None for a file without per-channel maxima).
         """
         if metric not in ("rel_l1", "cos"):
             raise ValueError(f"metric must be 'rel_l1' or 'cos', got {metric!r}")
@@ -212,7 +221,8 @@ class PrecisionSchedule:
                     rules.append(Rule(modes[t], interval[run_start][0], interval[t][1], pattern, taus[t]))
                     run_start = None
         sparse = f", sparsity<={sparsity_budget}" if sparsity_budget is not None else ""
-        return cls(rules=tuple(rules), default=Mode.FP16,
+        balance = tuple(calibration.balanced_layers()) if calibration.has_channel_ranges() else None
+        return cls(rules=tuple(rules), default=Mode.FP16, balance_layers=balance,
                    num_train_timesteps=calibration.meta.get("num_train_timesteps") or calibration.meta.get("timestep_scale"),
                    name=name or f"calibrated({metric}<={budget}{sparse}{', per layer' if per_layer else ''})")
 
@@ -228,6 +238,7 @@ class PrecisionSchedule:
             "default_tau": self.default_tau,
             "num_train_timesteps": self.num_train_timesteps,
             "rules": [{**asdict(r), "mode": r.mode.value} for r in self.rules],
+            "balance_layers": None if self.balance_layers is None else list(self.balance_layers),
         }
 
     @classmethod
@@ -246,10 +257,11 @@ class PrecisionSchedule:
                                         f"this version reads schemas {', '.join(map(str, READABLE_SCHEMAS))}")
         if data.get("kind") != "rules":
             raise bad("kind", f"{data.get('kind')!r}; a schedule file has kind \"rules\"")
-        known = _FIELDS if schema >= 2 else tuple(f for f in _FIELDS if f != "default_tau")
+        known = tuple(f for f in _FIELDS if (f != "default_tau" or schema >= 2) and (f != "balance_layers" or schema >= 3))
         unknown = sorted(set(data) - set(known))
         if unknown:
-            raise bad(unknown[0], f"unknown field{' in schema 1' if schema == 1 else ''}; the fields are {', '.join(known)}")
+            raise bad(unknown[0], f"unknown field{f' in schema {schema}' if schema < SCHEMA_VERSION else ''}; the "
+                                  f"fields are {', '.join(known)}")
         if "default" not in data:
             raise bad("default", f"missing; give the mode where no rule matches: {', '.join(m.value for m in Mode)}")
         try:
@@ -268,9 +280,13 @@ class PrecisionSchedule:
                 default_tau = check_tau(default_tau, "default_tau")
             except ValueError as e:
                 raise bad("default_tau", f"{e} or null (dense)") from None
+        balance = data.get("balance_layers")
+        if balance is not None and not (isinstance(balance, list) and all(isinstance(n, str) for n in balance)):
+            raise bad("balance_layers", f"must be a list of module names or null, got {_json_type(balance)}")
         try:
             return cls(rules=rules, default=default, num_train_timesteps=data.get("num_train_timesteps"),
-                       name=data.get("name", "custom"), default_tau=default_tau)
+                       name=data.get("name", "custom"), default_tau=default_tau,
+                       balance_layers=None if balance is None else tuple(balance))
         except ValueError as e:  # the only field left to check
             raise bad("num_train_timesteps", str(e)) from None
 

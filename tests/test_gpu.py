@@ -159,3 +159,50 @@ def test_tune_measures_a_table_the_gate_reads(tmp_path):
     q = torch.empty(1, 24, 32768, 128, dtype=torch.float16, device="cuda")
     short = torch.empty(1, 24, 1024, 128, dtype=torch.float16, device="cuda")
     assert gate.pays(Mode.INT8, q, q) and not gate.pays(Mode.INT8, short, short)
+
+
+@pytest.mark.parametrize("D", [40, 96, 128, 256])
+def test_the_default_balances_outlier_channels_on_the_gpu(D):
+    # test_processor.py's held-out-style inputs through a module with identity projections, on the kernels:
+    # outlier channels Q or K carries alone are found at the first call and balanced by default
+    from tiny_models import identity_attention, run_identity
+
+    from diffusion_int8 import Int8DiffusionProcessor
+    from diffusion_int8.kernels import reference as R
+    from diffusion_int8.testing import cos_l1
+
+    attn = identity_attention(2, D).cuda()
+    for n, gain, sink in ((3, 30.0, True), (1, 30.0, False), (3, 20.0, False)):
+        q, k, v = realistic_qkv(1, 2, 2048, 2048, D, outliers="separate", n_outliers=n, outlier_gain=gain, sink=sink,
+                                device="cuda")
+        ref = R.attention_ref(q, k, v)
+        for mode, floor in (("int8_fp16v", 0.999), ("int8", 0.998)):
+            attn.set_processor(Int8DiffusionProcessor(mode, speed_gate=False))
+            cos = cos_l1(run_identity(attn, q, k, v), ref)[0]
+            assert attn.processor.balance_status() == "on (outlier channels at the first call)"
+            assert cos >= floor, (D, n, gain, sink, mode, cos)
+
+
+def test_calibrated_ranges_on_the_gpu_equal_those_on_the_cpu():
+    # ranges() on a GPU: the CPU's values, copied
+    from diffusion_int8.calibration import Calibration, Collector, merge
+    from tiny_models import build
+
+    from diffusion_int8 import enable
+
+    model, x = build("dit")
+    col = Collector(modes=())
+    handle = enable(model, mode="fp16", observer=col)
+    for t in (900, 500, 100):
+        with torch.no_grad():
+            model(**{**x, "timestep": torch.tensor([t, t])})
+    handle.disable()
+    timesteps, stats = merge([col.record(0)])
+    cal = Calibration.from_stats({"model": "tiny", "model_class": type(model).__name__, "num_train_timesteps": 1000},
+                                 timesteps, stats)
+    layer = next(iter(cal.layers))
+    for t in (950.0, 640.0, 30.0):
+        for balance in (False, True):
+            cpu, gpu = cal.ranges(layer, t, balance=balance), cal.ranges(layer, t, "cuda", balance=balance)
+            for a, b in zip(cpu, gpu):
+                assert (a is None) == (b is None) and (a is None or (b.is_cuda and torch.equal(a, b.cpu())))

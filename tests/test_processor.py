@@ -12,7 +12,7 @@ import torch
 import diffusion_int8
 from diffusion_int8 import Int8DiffusionProcessor, enable
 from diffusion_int8.models import attention_modules
-from tiny_models import FAMILIES, build
+from tiny_models import FAMILIES, build, identity_attention, run_identity
 
 # Relative L2 error of the denoiser output against stock, measured on these tiny models
 # (≤ 0.0005 for int8_fp16v and ≤ 0.005 for int8), with a 4x margin.
@@ -428,7 +428,7 @@ def test_sparsity_arguments_are_checked():
     sparse = PrecisionSchedule(rules=(Rule("int8", tau=0.9),), name="mine")
     with pytest.raises(ValueError, match="schedule 'mine' sets sparsity levels of its own"):
         enable(model, schedule=sparse, sparsity=0.9)
-    with pytest.raises(TypeError, match="qk_balance must be True or False"):
+    with pytest.raises(TypeError, match="qk_balance must be None .where the module needs it., True or False"):
         Int8DiffusionProcessor("int8", qk_balance="yes")
     with pytest.raises(TypeError, match="qk_rotate must be True or False"):
         Int8DiffusionProcessor("int8", qk_rotate=1)
@@ -441,12 +441,52 @@ def test_sparsity_arguments_are_checked():
 
 
 def test_qk_balance_reaches_the_op(kernel_calls):
+    # 576 queries a head: too few for the balance, so the default (None) sends False and stays undecided
     model, x = long_dit()
-    for balance in (True, False):
+    for balance in (True, False, None):
         handle = enable(model, mode="int8", qk_balance=balance, speed_gate=False)
         at(model, x, 500)
+        status = handle.summary()["qk_balance"]
         handle.disable()
-    assert [c["qk_balance"] for c in kernel_calls] == [True, True, False, False]
+    assert [c["qk_balance"] for c in kernel_calls] == [True, True, False, False, False, False]
+    assert list(status) == ["undecided (no INT8 call of 1,024+ queries per head yet)"]
+
+
+@pytest.mark.parametrize("D", [40, 96, 160, 256])
+def test_the_default_balances_outlier_channels_q_or_k_carries_alone(D):
+    # Held-out-style inputs: Q's and K's outlier channels drawn apart (x20-x30), with and without a sink token.
+    # The default (no flag) finds them at the module's first call and balances: int8_fp16v cos >= 0.999 and
+    # int8 >= 0.998 against float64, where without the balance both fall to 0.94-0.99 (emulation).
+    from diffusion_int8.kernels import reference as R
+    from diffusion_int8.testing import cos_l1, realistic_qkv
+
+    attn = identity_attention(2, D)
+    for n, gain, sink in ((3, 30.0, True), (1, 30.0, False), (3, 20.0, False)):
+        q, k, v = realistic_qkv(1, 2, 1024, 1024, D, outliers="separate", n_outliers=n, outlier_gain=gain, sink=sink)
+        ref = R.attention_ref(q, k, v)
+        for mode, floor in (("int8_fp16v", 0.999), ("int8", 0.998)):
+            attn.set_processor(Int8DiffusionProcessor(mode, speed_gate=False, name="attn"))
+            cos = cos_l1(run_identity(attn, q, k, v), ref)[0]
+            assert attn.processor.balance_status() == "on (outlier channels at the first call)"
+            attn.set_processor(Int8DiffusionProcessor(mode, speed_gate=False, qk_balance=False))
+            off = cos_l1(run_identity(attn, q, k, v), ref)[0]
+            assert cos >= floor and off < 0.995, (D, n, gain, sink, mode, cos, off)
+
+
+def test_the_default_leaves_inputs_without_own_outlier_channels_as_they_are():
+    # Q and K sharing their outlier channels, or none: the first call finds nothing to balance, and every call
+    # gives what qk_balance=False gives, bit for bit
+    from diffusion_int8.testing import realistic_qkv
+
+    attn = identity_attention(2, 64)
+    for n in (2, 0):
+        q, k, v = realistic_qkv(1, 2, 1024, 1024, 64, n_outliers=n)
+        for mode in ("int8_fp16v", "int8"):
+            attn.set_processor(Int8DiffusionProcessor(mode, speed_gate=False))
+            default = run_identity(attn, q, k, v)
+            assert attn.processor.balance_status() == "off (no outlier channels at the first call)"
+            attn.set_processor(Int8DiffusionProcessor(mode, speed_gate=False, qk_balance=False))
+            assert torch.equal(default, run_identity(attn, q, k, v))
 
 
 def test_qk_rotate_reaches_the_op_and_drops_static_q_k_ranges(kernel_calls):

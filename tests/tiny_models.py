@@ -55,3 +55,25 @@ def build(family: str):
 
 
 FAMILIES = ["unet", "dit", "pixart", "sd3", "flux", "cogvideox", "wan"]
+
+
+def identity_attention(H: int, D: int):
+    """A diffusers cross-attention module whose projections are identities: ``run_identity`` gives it (B, H, S, D)
+    Q, K and V and gets attention(Q, K, V) back, as a model's attention module runs it (fp32)."""
+    from diffusers.models.attention_processor import Attention
+
+    attn = Attention(query_dim=H * D, cross_attention_dim=2 * H * D, heads=H, dim_head=D, bias=False, out_bias=False)
+    eye = torch.eye(H * D)
+    with torch.no_grad():
+        attn.to_q.weight.copy_(eye)
+        attn.to_k.weight.copy_(torch.cat([eye, torch.zeros_like(eye)], 1))
+        attn.to_v.weight.copy_(torch.cat([torch.zeros_like(eye), eye], 1))
+        attn.to_out[0].weight.copy_(eye)
+    return attn.eval()
+
+
+def run_identity(attn, q, k, v):
+    tokens = lambda t: t.float().transpose(1, 2).flatten(2)  # noqa: E731  (B, H, S, D) -> (B, S, H·D)
+    with torch.no_grad():
+        out = attn(tokens(q), encoder_hidden_states=torch.cat([tokens(k), tokens(v)], -1))
+    return out.unflatten(2, (q.shape[1], q.shape[3])).transpose(1, 2)

@@ -80,8 +80,9 @@ def r_squared(values: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate_fit(coef: torch.Tensor, noise: torch.Tensor | float) -> torch.Tensor:
-    """Quadratics ``coef`` (..., 3) at noise level(s) ``noise`` (scalar or (N,)) -> (..., 1) or (..., N)."""
-    n = torch.as_tensor(noise, dtype=coef.dtype, device=coef.device)
+    """Quadratics ``coef`` (..., 3) at noise level(s) ``noise`` (scalar or (N,)) -> (..., 1) or (..., N). A Python
+    number stays one (no copy to ``coef``'s device)."""
+    n = noise if isinstance(noise, (int, float)) else torch.as_tensor(noise, dtype=coef.dtype, device=coef.device)
     return coef[..., 0:1] + coef[..., 1:2] * n + coef[..., 2:3] * n * n
 
 
@@ -253,6 +254,23 @@ class Calibration:
         """Whether the file holds per-channel Q and K maxima (schema 4 on), which ``ranges(balance=True)`` needs."""
         return all("fit.qc" in st for st in self.layers.values())
 
+    def balanced_layers(self) -> list[str]:
+        """The layers whose Q or K carries outlier channels of its own: where the Q·Kᵀ balance of the measured
+        channel maxima (``reference.balance_from_ranges``) moves some channel at some calibrated step. Empty for
+        files without per-channel maxima (before schema 4)."""
+        return [name for name in self.layers if self.layer_balanced(name)]
+
+    def layer_balanced(self, layer: str) -> bool:
+        """Whether ``layer`` is one of ``balanced_layers``."""
+        from ..kernels.reference import balance_from_ranges
+
+        st = self.layers[layer]
+        if _FITS["qc"] not in st:
+            return False
+        qc, kc = st[_FITS["qc"]].float(), st[_FITS["kc"]].float()  # (H, D, T), (H_kv, D, T)
+        q_group = qc.unflatten(0, (kc.shape[0], qc.shape[0] // kc.shape[0])).amax(1)
+        return bool((balance_from_ranges(q_group, kc) != 1).any())
+
     def ranges(self, layer: str, timestep: float, device: torch.device | str = "cpu",
                clip: str | None = None, balance: bool = False) -> StaticRanges:
         """``StaticRanges(q_amax (1, H), k_amax (1, H), v_amax (1, H, D), k_mean (1, H, D), qk_balance)`` at
@@ -287,6 +305,7 @@ class Calibration:
         out.append(None)
         if balance:
             out[0], out[1], out[4] = self._balanced(st, n, out[0], out[1])
+        # from pageable memory an asynchronous copy to a GPU does not wait for the GPU's queue
         return StaticRanges(*(None if t is None else t.float()[None].to(device, non_blocking=True) for t in out))
 
     @classmethod
