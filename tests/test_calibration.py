@@ -305,6 +305,9 @@ def test_static_balance_reaches_the_kernel_and_helps_outlier_channels(monkeypatc
     assert len(balanced) == 2 * len(seen) // 3 > 0  # True and the default (None): the calibration's balance
     assert torch.equal(outs[None], outs[True])
     assert cal.balanced_layers() == list(cal.layers)  # every layer's Q carries the outlier channels
+    from diffusion_int8.calibration.summary import summarize
+
+    assert summarize(cal)["qk_balance_layers"] == list(cal.layers)
     assert status[None] == status[True] == {"on (calibration)": list(cal.layers)}
     assert status[False] == {"off (asked)": list(cal.layers)}
     layer = next(iter(cal.layers))

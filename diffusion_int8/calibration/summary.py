@@ -37,7 +37,9 @@ def summarize(cal: Calibration, schedule=None, top: int = 8) -> dict:
         }
     out = {"model": cal.meta.get("model"), "model_class": cal.meta.get("model_class"), "steps": len(noise),
            "noise": noise, "layers": len(names), "errors": per_mode, "sparsity": sparsity,
-           "ranges_vs_sigma": cal.fit_report()}
+           "ranges_vs_sigma": cal.fit_report(),
+           # layers whose Q or K carries outlier channels of its own (None: no channel maxima, before schema 4)
+           "qk_balance_layers": cal.balanced_layers() if cal.has_channel_ranges() else None}
     if schedule is not None:
         layer, scale = names[0] if names else None, cal.meta.get("timestep_scale")
         out["schedule"] = {"name": schedule.name,
@@ -70,6 +72,11 @@ def write_markdown(summary: dict, path: Path) -> None:
               "", "| range | R² proportional | R² quadratic | max/min |", "|---|---|---|---|"]
     for stat, r in summary["ranges_vs_sigma"].items():
         lines.append(f"| {stat} | {r['r2_proportional']:.3f} | {r['r2_quadratic']:.3f} | {r['max_over_min']:.2f} |")
+    balanced = summary.get("qk_balance_layers")
+    if balanced is not None:
+        lines += ["", "## Outlier channels", "",
+                  f"Layers whose Q or K carries outlier channels of its own, where the Q·Kᵀ balance applies: "
+                  f"{len(balanced)} of {summary['layers']}" + (f" ({', '.join(balanced)})." if balanced else ".")]
     if "schedule" in summary:
         s = summary["schedule"]
         if "tau_per_step" in s:
