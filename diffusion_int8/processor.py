@@ -204,9 +204,9 @@ class Int8DiffusionProcessor:
         if calibration is not None and qk_balance and not calibration.has_channel_ranges():
             _warn_no_channel_ranges(calibration.meta.get("schema_version"))
         self.calibration = calibration
-        # the calibration's static balance, unless turned off, where recorded
-        self._static_balance = bool(qk_balance is not False and calibration is not None
-                                    and calibration.has_channel_ranges())
+        # the calibration's static balance: asked for, or by default where the calibration saw outlier channels
+        self._static_balance = bool(calibration is not None and calibration.has_channel_ranges() and (
+            qk_balance or (qk_balance is None and calibration.layer_balanced(name))))
         # whether calls that measure their ranges measure the balance too: given, from the schedule, or from the
         # module's first call (None until then: ``_balance_for``); and where the decision came from
         self._balance, self._balance_from = qk_balance, "asked"
@@ -489,10 +489,12 @@ class Int8DiffusionProcessor:
         """What this module does about the Q·Kᵀ balance, in words (``Int8Handle.summary`` groups modules by it)."""
         if self.calibration is not None and not self.qk_rotate:
             if self._static_balance:
-                moved = self.calibration.layer_balanced(self.name)
-                return f"{'on' if moved else 'off'} (calibration{'' if moved else ': no outlier channels'})"
-            why = "asked" if self.qk_balance is False else "calibration without per-channel maxima"
-            return f"off ({why})"
+                return "on (calibration)"
+            if self.qk_balance is False:
+                return "off (asked)"
+            if self.calibration.has_channel_ranges():
+                return "off (calibration: no outlier channels)"
+            return "off (calibration without per-channel maxima)"
         if self._balance is None:
             return "undecided (no INT8 call of 1,024+ queries per head yet)"
         if self._balance_from == "first call":

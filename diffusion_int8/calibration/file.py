@@ -305,8 +305,7 @@ class Calibration:
         out.append(None)
         if balance:
             out[0], out[1], out[4] = self._balanced(st, n, out[0], out[1])
-        # from pageable memory an asynchronous copy to a GPU does not wait for the GPU's queue
-        return StaticRanges(*(None if t is None else t.float()[None].to(device, non_blocking=True) for t in out))
+        return StaticRanges(*_to_device([None if t is None else t.float()[None] for t in out], torch.device(device)))
 
     @classmethod
     def _balanced(cls, st: dict[str, torch.Tensor], noise: float, q_amax: torch.Tensor, k_amax: torch.Tensor):
@@ -521,3 +520,17 @@ def _check_structure(path: Path, meta: dict, tensors: dict[str, torch.Tensor], l
         if missing:
             raise ValueError(f"{path}: layer {name!r} lacks tensor {name}::{missing[0]} "
                              f"(schema {schema} files have {', '.join(sorted(shapes))})")
+
+
+def _to_device(tensors: list[torch.Tensor | None], device: torch.device) -> list[torch.Tensor | None]:
+    """Small CPU tensors on ``device`` in one copy (from pageable memory, which an asynchronous copy to a GPU
+    stages without waiting for the GPU's queue), each a view of the one buffer at a multiple of 16 bytes."""
+    present = [t for t in tensors if t is not None]
+    if device.type == "cpu" or not present:
+        return tensors
+    sizes = [-(-t.numel() // 4) * 4 for t in present]
+    flat = torch.zeros(sum(sizes))
+    for t, view in zip(present, flat.split(sizes)):
+        view[:t.numel()] = t.reshape(-1)
+    parts = iter(flat.to(device, non_blocking=True).split(sizes))
+    return [None if t is None else next(parts)[:t.numel()].view(t.shape) for t in tensors]
