@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py --out bench_out/attention.json [--sweep] [--shapes flux,sdxl]
     python benchmarks/attention.py --masked --dtype bfloat16 --out bench_out/attention_masked.json
+    python benchmarks/attention.py --ranges --shapes flux,wan,cogvideox    # measured against static ranges
 
 Times are medians of ``triton.testing.do_bench`` (warm-up, L2 flushed between runs); the rows replayed
 from CUDA graphs are timed in two rounds, the second in reverse order, and show their mean ± spread. The INT8 times
@@ -109,9 +110,7 @@ def run_shape(name, shape, dtype, sweep):
         add(f"[graph] {label}, attention kernel alone", graphed(
             lambda pv=pv, quantized=quantized: kattn.attend(quantized, v, out, pv=pv) or out), acc=False)
     # static ranges and K mean, as a calibration gives them: no statistics pass
-    k_mean = token_mean(k)
-    static = dict(q_amax=q.float().abs().amax((2, 3)), k_amax=(k.float() - k_mean[:, :, None]).abs().amax((2, 3)),
-                  v_amax=v.float().abs().amax(2), k_mean=k_mean)
+    static = static_ranges(q, k, v)
     add("int8 (fp8 P·V), static ranges", lambda: kattn.triton_attention(
         q, k, v, layout="BHSD", pv=PV.FP8, sm_scale=scale, **static))
     add("[graph] quantization only, static ranges", graphed(
@@ -192,6 +191,37 @@ def run_shape(name, shape, dtype, sweep):
     if sweep:
         result["sweep"] = sweep_tiles(q, k, v, D, scale, sweep)
     return result
+
+
+def static_ranges(q, k, v) -> dict:
+    """Static ranges and K's mean as a calibration gives them (here the maxima of the inputs themselves)."""
+    k_mean = token_mean(k)
+    return dict(q_amax=q.float().abs().amax((2, 3)), k_amax=(k.float() - k_mean[:, :, None]).abs().amax((2, 3)),
+                v_amax=v.float().abs().amax(2), k_mean=k_mean)
+
+
+def run_ranges(name, shape, dtype, rounds=3):
+    """Measured against static ranges only: the whole call in both INT8 modes replayed from CUDA graphs, the
+    variants taking turns in each round (median of the rounds), with the static call's ratio to the measured one."""
+    B, H, N, D = shape
+    q, k, v = realistic_qkv(B, H, N, N, D, dtype=dtype, device="cuda")
+    static, scale = static_ranges(q, k, v), D**-0.5
+    graphs = {f"{mode}, {how}": graphed(lambda pv=pv, kw=kw: kattn.triton_attention(
+                  q, k, v, layout="BHSD", pv=pv, sm_scale=scale, **kw))
+              for mode, pv in (("int8_fp16v", PV.FP16), ("int8", PV.FP8)) for how, kw in (("measured", {}),
+                                                                                        ("static", static))}
+    times = {label: [] for label in graphs}
+    for _ in range(rounds):
+        for label, fn in graphs.items():
+            times[label].append(bench(fn))
+    rows = {label: {"ms": median(t), "ms_rounds": t} for label, t in times.items()}
+    print(f"\n## {name} (B={B}, H={H}, N={N}, D={D}): measured against static ranges, graph-replayed, median of "
+          f"{rounds} rounds\n| mode | measured ms | static ms | static / measured |\n|---|---|---|---|")
+    for mode in ("int8_fp16v", "int8"):
+        m, st = rows[f"{mode}, measured"]["ms"], rows[f"{mode}, static"]["ms"]
+        rows[f"{mode}, static"]["vs_measured"] = st / m
+        print(f"| {mode} | {m:.3f} | {st:.3f} | {st / m:.3f} |")
+    return {"shape": dict(B=B, H=H, N=N, D=D), "rows": rows}
 
 
 def run_masked(name, shape, dtype):
@@ -276,6 +306,7 @@ def main():
                     help=f"instead, the key-padding-masked shapes (a comma-separated subset of {list(MASKED_SHAPES)})")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--sweep", action="store_true", help="also time tile configs")
+    ap.add_argument("--ranges", action="store_true", help="instead, only measured against static ranges, per shape")
     ap.add_argument("--sweep-block-n", default="64,128", help="BLOCK_N values the sweep tries (K's quantization block)")
     ap.add_argument("--out", default="bench_out/attention.json", help="JSON file to write")
     args = ap.parse_args()
@@ -296,7 +327,10 @@ def main():
         results[f"masked {name}"] = run_masked(name, MASKED_SHAPES[name], dtype)
         torch.cuda.empty_cache()
         print_masked(name, results[f"masked {name}"])
-    for name in (args.shapes.split(",") if not args.masked else []):
+    for name in (args.shapes.split(",") if args.ranges and not args.masked else []):
+        results[f"ranges {name}"] = run_ranges(name, SHAPES[name], dtype)
+        torch.cuda.empty_cache()
+    for name in (args.shapes.split(",") if not (args.masked or args.ranges) else []):
         block_ns = tuple(int(b) for b in args.sweep_block_n.split(",")) if args.sweep else None
         results[name] = run_shape(name, SHAPES[name], dtype, block_ns)
         torch.cuda.empty_cache()
