@@ -342,7 +342,8 @@ def test_help_is_plain_text_with_a_description_and_defaults(command, capsys, mon
     lines = {m.group(1): " ".join(m.group(0).split())
              for m in re.finditer(r"^  (--[\w-]+)[^\n]*(?:\n {6,}\S[^\n]*)*", out, re.M)}
     if command in ("demo", "calibrate", "eval"):
-        for option, default in (("--steps", 20), ("--seed", 0), ("--batch-size", 16 if command == "demo" else 8)):
+        for option, default in (("--steps", "20" if command != "demo" else "20; on a CPU, 10"), ("--seed", 0),
+                                ("--batch-size", 16 if command == "demo" else 8)):
             assert f"(default: {default})" in lines[option], lines[option]
     if command == "check":
         assert "(default: 1 4 1024 64)" in lines["--shape"]

@@ -434,3 +434,23 @@ def test_demo_end_to_end(tmp_path):
     check_html_in_chromium(out / "report.html")
     assert "report.html" in res.stdout  # the command names what to open
     assert "Reading the table: " in (out / "report.md").read_text()  # what a good PSNR is, what gated calls are
+
+
+@pytest.mark.parametrize("argv, labels, steps", [
+    ([], [str(i) for i in range(8)], 10),  # on a CPU: 8 of the 16 classes, 10 steps, said in one line
+    (["--steps", "4"], [str(i) for i in range(8)], 4),
+    (["--class-labels", "3", "5"], ["3", "5"], 10),
+    (["--class-labels", "3", "--steps", "20"], ["3"], 20),
+])
+def test_demo_on_a_cpu_runs_fewer_images_and_steps_unless_told(tmp_path, monkeypatch, capsys, argv, labels, steps):
+    from diffusion_int8.__main__ import build_parser
+    from diffusion_int8.cli import demo
+
+    seen = []
+    monkeypatch.setattr(demo, "calibrate_command", lambda out, **kw: seen.append(kw))
+    monkeypatch.setattr(demo, "eval_command", lambda out, **kw: seen.append(kw))
+    args = build_parser().parse_args(["demo", "--device", "cpu", "--out", str(tmp_path / "d"), *argv])
+    assert demo.run(args) == 0
+    assert [(kw["class_labels"], kw["steps"]) for kw in seen] == [(labels, steps)] * 2
+    notice = "on a CPU (INT8 emulated)" in capsys.readouterr().out
+    assert notice == (len(argv) < 4)
