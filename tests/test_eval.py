@@ -401,7 +401,8 @@ def test_sparse_schedule_reports_skipped_blocks_per_step(tmp_path, monkeypatch, 
     assert data["variants"]["schedule:half"]["sparsity"] == sparse and "blocks" not in data["baseline"]["speed"]
     md = (tmp_path / "report.md").read_text()
     shown = " ".join(f"{x:.0%}" for x in sparse["per_step"])
-    assert "| blocks skipped |" in md and f"- `schedule:half`: {shown}" in md and "`int8`:" not in md
+    sparsity_section = md.split("Per denoising step:")[1].split("Images:")[0]
+    assert "| blocks skipped |" in md and f"- `schedule:half`: {shown}" in md and "`int8`:" not in sparsity_section
     assert f"| {sparse['overall']:.1%} |" in md
     page = (tmp_path / "report.html").read_text()
     assert "<h2>Block sparsity</h2>" in page and shown in page
@@ -433,7 +434,17 @@ def test_demo_end_to_end(tmp_path):
     assert len(list((out / "images" / "fp16").glob("*.png"))) == 2
     check_html_in_chromium(out / "report.html")
     assert "report.html" in res.stdout  # the command names what to open
-    assert "Reading the table: " in (out / "report.md").read_text()  # what a good PSNR is, what gated calls are
+    md = (out / "report.md").read_text()
+    assert "Reading the table: " in md  # what a good PSNR is, what gated calls are
+    # what each variant's modules did about the Q·Kᵀ balance: 256 queries are too few for it (undecided), and the
+    # static variant takes the calibration's decision
+    modules = {sum(v["speed"]["qk_balance"].values()) for v in report["variants"].values()}
+    assert len(modules) == 1 and modules.pop() > 0
+    assert report["variants"]["int8"]["speed"]["qk_balance"] == {
+        "undecided (no INT8 call of 1,024+ queries per head yet)": len(cal.layers)}
+    static = next(v for n, v in report["variants"].items() if "static-ranges" in n)["speed"]["qk_balance"]
+    assert set(static) <= {"on (calibration)", "off (calibration: no outlier channels)"}
+    assert "Q·Kᵀ balance (against outlier channels" in md and "- `int8`: undecided" in md
 
 
 @pytest.mark.parametrize("argv, labels, steps", [

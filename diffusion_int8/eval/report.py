@@ -164,6 +164,21 @@ def _skipped(sparsity: dict | None) -> str:
     return "–" if not sparsity else f"{sparsity['overall']:.1%}"
 
 
+BALANCE_NOTE = ("Q·Kᵀ balance (against outlier channels that Q or K carries alone), per variant: what its "
+                "attention modules did.")
+
+
+def balance_lines(report: dict) -> list[tuple[str, str]]:
+    """(variant, "on (…): N modules; off (…): M modules") for the variants whose modules reported the balance."""
+    out = []
+    for name, v in report["variants"].items():
+        counts = v["speed"].get("qk_balance")
+        if counts:
+            out.append((name, "; ".join(f"{status}: {n} module{'s' if n != 1 else ''}"
+                                        for status, n in counts.items())))
+    return out
+
+
 def sparsity_lines(report: dict) -> list[tuple[str, str]]:
     """Per sparse variant: its name and the fraction of blocks skipped at each step, e.g. ``0% 0% 41% 44%``."""
     return [(n, " ".join(f"{x:.0%}" for x in s["per_step"])) for n, s in sparse_variants(report).items()]
@@ -231,6 +246,9 @@ def write_markdown(report: dict, out: Path) -> Path:
     if report.get("schedule"):
         s = report["schedule"]
         lines += ["", f"Schedule `{s['name']}` per step: {' '.join(s['per_step'])}"]
+    balance = balance_lines(report)
+    if balance:
+        lines += ["", BALANCE_NOTE, ""] + [f"- `{name}`: {text}" for name, text in balance]
     if sparse_variants(report):
         lines += ["", SPARSITY_NOTE + " Per denoising step:", ""]
         lines += [f"- `{name}`: {steps}" for name, steps in sparsity_lines(report)]
@@ -344,6 +362,9 @@ def write_html(report: dict, images: dict[str, torch.Tensor], labels: list[str],
                          + "".join(f"<tr><td>{e(n)}</td><td>{_skipped(sparse_variants(report)[n])}</td>"
                                    f"<td style='text-align:left'>{e(steps)}</td></tr>"
                                    for n, steps in sparsity_lines(report)) + "</table>")
+    balance = balance_lines(report)
+    balance_html = (f'<p class="note">{e(BALANCE_NOTE)}</p><ul class="note">'
+                    + "".join(f"<li><code>{e(n)}</code>: {e(t)}</li>" for n, t in balance) + "</ul>") if balance else ""
     note = _non_finite_note(report)
     note_html = (f'<p class="warn">{e(note[0])}</p><ul class="warn">' + "".join(f"<li>{e(ln)}</li>" for ln in note[1])
                  + "</ul>") if note else ""
@@ -369,6 +390,7 @@ device {e(report['device'])} · INT8 kernel: {e(report['kernel'])} · {e(report[
 {speed_note}</p>
 <p class="note">{e(READING_NOTE)}</p>
 {'<ul class="note">' + ''.join(na) + '</ul>' if na else ''}
+{balance_html}
 {note_html}
 {f'<h2>Schedule</h2><img src="{plot}" alt="schedule" style="max-width:100%">' if plot else ''}
 {sparsity_html}

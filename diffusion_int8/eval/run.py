@@ -130,6 +130,8 @@ def run_variant(pipe, model, items, batches, device, kwargs: dict | None, *, ste
             if handle is not None and handle.state.trace and not per_step:
                 per_step = _modes_per_step(handle.state.trace)
         timer.collect()
+        # what each module did about the Q·Kᵀ balance: {status: modules}
+        balance = None if handle is None else {k: len(v) for k, v in handle.summary()["qk_balance"].items()}
     finally:
         timer.remove()
         if handle is not None:
@@ -141,7 +143,7 @@ def run_variant(pipe, model, items, batches, device, kwargs: dict | None, *, ste
              "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
              "int8_calls": int8_calls if handle is not None else None,
              "gated_calls": gated_calls if handle is not None else None,
-             "blocks": blocks if handle is not None else None}
+             "blocks": blocks if handle is not None else None, "qk_balance": balance}
     return images, speed, per_step
 
 
@@ -329,7 +331,8 @@ def _merge_speed(parts: list[dict]) -> dict:
             "peak_memory_mib": max(mem) if mem else None, "processes": len(parts),
             "int8_calls": None if parts[0].get("int8_calls") is None else sum(p["int8_calls"] for p in parts),
             "gated_calls": None if parts[0].get("gated_calls") is None else sum(p["gated_calls"] for p in parts),
-            "blocks": None if parts[0].get("blocks") is None else _summed_blocks(p["blocks"] for p in parts)}
+            "blocks": None if parts[0].get("blocks") is None else _summed_blocks(p["blocks"] for p in parts),
+            "qk_balance": parts[0].get("qk_balance")}  # every process runs the same modules: the main one's
 
 
 def _summed_blocks(parts) -> dict:
