@@ -119,8 +119,10 @@ def test_the_forecast_follows_the_skipped_blocks_linearly_in_the_noise_level():
     site = carry._gen.sites[0]
     stale = merge_reference(*int8_core(Mode.INT8, q, k, v_next, None, None, None, block_mask=site.mask,
                                        return_lse=True), site.last[1], site.last[2])
-    # the linear forecast lands on the new V's skipped output; the last refresh's alone does not
-    assert (forecast.double() - reference).abs().max() < 0.5 * (stale.double() - reference).abs().max()
+    # the linear forecast lands on the new V's skipped output; the last refresh's alone does not (the whole
+    # output's L2 error: 0.37-0.41 of the stale one over 12 draws of the new V; the largest single element's
+    # ratio spread over 0.30-0.53, too wide to hold a bound)
+    assert (forecast.double() - reference).norm() < 0.5 * (stale.double() - reference).norm()
     dense = int8_core(Mode.INT8, q, k, v_next, None, None, None)
     assert cos(forecast, reference) > cos(dense, reference) - 5e-4  # about as close as the dense INT8 call
 
