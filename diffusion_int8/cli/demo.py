@@ -7,9 +7,9 @@ calibrate (exact attention, recording ranges and per-precision errors) → a sch
 measured errors → eval (FP16 against each INT8 mode, the schedule and calibrated static ranges, same
 seeds). On a machine without a GPU the INT8 modes run the kernel's PyTorch emulation.
 
-On a CPU, unless told otherwise, it generates 8 of the 16 classes in 10 steps (about a minute on two idle
-cores); on a GPU all 16 in 20 steps. ``--out`` receives ``calibration/`` and eval's reports and images as one
-set: an interrupted demo leaves the previous outputs or none.
+On a CPU, unless told otherwise, it generates 8 of the 16 classes in 10 steps (45 s on two idle cores); on a
+GPU all 16 in 20 steps. ``--out`` receives ``calibration/`` and eval's reports and images as one set: an
+interrupted demo leaves the previous outputs or none.
 """
 
 from __future__ import annotations
