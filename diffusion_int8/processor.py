@@ -456,13 +456,14 @@ class Int8DiffusionProcessor:
             ranges = heads_share(ranges, *share)
         if tau is not None and self.carry is not None and self._carry_ready():
             run = functools.partial(int8_core, mode, query, key, value, None, scale, ranges,
-                                    qk_balance=self._balance_for(query, key), qk_rotate=self.qk_rotate)
+                                    qk_balance=self._balance_for(query, key, ranges), qk_rotate=self.qk_rotate)
             out, kept = self.carry(run, query, key, tau=tau, scale=scale, keep_kv_blocks=self._text_blocks(query, key),
                                    noise=noise_level(self.state.timestep, None, self.state.timestep_scale))
             if blocks:
                 self.state.count_blocks(kept, _block_pairs(query, key))
             return out
-        res = int8_core(mode, query, key, value, attn_mask, scale, ranges, qk_balance=self._balance_for(query, key),
+        res = int8_core(mode, query, key, value, attn_mask, scale, ranges,
+                        qk_balance=self._balance_for(query, key, ranges),
                         qk_rotate=self.qk_rotate, sparsity=tau,
                         keep_kv_blocks=None if tau is None else self._text_blocks(query, key),
                         return_block_mask=blocks and tau is not None)
@@ -472,10 +473,12 @@ class Int8DiffusionProcessor:
             self.state.count_blocks(total if block_mask is None else block_mask.sum(), total)
         return out
 
-    def _balance_for(self, query: torch.Tensor, key: torch.Tensor) -> bool:
-        """Whether this INT8 call (BHSD) measures the Q·Kᵀ balance, where its ranges are measured (a calibration's
-        static balance is in its ranges): as decided (``__init__``), else by this call if it has the queries the
-        balance needs, reading once whether any channel of its Q and K would move (``needs_balance``)."""
+    def _balance_for(self, query: torch.Tensor, key: torch.Tensor, ranges: StaticRanges | None) -> bool:
+        """Whether this INT8 call (BHSD) measures the Q·Kᵀ balance: never with static Q/K ``ranges`` (a
+        calibration's balance comes with them); else as decided (``__init__``), else by this call if it has the
+        queries the balance needs, reading once whether any channel of its Q and K would move (``needs_balance``)."""
+        if ranges is not None and ranges.q_amax is not None:
+            return False
         if self._balance is not None:
             return self._balance
         if query.shape[2] * (query.shape[1] // key.shape[1]) < BALANCE_MIN_QUERIES:
@@ -612,8 +615,9 @@ class Int8DiffusionProcessor:
         if mode is Mode.FP16:
             out, lse = sdpa_with_lse(q, k, v, scale=scale)
         else:
-            out, lse = int8_core(mode, q, k, v, None, scale, self._static_ranges(q.device),
-                                 qk_balance=self._balance_for(q, k), qk_rotate=self.qk_rotate, return_lse=True)
+            ranges = self._static_ranges(q.device)
+            out, lse = int8_core(mode, q, k, v, None, scale, ranges, qk_balance=self._balance_for(q, k, ranges),
+                                 qk_rotate=self.qk_rotate, return_lse=True)
         return out.transpose(1, 2), lse.transpose(1, 2)
 
 
