@@ -474,10 +474,12 @@ class Int8DiffusionProcessor:
         return out
 
     def _balance_for(self, query: torch.Tensor, key: torch.Tensor, ranges: StaticRanges | None) -> bool:
-        """Whether this INT8 call (BHSD) measures the Q·Kᵀ balance: never with static Q/K ``ranges`` (a
-        calibration's balance comes with them); else as decided (``__init__``), else by this call if it has the
-        queries the balance needs, reading once whether any channel of its Q and K would move (``needs_balance``)."""
-        if ranges is not None and ranges.q_amax is not None:
+        """Whether this INT8 call (BHSD) measures the Q·Kᵀ balance: never with a calibration's ``ranges`` (its
+        balance, if any, comes with them; a static K mean alone already keeps the kernel from measuring one); else
+        as decided (``__init__``), else by this call if it has the queries the balance needs, reading once whether
+        any channel of its Q and K would move (``needs_balance``)."""
+        if ranges is not None and any(t is not None for t in (ranges.q_amax, ranges.k_amax, ranges.k_mean,
+                                                               ranges.qk_balance)):
             return False
         if self._balance is not None:
             return self._balance
@@ -490,15 +492,15 @@ class Int8DiffusionProcessor:
 
     def balance_status(self) -> str:
         """What this module does about the Q·Kᵀ balance, in words (``Int8Handle.summary`` groups modules by it)."""
-        if self.calibration is not None and not self.qk_rotate:
-            if self._static_balance:
-                return "on (calibration)"
+        if self._static_balance:
+            return "on (calibration)"
+        if self.calibration is not None:  # its static ranges (K's mean at least) leave no measured balance
             if self.qk_balance is False:
                 return "off (asked)"
             if self.calibration.has_channel_ranges():
                 return "off (calibration: no outlier channels)"
             return "off (calibration without per-channel maxima)"
-        if self._balance is None:
+        if self._balance is None:  # compiled or graph-captured calls before an eager one measure it in each call
             return "undecided (no INT8 call of 1,024+ queries per head yet)"
         if self._balance_from == "first call":
             return "on (outlier channels at the first call)" if self._balance else "off (no outlier channels at the first call)"

@@ -115,9 +115,10 @@ class PrecisionSchedule:
         if self.default_tau is not None:
             object.__setattr__(self, "default_tau", check_tau(self.default_tau, "default_tau"))
         if self.balance_layers is not None:
-            if isinstance(self.balance_layers, str) or not all(isinstance(n, str) for n in self.balance_layers):
-                raise ValueError(f"balance_layers must be a list of module names or None, got {self.balance_layers!r}")
-            object.__setattr__(self, "balance_layers", tuple(self.balance_layers))
+            names = self.balance_layers
+            if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"balance_layers must be a list of module names or None, got {names!r}")
+            object.__setattr__(self, "balance_layers", tuple(names))
         ntt = self.num_train_timesteps
         if ntt is not None and not (_is_number(ntt) and ntt > 0):
             raise ValueError(f"num_train_timesteps must be null or a number > 0 (the timesteps' scale), got {ntt!r}")

@@ -32,7 +32,7 @@ def test_public_op_matches_emulation(kdev, mode, pv):
     out = int8_attention(q, k, v, mode=mode, attn_mask=mask, scale=0.1)
     emu = R.emulate_attention(q, k, v, pv=pv, attn_mask=mask, sm_scale=0.1)
     check(out, emu, R.attention_ref(q, k, v, attn_mask=mask, sm_scale=0.1), pv, q.dtype,
-          call=(q, k, v, dict(attn_mask=mask, sm_scale=0.1)))
+          call=(q, k, v, dict(pv=pv, attn_mask=mask, sm_scale=0.1)))
 
 
 def test_env_forces_int8_pv(monkeypatch):

@@ -107,6 +107,7 @@ def row_bounds(q, k, v, pv, kw) -> tuple[torch.Tensor, torch.Tensor]:
     V (a key, a channel), scaled a last bit apart by the GPU, rounding one e4m3 step apart, which moves that
     channel by up to the key's weight times 1/8 of it (INT8 V's steps are in the first bound already). Weights
     from float64 scores, with a 1.5x margin for the INT8 scores'."""
+    assert kw.get("pv") is pv, "the call's keywords must be all the kernel ran with, its pv included"
     layout, mask = kw.get("layout", "BHSD"), kw.get("attn_mask")
     qb, kb, vb = (R.to_bhsd(t, layout).double() for t in (q, k, v))
     if kw.get("block_mask") is not None:  # the skipped blocks' keys are out of the softmax
@@ -260,7 +261,8 @@ def test_given_balance_against_emulation(kdev, pv):
     kw = dict(layout="BHSD", pv=pv, **static)
     ref = R.attention_ref(q, k, v)
     emu = R.emulate_attention(q, k, v, qk_balance=bal, **kw)
-    check(run_kernel(q, k, v, qk_balance=bal, **kw), emu, ref, pv, q.dtype, bounds=(0.997, 0.06), call=(q, k, v, kw))
+    check(run_kernel(q, k, v, qk_balance=bal, **kw), emu, ref, pv, q.dtype, bounds=(0.997, 0.06),
+          call=(q, k, v, dict(kw, qk_balance=bal)))
     plain = dict(static, q_amax=q.float().abs().amax((2, 3)), k_amax=(k.float() - mean[:, :, None]).abs().amax((2, 3)))
     err_plain = 1 - cos_l1(R.emulate_attention(q, k, v, layout="BHSD", pv=pv, **plain), ref)[0]
     print(f"static ranges, 1 - cos: {1 - cos_l1(emu, ref)[0]:.2e} balanced, {err_plain:.2e} not")
@@ -294,13 +296,14 @@ def test_rotation_against_emulation_and_shared_outliers(kdev, pv):
     kw = dict(layout="BHSD", pv=pv)
     ref = R.attention_ref(q, k, v)
     emu = R.emulate_attention(q, k, v, qk_rotate=True, **kw)
-    check(run_kernel(q, k, v, qk_rotate=True, **kw), emu, ref, pv, q.dtype, call=(q, k, v, kw))
+    check(run_kernel(q, k, v, qk_rotate=True, **kw), emu, ref, pv, q.dtype, call=(q, k, v, dict(kw, qk_rotate=True)))
     err_plain = 1 - cos_l1(R.emulate_attention(q, k, v, **kw), ref)[0]
     assert 1 - cos_l1(emu, ref)[0] < 0.5 * err_plain
     # with the balance too (applied first): the kernel still matches the emulation
     if kdev != "cpu":  # the balance needs 1,024 queries per K/V head
         both = R.emulate_attention(q, k, v, qk_rotate=True, qk_balance=True, **kw)
-        check(run_kernel(q, k, v, qk_rotate=True, qk_balance=True, **kw), both, ref, pv, q.dtype, call=(q, k, v, kw))
+        check(run_kernel(q, k, v, qk_rotate=True, qk_balance=True, **kw), both, ref, pv, q.dtype,
+              call=(q, k, v, dict(kw, qk_rotate=True, qk_balance=True)))
 
 
 def test_strided_inputs_without_copy(kdev):
@@ -437,7 +440,7 @@ def test_static_ranges_match_dynamic_when_exact(kdev):
     kw = dict(layout="BHSD", pv=PV.FP8)
     out = run_kernel(q, k, v, q_amax=q_amax, v_amax=v_amax, **kw)
     emu = R.emulate_attention(q, k, v, q_amax=q_amax, v_amax=v_amax, **kw)
-    check(out, emu, R.attention_ref(q, k, v), PV.FP8, q.dtype, call=(q, k, v, kw))
+    check(out, emu, R.attention_ref(q, k, v), PV.FP8, q.dtype, call=(q, k, v, dict(kw, q_amax=q_amax, v_amax=v_amax)))
     # dynamic V range over all tokens == the static one given here: V quantization is identical
     torch.testing.assert_close(emu, R.emulate_attention(q, k, v, q_amax=q_amax, **kw), atol=0, rtol=0)
 

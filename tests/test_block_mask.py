@@ -83,7 +83,7 @@ def test_skipped_blocks_change_nothing_else(kdev):
         sparse = R.emulate_attention(q, k, v, pv=pv, block_mask=mask)
         assert torch.equal(sparse, R.emulate_attention(q, k, v, pv=pv, attn_mask=keys))
         check(run_kernel(q, k, v, layout="BHSD", pv=pv, block_mask=mask), sparse,
-              _sparse_ref(q, k, v, mask), pv, q.dtype, call=(q, k, v, dict(block_mask=mask)))
+              _sparse_ref(q, k, v, mask), pv, q.dtype, call=(q, k, v, dict(pv=pv, block_mask=mask)))
 
 
 def test_with_a_key_padding_mask(kdev):
@@ -117,7 +117,7 @@ def test_public_op_and_mode_fp16():
     torch.testing.assert_close(exact.double(), ref, atol=2e-3, rtol=2**-11)
     out = int8_attention(q, k, v, mode="int8", layout="BSHD", block_mask=mask)
     check(out, R.emulate_attention(q, k, v, layout="BSHD", pv=PV.FP8, block_mask=mask), ref, PV.FP8, q.dtype,
-          call=(q, k, v, dict(layout="BSHD", block_mask=mask)))
+          call=(q, k, v, dict(layout="BSHD", pv=PV.FP8, block_mask=mask)))
 
 
 def test_bad_block_masks_are_refused_before_any_work():

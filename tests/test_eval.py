@@ -447,9 +447,12 @@ def test_demo_end_to_end(tmp_path):
     assert "Q·Kᵀ balance (against outlier channels" in md and "- `int8`: undecided" in md
 
 
+from diffusion_int8.embedded.shapes import CLASSES  # noqa: E402
+
+
 @pytest.mark.parametrize("argv, labels, steps", [
-    ([], [str(i) for i in range(8)], 10),  # on a CPU: 8 of the 16 classes, 10 steps, said in one line
-    (["--steps", "4"], [str(i) for i in range(8)], 4),
+    ([], list(CLASSES[:8]), 10),  # on a CPU: 8 of the 16 classes, 10 steps, said in one line
+    (["--steps", "4"], list(CLASSES[:8]), 4),
     (["--class-labels", "3", "5"], ["3", "5"], 10),
     (["--class-labels", "3", "--steps", "20"], ["3"], 20),
 ])

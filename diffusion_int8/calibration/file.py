@@ -529,7 +529,7 @@ def _to_device(tensors: list[torch.Tensor | None], device: torch.device) -> list
     if device.type == "cpu" or not present:
         return tensors
     sizes = [-(-t.numel() // 4) * 4 for t in present]
-    flat = torch.zeros(sum(sizes))
+    flat = torch.zeros(sum(sizes), dtype=torch.float32)
     for t, view in zip(present, flat.split(sizes)):
         view[:t.numel()] = t.reshape(-1)
     parts = iter(flat.to(device, non_blocking=True).split(sizes))

@@ -18,6 +18,7 @@ import argparse
 from pathlib import Path
 
 from .. import pipelines
+from ..embedded.shapes import CLASSES
 from ..embedded.variants import NAMES, describe
 from ..eval.run import OUTPUTS as EVAL_OUTPUTS
 from .calibrate import DEFAULT_BUDGET, calibrate_command
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     steps, labels = args.steps, args.class_labels
     if cpu and (steps is None or labels is None):
         steps = CPU_STEPS if steps is None else steps
-        labels = [str(i) for i in range(CPU_LABELS)] if labels is None else labels
+        labels = list(CLASSES[:CPU_LABELS]) if labels is None else labels
         print(f"on a CPU (INT8 emulated): {len(labels)} classes, {steps} steps; --class-labels and --steps run more")
     steps = GPU_STEPS if steps is None else steps
     with output_set(args.out, OUTPUTS, args.overwrite) as tmp:

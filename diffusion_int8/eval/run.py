@@ -332,7 +332,15 @@ def _merge_speed(parts: list[dict]) -> dict:
             "int8_calls": None if parts[0].get("int8_calls") is None else sum(p["int8_calls"] for p in parts),
             "gated_calls": None if parts[0].get("gated_calls") is None else sum(p["gated_calls"] for p in parts),
             "blocks": None if parts[0].get("blocks") is None else _summed_blocks(p["blocks"] for p in parts),
-            "qk_balance": parts[0].get("qk_balance")}  # every process runs the same modules: the main one's
+            "qk_balance": _merged_balance([p.get("qk_balance") for p in parts])}
+
+
+def _merged_balance(parts: list) -> dict | None:
+    """The processes' balance counts: one process's where all agree; else each process's, named (a module decides at
+    its first call, on that process's first images)."""
+    if all(p == parts[0] for p in parts):
+        return parts[0]
+    return {f"{status} on process {i}": n for i, p in enumerate(parts) for status, n in (p or {}).items()}
 
 
 def _summed_blocks(parts) -> dict:
