@@ -69,5 +69,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The program: ``main``'s status as the exit status. After Ctrl-C or SIGTERM (130, 143: the command has cleaned
+    up and said so) the process ends at once, without the interpreter's shutdown, where a Ctrl-C that landed in
+    torch's compute threads could still end it by SIGINT instead of with the status."""
+    code = main()
+    if code in (130, 143):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
