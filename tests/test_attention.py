@@ -84,26 +84,14 @@ class _FlipBound:
         return self.acc / torch.where(self.l == 0, 1.0, self.l)[..., None]
 
 
-def _weights_times(qb, kb, vb, scale, mask) -> torch.Tensor:
-    """|softmax weights| @ |V| per row (BHSD, float64; ``mask`` as ``row_bounds`` made it), in blocks of rows."""
-    out = []
-    for start in range(0, qb.shape[2], 1024):
-        s = (qb[:, :, start:start + 1024] @ kb.transpose(-1, -2)) * scale
-        if mask is not None:
-            m = mask[..., start:start + 1024, :] if mask.dim() >= 2 and mask.shape[-2] > 1 else mask
-            s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.double()
-        out.append(torch.softmax(s, -1).nan_to_num(0.0) @ vb.abs())
-    return torch.cat(out, 2)
-
-
 def row_bounds(q, k, v, pv, kw) -> tuple[torch.Tensor, torch.Tensor]:
     """How far each output element (BHSD, float64) of an 8-bit P·V call (``q, k, v`` and the call's keywords)
     may be from the emulation's: (all channels of a row, one channel of a few rows).
 
     The first, FP8 P: the elements of P that lie within ``P_DELTA`` of an e4m3 rounding midpoint in the
     emulation (its own P, tile by tile) rounding the other way, each moving the output by its step, rescaled to
-    the row's final max and sum, times its key's V; and the FP8 MMA's sum, ``PV_ACC`` of |weights| · |V|. INT8 P: FLIPS of the row's elements rounding one step apart,
-    1/127 of its block's largest each, times the largest V of the channel. The second, FP8 only: one element of
+    the row's final max and sum, times its key's V; and the FP8 MMA's sum, ``PV_ACC`` of |weights| · |V|.
+    INT8 P: FLIPS of the row's elements rounding one step apart, 1/127 of its block's largest each, times the largest V of the channel. The second, FP8 only: one element of
     V (a key, a channel), scaled a last bit apart by the GPU, rounding one e4m3 step apart, which moves that
     channel by up to the key's weight times 1/8 of it (INT8 V's steps are in the first bound already). Weights
     from float64 scores, with a 1.5x margin for the INT8 scores'."""
@@ -119,7 +107,7 @@ def row_bounds(q, k, v, pv, kw) -> tuple[torch.Tensor, torch.Tensor]:
     group = qb.shape[1] // kb.shape[1]
     kb, vb = kb.repeat_interleave(group, 1), vb.repeat_interleave(group, 1)
     scale = kw.get("sm_scale") or qb.shape[-1] ** -0.5
-    top = []
+    top, spread = [], []  # per row: its two largest weights (float64 scores), and |weights| @ |V|
     for start in range(0, qb.shape[2], 1024):
         s = (qb[:, :, start:start + 1024] @ kb.transpose(-1, -2)) * scale
         if mask is not None:
@@ -127,13 +115,14 @@ def row_bounds(q, k, v, pv, kw) -> tuple[torch.Tensor, torch.Tensor]:
             s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.double()
         w = torch.softmax(s, -1).nan_to_num(0.0)  # rows without keys: 0
         top.append(w.topk(min(2, w.shape[-1]), -1).values)
-    top = torch.cat(top, 2)
+        spread.append(w @ vb.abs())
+    top, spread = torch.cat(top, 2), torch.cat(spread, 2)
     vmax = vb.abs().amax(2)[:, :, None, :]
     if pv is PV.INT8:
         return FLIPS * 1.5 * (top[..., 0] / 127)[..., None] * vmax, torch.zeros_like(vmax)
     flips = _FlipBound(vb)
     R.emulate_attention(q, k, v, p_trace=flips, **{n: a for n, a in kw.items() if n not in ("out", "return_lse")})
-    row = flips.bound() + PV_ACC * _weights_times(qb, kb, vb, scale, mask)
+    row = flips.bound() + PV_ACC * spread
     return row, 1.5 * (top[..., 0] / 8)[..., None] * vmax
 
 
