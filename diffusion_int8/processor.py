@@ -205,8 +205,10 @@ class Int8DiffusionProcessor:
             _warn_no_channel_ranges(calibration.meta.get("schema_version"))
         self.calibration = calibration
         # the calibration's static balance: asked for, or by default where the calibration saw outlier channels
-        self._static_balance = bool(calibration is not None and calibration.has_channel_ranges() and (
-            qk_balance or (qk_balance is None and calibration.layer_balanced(name))))
+        # (the policy ``Calibration.ranges_at`` takes for every layer, and what it comes to in this one)
+        self._range_balance = qk_balance if calibration is not None and calibration.has_channel_ranges() else False
+        self._static_balance = bool(calibration is not None and (
+            self._range_balance or (self._range_balance is None and calibration.layer_balanced(name))))
         # whether calls that measure their ranges measure the balance too: given, from the schedule, or from the
         # module's first call (None until then: ``_balance_for``); and where the decision came from
         self._balance, self._balance_from = qk_balance, "asked"
@@ -391,14 +393,15 @@ class Int8DiffusionProcessor:
 
     def _static_ranges(self, device: torch.device):
         """The calibration's ranges at the current timestep on ``device`` (without Q's and K's with ``qk_rotate``),
-        evaluated once per timestep and device: a generation's steps reuse those of the last one with the same
-        schedule, with no work on the host and no copy to the GPU."""
+        evaluated for every layer at once the first time a timestep is seen (``Calibration.ranges_at``) and kept:
+        a generation's steps reuse those of the last one with the same schedule, with no work on the host and no
+        copy to the GPU."""
         if self.calibration is None or self.state.timestep is None:
             return None
         key = (self.state.timestep, device)
         ranges = self._ranges.get(key)
         if ranges is None:
-            ranges = self.calibration.ranges(self.name, self.state.timestep, device, balance=self._static_balance)
+            ranges = self.calibration.ranges_at(self.state.timestep, device, balance=self._range_balance)[self.name]
             if self.qk_rotate:  # the rotated Q and K are measured: their calibrated ranges are of the unrotated ones
                 ranges = ranges._replace(q_amax=None, k_amax=None)
             if len(self._ranges) >= 4096:  # steps x devices of the schedules in use; bounded all the same

@@ -255,9 +255,16 @@ def test_static_balance_from_channel_maxima(tmp_path):
     assert torch.equal(va, plain.v_amax) and torch.equal(km, plain.k_mean)
     with pytest.raises(ValueError, match="ranges from the maxima"):
         cal.ranges(layer, 500.0, clip="p99", balance=True)
-    # a K channel that was zero at every step (its fit floored for the ranges) is left alone, as a measured one is
+    # a K channel that was zero at every step (its fit floored for the ranges) is left alone, as a measured one is:
+    # channel 0, first made an outlier of Q's so that its balance moves (a fresh Calibration each time: ranges are
+    # kept per timestep)
+    st["q_cmax"][:, 0] *= 64.0
+    st["fit.qc"] = fit_quadratic(cal.noise.double(), st["q_cmax"]).float()
+    cal = Calibration(cal.meta, cal.timesteps, cal.noise, cal.layers)
+    assert (cal.ranges(layer, 500.0, balance=True).qk_balance[..., 0] != 1).all()
     st["k_cmax"][:, 0] = 0.0
     st["fit.kc"] = fit_quadratic(cal.noise.double(), st["k_cmax"]).float()
+    cal = Calibration(cal.meta, cal.timesteps, cal.noise, cal.layers)
     assert (cal.ranges(layer, 500.0, balance=True).qk_balance[..., 0] == 1).all()
     old = Calibration({**cal.meta, "schema_version": 3}, cal.timesteps, cal.noise,
                       {n: {k: t for k, t in s.items() if k not in SCHEMA_4} for n, s in cal.layers.items()})
@@ -268,6 +275,41 @@ def test_static_balance_from_channel_maxima(tmp_path):
     model, _ = build("dit")
     with pytest.warns(UserWarning, match="schema 3 calibration.*without the Q·Kᵀ balance"):
         enable(model, mode="int8", calibration=old, qk_balance=True).disable()
+
+
+def test_ranges_at_evaluates_layers_together_as_each_alone():
+    # ranges_at stacks layers of one shape: each layer's ranges equal those of a calibration holding that layer
+    # alone, for a mix of shapes (2 heads and 1) and of balanced and unbalanced layers under balance=None; the
+    # second call at a timestep is the memo's
+    _, cal = make_calibration()
+    layers = dict(cal.layers)
+    first = next(iter(layers))
+    narrow = {k: t[:1] for k, t in layers[first].items()}  # the same layer with one of its heads
+    narrow["q_cmax"] = narrow["q_cmax"].clone()
+    narrow["q_cmax"][:, 5] *= 64.0  # an outlier channel of Q's: a balanced layer
+    narrow["fit.qc"] = fit_quadratic(cal.noise.double(), narrow["q_cmax"]).float()
+    layers["narrow"] = narrow
+    wide = dict(layers[first], q_cmax=layers[first]["q_cmax"] * 1.0)  # a balanced layer of the first one's shape
+    wide["q_cmax"][:, 5] *= 64.0
+    wide["fit.qc"] = fit_quadratic(cal.noise.double(), wide["q_cmax"]).float()
+    layers["wide"] = wide
+    head_dim = cal.meta["layers"][first]["head_dim"]
+    meta = {**cal.meta, "layers": {**cal.meta["layers"], "narrow": {"heads": 1, "head_dim": head_dim},
+                                   "wide": cal.meta["layers"][first]}}
+    mixed = Calibration(meta, cal.timesteps, cal.noise, layers)
+    assert {"narrow", "wide"} <= set(mixed.balanced_layers()) and first not in mixed.balanced_layers()
+    assert [len(group) for group, _ in mixed._stacked()] == [len(layers) - 1, 1]
+    for t in (500.0, 137.5):
+        for balance in (False, True, None):
+            together = mixed.ranges_at(t, balance=balance)
+            assert mixed.ranges_at(t, balance=balance) is together
+            for name, st in layers.items():
+                alone = Calibration(meta, cal.timesteps, cal.noise, {name: st})
+                want = alone.ranges(name, t, balance=balance or (balance is None and name in mixed.balanced_layers()))
+                for got, ref in zip(together[name], want):
+                    assert (got is None) == (ref is None)
+                    if got is not None:
+                        assert torch.equal(got, ref), (name, t, balance)
 
 
 def test_static_balance_reaches_the_kernel_and_helps_outlier_channels(monkeypatch):

@@ -141,6 +141,8 @@ class Calibration:
     timesteps: torch.Tensor
     noise: torch.Tensor
     layers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # ranges_at's results and the stacked fits it evaluates
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_stats(cls, meta: dict, timesteps: list[float], stats: dict[str, dict[str, torch.Tensor]]) -> "Calibration":
@@ -258,7 +260,9 @@ class Calibration:
         """The layers whose Q or K carries outlier channels of its own: where the Q·Kᵀ balance of the measured
         channel maxima (``reference.balance_from_ranges``) moves some channel at some calibrated step. Empty for
         files without per-channel maxima (before schema 4)."""
-        return [name for name in self.layers if self.layer_balanced(name)]
+        if "balanced" not in self._memo:
+            self._memo["balanced"] = [name for name in self.layers if self.layer_balanced(name)]
+        return list(self._memo["balanced"])
 
     def layer_balanced(self, layer: str) -> bool:
         """Whether ``layer`` is one of ``balanced_layers``."""
@@ -285,7 +289,20 @@ class Calibration:
         ``balance``: also a static Q·Kᵀ balance, (1, H, D) powers of two (``reference.balance_from_ranges`` of the
         fitted channel maxima), with ``q_amax`` and ``k_amax`` moved as the balance moves their largest channel;
         needs a schema 4 file (``has_channel_ranges``) and the maxima. Else ``qk_balance`` is None.
+
+        Every layer's ranges at a timestep are evaluated together (``ranges_at``); this is one of them.
         """
+        if layer not in self.layers:
+            raise KeyError(f"the calibration has no layer {layer!r}")
+        return self.ranges_at(timestep, device, clip, balance=bool(balance))[layer]
+
+    def ranges_at(self, timestep: float, device: torch.device | str = "cpu", clip: str | None = None,
+                  balance: bool | None = False) -> dict[str, StaticRanges]:
+        """``{layer: ranges(layer, timestep, device, clip, ...)}`` for every layer, evaluated in one pass per group
+        of layers of one shape and copied to ``device`` at once, and kept per (timestep, device, clip, balance):
+        the steps of a generation's schedule cost one evaluation each, once. ``balance``: True balances every
+        layer, False none, None the layers of ``balanced_layers`` (those with outlier channels of their own).
+        The memo assumes ``layers`` is not changed after the first call."""
         if clip not in (None, "max", "p99"):
             raise ValueError(f"clip must be None, 'max' or 'p99', got {clip!r}")
         if balance and clip == "p99":
@@ -293,34 +310,68 @@ class Calibration:
         if balance and not self.has_channel_ranges():
             raise ValueError(f"this calibration (schema {self.meta.get('schema_version')}) has no per-channel Q/K "
                              f"maxima, which a static Q·Kᵀ balance is made from; run `diffusion-int8 calibrate` again")
-        st = self.layers[layer]
-        has_max = "fit.qmax" in st
-        if clip == "max" and not has_max:
+        if clip == "max" and not all("fit.qmax" in st for st in self.layers.values()):
             raise ValueError(f"this calibration (schema {self.meta.get('schema_version')}) has no Q/K maxima; "
                              f"use clip='p99' or None, or record them by running `diffusion-int8 calibrate` again")
+        device = torch.device(device)
+        key = (float(timestep), device, clip, balance)
+        found = self._memo.get(key)
+        if found is None:
+            if len(self._memo) >= 4096:  # steps x devices of the schedules in use; bounded all the same
+                self._memo.clear()
+            found = self._memo[key] = self._evaluate(float(timestep), device, clip, balance)
+        return found
+
+    def _evaluate(self, timestep: float, device: torch.device, clip: str | None,
+                  balance: bool | None) -> dict[str, StaticRanges]:
+        """``ranges_at`` without the memo: each group of same-shaped layers' fits evaluated stacked, (L, H, ...)."""
         n = noise_level(timestep, self.meta.get("num_train_timesteps"), self.meta.get("timestep_scale"))
-        shorts = ("qmax", "kmax", "v") if clip != "p99" and has_max else ("q", "k", "v")
-        out = [self._fitted(st, short, n)[..., 0] for short in shorts]
-        out.append(evaluate_fit(st["fit.m"].double(), n)[..., 0] if "fit.m" in st else None)
-        out.append(None)
-        if balance:
-            out[0], out[1], out[4] = self._balanced(st, n, out[0], out[1])
-        return StaticRanges(*_to_device([None if t is None else t.float()[None] for t in out], torch.device(device)))
+        if balance is None:
+            balanced = set(self.balanced_layers())
+        names, parts = [], []
+        for group, st in self._stacked():
+            shorts = ("qmax", "kmax", "v") if clip != "p99" and "fit.qmax" in st else ("q", "k", "v")
+            out = [self._fitted(st, short, n)[..., 0] for short in shorts]
+            out.append(evaluate_fit(st["fit.m"].double(), n)[..., 0] if "fit.m" in st else None)
+            wanted = [balance is True or (balance is None and name in balanced) for name in group]
+            bal = None
+            if any(wanted):
+                q_bal, k_bal, bal = self._balanced(st, n, out[0], out[1])
+                which = torch.tensor(wanted)[:, None]
+                out[0], out[1] = torch.where(which, q_bal, out[0]), torch.where(which, k_bal, out[1])
+            for i, name in enumerate(group):
+                names.append(name)
+                parts += [None if t is None else t[i].float()[None] for t in out]
+                parts.append(bal[i][None] if wanted[i] else None)
+        moved = _to_device(parts, device)
+        return {name: StaticRanges(*moved[5 * i:5 * i + 5]) for i, name in enumerate(names)}
+
+    def _stacked(self) -> list[tuple[list[str], dict[str, torch.Tensor]]]:
+        """The layers grouped by the shapes of their fits, each group's fits and measured ranges stacked (L, ...)."""
+        if "stacked" not in self._memo:
+            wanted = [f"fit.{short}" for short in _FITS] + list(_FITS.values())
+            groups: dict[tuple, list[str]] = {}
+            for name, st in self.layers.items():
+                groups.setdefault(tuple((k, tuple(st[k].shape)) for k in wanted if k in st), []).append(name)
+            self._memo["stacked"] = [
+                (group, {k: torch.stack([self.layers[name][k] for name in group]) for k, _ in shapes})
+                for shapes, group in groups.items()]
+        return self._memo["stacked"]
 
     @classmethod
     def _balanced(cls, st: dict[str, torch.Tensor], noise: float, q_amax: torch.Tensor, k_amax: torch.Tensor):
         """(q_amax, k_amax, balance) at ``noise``: the balance of the fitted channel maxima, and each head's range
-        times what the balance does to its largest channel."""
+        times what the balance does to its largest channel. ``st``'s fits may carry leading dims (stacked layers)."""
         from ..kernels.reference import balance_from_ranges
 
-        qc, kc = (cls._fitted(st, short, noise)[..., 0].float() for short in ("qc", "kc"))  # (H, D), (H_kv, D)
-        group = qc.shape[0] // kc.shape[0]
+        qc, kc = (cls._fitted(st, short, noise)[..., 0].float() for short in ("qc", "kc"))  # (..., H, D), (..., H_kv, D)
+        group = qc.shape[-2] // kc.shape[-2]
         # the balance from the fits as they are (a channel that was zero stays zero: balance 1), the ranges' ratios
         # from the floored ones
         raw_q, raw_k = (evaluate_fit(st[f"fit.{short}"].double(), noise)[..., 0].clamp_min(0).float()
                         for short in ("qc", "kc"))
-        bal = balance_from_ranges(raw_q.unflatten(0, (kc.shape[0], group)).amax(1), raw_k)
-        q_bal = (qc / bal.repeat_interleave(group, 0)).amax(-1) / qc.amax(-1)
+        bal = balance_from_ranges(raw_q.unflatten(-2, (kc.shape[-2], group)).amax(-2), raw_k)
+        q_bal = (qc / bal.repeat_interleave(group, -2)).amax(-1) / qc.amax(-1)
         k_bal = (kc * bal).amax(-1) / kc.amax(-1)
         return q_amax * q_bal.double(), k_amax * k_bal.double(), bal
 
