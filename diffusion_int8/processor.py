@@ -440,33 +440,29 @@ class Int8DiffusionProcessor:
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)
         if self.gate is not None and not self.gate.pays(mode, query, key, attn_mask):
-            if counting:
-                self.state.gated_calls += 1
-                self._outcomes[1] += 1
-            if blocks:
-                pairs = _block_pairs(query, key)
-                self.state.count_blocks(pairs, pairs)
-            return exact if exact is not None else F.scaled_dot_product_attention(
-                query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
+            return self._gated(query, key, value, attn_mask, scale, enable_gqa, exact, counting, blocks)
+        ranges = self._static_ranges(query.device)
+        if ranges is not None and share is not None:
+            ranges = heads_share(ranges, *share)
+        balance = self._balance_for(query, key, ranges)
+        # a call that measures the Q·Kᵀ balance pays only if INT8's lead covers the balance too
+        if balance and self.gate is not None and not self.gate.pays(mode, query, key, attn_mask, balance=True):
+            return self._gated(query, key, value, attn_mask, scale, enable_gqa, exact, counting, blocks)
         if counting:
             self.state.int8_calls += 1
             self._outcomes[0] += 1
         tau = self.current_tau()
         if not _sparse(tau, key, attn_mask):
             tau = None
-        ranges = self._static_ranges(query.device)
-        if ranges is not None and share is not None:
-            ranges = heads_share(ranges, *share)
         if tau is not None and self.carry is not None and self._carry_ready():
             run = functools.partial(int8_core, mode, query, key, value, None, scale, ranges,
-                                    qk_balance=self._balance_for(query, key, ranges), qk_rotate=self.qk_rotate)
+                                    qk_balance=balance, qk_rotate=self.qk_rotate)
             out, kept = self.carry(run, query, key, tau=tau, scale=scale, keep_kv_blocks=self._text_blocks(query, key),
                                    noise=noise_level(self.state.timestep, None, self.state.timestep_scale))
             if blocks:
                 self.state.count_blocks(kept, _block_pairs(query, key))
             return out
-        res = int8_core(mode, query, key, value, attn_mask, scale, ranges,
-                        qk_balance=self._balance_for(query, key, ranges),
+        res = int8_core(mode, query, key, value, attn_mask, scale, ranges, qk_balance=balance,
                         qk_rotate=self.qk_rotate, sparsity=tau,
                         keep_kv_blocks=None if tau is None else self._text_blocks(query, key),
                         return_block_mask=blocks and tau is not None)
@@ -475,6 +471,17 @@ class Int8DiffusionProcessor:
             total = _block_pairs(query, key)
             self.state.count_blocks(total if block_mask is None else block_mask.sum(), total)
         return out
+
+    def _gated(self, query, key, value, attn_mask, scale, enable_gqa, exact, counting: bool, blocks: bool):
+        """A call the speed gate sends to SDPA (``exact`` if the observer already ran it), counted."""
+        if counting:
+            self.state.gated_calls += 1
+            self._outcomes[1] += 1
+        if blocks:
+            pairs = _block_pairs(query, key)
+            self.state.count_blocks(pairs, pairs)
+        return exact if exact is not None else F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
 
     def _balance_for(self, query: torch.Tensor, key: torch.Tensor, ranges: StaticRanges | None) -> bool:
         """Whether this INT8 call (BHSD) measures the Q·Kᵀ balance: never with a calibration's ``ranges`` (its
@@ -594,7 +601,9 @@ class Int8DiffusionProcessor:
         if mode is Mode.FP16 or not kernel_takes(query, key, None, dropout_p, is_causal):
             return Mode.FP16
         counting = not torch.compiler.is_compiling()
-        if self.gate is not None and not self.gate.pays(mode, query, key):
+        if self.gate is not None and not (self.gate.pays(mode, query, key) and (
+                not self._balance_for(query, key, self._static_ranges(query.device))
+                or self.gate.pays(mode, query, key, balance=True))):
             if counting:
                 self.state.gated_calls += 1
             return Mode.FP16

@@ -31,6 +31,10 @@ from .kernels.key_mask import is_key_mask
 FORMAT = "diffusion-int8 crossover table"
 VERSION = 1
 SHIPPED = Path(__file__).parent / "tables"
+# The measured Q·Kᵀ balance's share of an INT8 call at 4,096 keys (tables are measured without it). It is one more
+# pass over Q and K, O(S·D) against attention's O(S²·D), so its share falls as 1/keys; BENCHMARKS.md ("what the
+# default balance costs") has the measurements this rounds up.
+BALANCE_COST_4096 = 0.045
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # the dtypes a table measures, by their names
 
 
@@ -60,16 +64,25 @@ class Grid:
         key_edges, row_edges = _edges(self.keys), _edges(self.rows)
         values = tuple(tuple(sum(c * t for c, t in zip(coef, _terms(terms, _unit(n, self.keys), _unit(r, self.rows))))
                              for r in row_edges) for n in key_edges)
-        object.__setattr__(self, "_lattice", (key_edges, row_edges, values))
+        # the same with the balance measured in the call: its cost at each key edge (at or below the call's keys,
+        # so never less than the call's own)
+        balanced = tuple(tuple(v / (1 + balance_cost(n)) for v in row) for n, row in zip(key_edges, values))
+        object.__setattr__(self, "_lattice", (key_edges, row_edges, values, balanced))
 
-    def at(self, sk: int, rows: int) -> float | None:
+    def at(self, sk: int, rows: int, balance: bool = False) -> float | None:
         """The fitted speed-up at ``sk`` keys and ``rows`` query rows (at the lattice point at or below them, an
         eighth of an octave apart); past the grid, that of its edge; None below it (fewer keys or rows than its
-        first). (Plain comparisons, which torch.compile traces into range guards.)"""
-        key_edges, row_edges, values = self._lattice
+        first). ``balance``: of a call that measures the Q·Kᵀ balance (``balance_cost``). (Plain comparisons, which
+        torch.compile traces into range guards.)"""
+        key_edges, row_edges, values, balanced = self._lattice
         i = sum(1 for e in key_edges if e <= sk) - 1
         j = sum(1 for e in row_edges if e <= rows) - 1
-        return None if i < 0 or j < 0 else values[i][j]
+        return None if i < 0 or j < 0 else (balanced if balance else values)[i][j]
+
+
+def balance_cost(sk: float) -> float:
+    """What measuring the Q·Kᵀ balance adds to an INT8 call with ``sk`` keys, as a fraction of the call."""
+    return BALANCE_COST_4096 * 4096 / sk
 
 
 def _edges(axis: tuple[int, ...], per_octave: int = 8) -> tuple[float, ...]:
@@ -123,13 +136,15 @@ class CrossoverTable:
     margin: float = 1.03
     measured: dict = field(default_factory=dict)  # torch / triton versions and the date
 
-    def speedup(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int) -> float | None:
-        """The measured speed-up that judges a call, or None when no grid covers it."""
+    def speedup(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int,
+                balance: bool = False) -> float | None:
+        """The measured speed-up that judges a call (``balance``: one that measures the Q·Kᵀ balance, its cost
+        taken off), or None when no grid covers it."""
         grid = self._grid(mode, head_dim, str(dtype).removeprefix("torch."))
-        return None if grid is None else grid.at(sk, rows)
+        return None if grid is None else grid.at(sk, rows, balance)
 
-    def pays(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int) -> bool:
-        s = self.speedup(mode, head_dim, dtype, rows, sk)
+    def pays(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int, balance: bool = False) -> bool:
+        s = self.speedup(mode, head_dim, dtype, rows, sk, balance)
         return s is not None and s >= self.margin
 
     def _grid(self, mode: str, head_dim: int, dtype: str) -> Grid | None:
@@ -283,12 +298,14 @@ class SpeedGate:
             self._tables[device.index] = _find_table(device)
         return self._tables[device.index]
 
-    def pays(self, mode: Mode, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None) -> bool:
+    def pays(self, mode: Mode, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None,
+             balance: bool = False) -> bool:
         """Whether ``mode`` beats SDPA for (B, H, S, D) ``q`` and ``k`` (BHSD views) with ``attn_mask`` on their
         device. The call is judged as it will run: unmasked, or with a key mask (the same for every query: a text
         padding mask), which the kernels run at their unmasked speed while SDPA loses its fastest kernels to it,
         by the table; with a mask that varies over the queries, which the kernels apply element by element
-        (unmeasured, and far slower), never."""
+        (unmeasured, and far slower), never. ``balance``: the call measures the Q·Kᵀ balance, whose cost
+        (``balance_cost``) the table's speed-up must cover too."""
         if q.device.type != "cuda" and self._fixed is None:
             return True
         B, H, Sq, D = q.shape
@@ -296,12 +313,12 @@ class SpeedGate:
             return False
         if torch.compiler.is_compiling():  # traced once per graph; a dict keyed by the shape would fix its values
             table = self.table_for(q.device)
-            return table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2])
-        key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D)
+            return table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance)
+        key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D, balance)
         decision = self._decisions.get(key)
         if decision is None:
             table = self.table_for(q.device)
-            decision = table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2])
+            decision = table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance)
             self._decisions[key] = decision
         return decision
 

@@ -473,6 +473,30 @@ def test_the_default_balances_outlier_channels_q_or_k_carries_alone(D):
             assert cos >= floor and off < 0.995, (D, n, gain, sink, mode, cos, off)
 
 
+def test_the_gate_counts_the_balance_a_call_measures():
+    # A table whose INT8 lead (1.08x, margin 1.05) pays for a call but not for the call plus its measured Q·Kᵀ
+    # balance at 1,024 keys (speed_gate.balance_cost): the module with outlier channels of its own goes to SDPA,
+    # the one without runs INT8, and one whose balance comes from nowhere (qk_balance=False) runs INT8 too
+    from diffusion_int8.speed_gate import CrossoverTable, Grid, SpeedGate, balance_cost
+    from diffusion_int8.testing import realistic_qkv
+
+    D = 64
+    grids = tuple(Grid(m, D, "float32", (512,), (512,), ((1.08,),)) for m in ("int8", "int8_fp16v"))
+    gate = SpeedGate(CrossoverTable("test GPU", "sm_00", grids, margin=1.05))
+    assert 1.08 / (1 + balance_cost(1024)) < 1.05 <= 1.08 / (1 + balance_cost(32768))
+    attn = identity_attention(2, D)
+    outcomes = {}
+    for outliers in ("separate", "none"):
+        q, k, v = realistic_qkv(1, 2, 1024, 1024, D, outliers="separate", n_outliers=3,
+                                outlier_gain=30.0 if outliers == "separate" else 1.0)
+        for balance in (None, False):
+            attn.set_processor(Int8DiffusionProcessor("int8", speed_gate=gate, qk_balance=balance, name="attn"))
+            run_identity(attn, q, k, v)
+            outcomes[outliers, balance] = attn.processor._outcomes[:2]
+    assert outcomes == {("separate", None): [0, 1], ("separate", False): [1, 0],
+                        ("none", None): [1, 0], ("none", False): [1, 0]}
+
+
 def test_the_default_leaves_inputs_without_own_outlier_channels_as_they_are():
     # Q and K sharing their outlier channels, or none: the first call finds nothing to balance, and every call
     # gives what qk_balance=False gives, bit for bit
