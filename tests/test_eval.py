@@ -322,7 +322,8 @@ def synthetic_report(tmp_path, size: int, device: str = "cpu", kernel: str = "em
     ref = torch.rand(4, 3, size, size, generator=g)
     images = {n: (ref + 0.02 * i * torch.randn(ref.shape, generator=g)).clamp(0, 1) for i, n in enumerate(LONG_NAMES)}
     speed = lambda ms: {"denoiser_ms_per_step": ms, "denoiser_calls": 3, "seconds_per_image": 0.5,  # noqa: E731
-                        "peak_memory_mib": 812.0 if device == "cuda" else None, "int8_calls": 6, "gated_calls": 0}
+                        "peak_memory_mib": 812.0 if device == "cuda" else None, "int8_calls": 6, "gated_calls": 0,
+                        "joules_per_image": 12.34 if device == "cuda" else None}
     report = {"created": "2026-11-25T00:00:00+00:00", "model": "embedded", "device": "NVIDIA H100" if device == "cuda" else "cpu",
               "kernel": kernel, "timing": R.timing(device, kernel), "steps": 3, "seed": 0, "num_images": 4,
               "items": ["yellow square with a long label"] * 4, "baseline": {"name": "fp16", "speed": speed(10.0)},
@@ -365,14 +366,21 @@ def test_cpu_timings_are_not_called_speed_and_gpu_ratios_have_one_wording(tmp_pa
         assert "not a speed measurement (CPU run)" in text and "emulation" in text, name
         assert "faster than stock" not in text and "slower than stock" not in text and "speed-up</th>" not in text
         assert "vs stock" not in text and "n/a (CPU run)" in text  # peak memory says why it is missing
+        assert "J/image" not in text  # no energy counter: no column
     gpu = synthetic_report(tmp_path, 32, device="cuda", kernel="triton")
     md = (gpu / "report.md").read_text()
     assert "not a speed measurement" not in md and "| vs stock |" in md
     assert "| int8 |" in md and "1.25× faster than stock" in md and "1.25× slower than stock" in md and "2.00× slower" in md
-    assert "| 812 |" in md
+    assert "| 812 | 12.3 |" in md and "| GPU J/image |" in md and "GPU J/image: the energy" in md
     assert "1.25× faster than stock" in (gpu / "report.html").read_text()
     # a GPU run that forces the emulation is no speed measurement either
     assert R.timing("cuda", "emulation")["speed"] is False and R.timing("cuda", "triton")["speed"] is True
+
+
+def test_no_energy_counter_off_nvidia_gpus():
+    from diffusion_int8.eval.energy import EnergyCounter
+
+    assert EnergyCounter.open(torch.device("cpu")) is None
 
 
 def test_sparse_schedule_reports_skipped_blocks_per_step(tmp_path, monkeypatch, capsys):

@@ -207,3 +207,23 @@ def test_calibrated_ranges_on_the_gpu_equal_those_on_the_cpu():
             for a, b in zip(cpu, gpu):
                 assert (a is None) == (b is None)
                 assert a is None or (b.is_cuda and b.data_ptr() % 16 == 0 and torch.equal(a, b.cpu()))
+
+
+def test_the_energy_counter_reads_the_work_of_this_gpu():
+    # NVML's counter, found by this GPU's UUID, moves over half a second of matmuls, at a power between 10 W and
+    # 2 kW (a counter read from the wrong unit or the wrong GPU would fall outside)
+    import time
+
+    from diffusion_int8.eval.energy import EnergyCounter
+
+    counter = EnergyCounter.open(torch.device("cuda"))
+    assert counter is not None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    torch.cuda.synchronize()
+    j0, t0 = counter.joules(), time.perf_counter()
+    while time.perf_counter() - t0 < 0.5:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+    watts = (counter.joules() - j0) / (time.perf_counter() - t0)
+    assert 10 < watts < 2000, watts

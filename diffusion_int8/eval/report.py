@@ -133,8 +133,13 @@ def sparse_variants(report: dict) -> dict[str, dict]:
 
 def header(report: dict) -> list[str]:
     cols = ["variant", "PSNR dB (min)", "SSIM (min)", "LPIPS (max)", "FID", "KID", "denoiser ms/step"]
-    return (cols + (["vs stock"] if timing_of(report)["speed"] else []) + ["s/image", "peak MiB", "INT8 / gated calls"]
+    return (cols + (["vs stock"] if timing_of(report)["speed"] else []) + ["s/image", "peak MiB"]
+            + (["GPU J/image"] if _has_energy(report) else []) + ["INT8 / gated calls"]
             + (["blocks skipped"] if sparse_variants(report) else []))
+
+
+def _has_energy(report: dict) -> bool:
+    return report["baseline"].get("speed", {}).get("joules_per_image") is not None
 
 
 def _peak(report: dict, speed: dict) -> str:
@@ -149,6 +154,7 @@ def _rows(report: dict) -> list[list[str]]:
     base = report["baseline"]["speed"]
     show_ratio = timing_of(report)["speed"]
     show_sparsity = bool(sparse_variants(report))
+    show_energy = _has_energy(report)
     rows = []
     for name, v in [(report["baseline"]["name"], report["baseline"]), *report["variants"].items()]:
         sp = v.get("speed", {})
@@ -156,7 +162,8 @@ def _rows(report: dict) -> list[list[str]]:
         ratio = ["stock" if v is report["baseline"] else (vs_stock(base.get("denoiser_ms_per_step"), ms) or "–")]
         rows.append([name, *(_quality_cells(v["quality"]) if "quality" in v else ["reference"] + ["–"] * 4),
                      fmt(ms, 2), *(ratio if show_ratio else []), fmt(sp.get("seconds_per_image"), 3),
-                     _peak(report, sp), _calls(sp)] + ([_skipped(v.get("sparsity"))] if show_sparsity else []))
+                     _peak(report, sp), *([fmt(sp.get("joules_per_image"), 1)] if show_energy else []), _calls(sp)]
+                    + ([_skipped(v.get("sparsity"))] if show_sparsity else []))
     return rows
 
 
@@ -225,6 +232,12 @@ READING_NOTE = ("Reading the table: against the stock images, a PSNR above about
                 "structure; LPIPS near 0 (below about 0.05) looks the same (common rules of thumb, not thresholds "
                 "of this tool). INT8 / gated calls: attention calls that ran the INT8 kernel / calls the speed gate "
                 "kept on SDPA because INT8 would not be faster at their shape on this device.")
+ENERGY_NOTE = ("GPU J/image: the energy the GPU drew per image over the timed generations (NVML's counter: the whole "
+               "GPU's, so other work on it counts too).")
+
+
+def reading_note(report: dict) -> str:
+    return READING_NOTE + (" " + ENERGY_NOTE if _has_energy(report) else "")
 
 
 def write_markdown(report: dict, out: Path) -> Path:
@@ -236,7 +249,7 @@ def write_markdown(report: dict, out: Path) -> Path:
     cols = header(report)
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(r) + " |" for r in _rows(report)]
-    lines += ["", READING_NOTE]
+    lines += ["", reading_note(report)]
     na = {k: v["reason"] for k, v in report["metrics_available"].items() if not v["available"]}
     if na:
         lines += ["", "Unavailable metrics:", ""] + [f"- **{k}**: {r}" for k, r in na.items()]
@@ -388,7 +401,7 @@ device {e(report['device'])} · INT8 kernel: {e(report['kernel'])} · {e(report[
 <table class="metrics"><tr>{table}</tr>{rows}</table>
 <p class="note">Mean ± std over images; PSNR and SSIM show the worst image in brackets, LPIPS the worst (largest).
 {speed_note}</p>
-<p class="note">{e(READING_NOTE)}</p>
+<p class="note">{e(reading_note(report))}</p>
 {'<ul class="note">' + ''.join(na) + '</ul>' if na else ''}
 {balance_html}
 {note_html}

@@ -27,6 +27,7 @@ from ..kernels import Mode, kernel_info
 from ..processor import check_carry, check_sparsity, skipped_fractions
 from ..schedule import PrecisionSchedule
 from . import report as R
+from .energy import EnergyCounter
 from .score import Scorer, save_images
 
 BASELINE = "fp16"
@@ -114,14 +115,17 @@ def run_variant(pipe, model, items, batches, device, kwargs: dict | None, *, ste
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
+        energy = EnergyCounter.open(device)
+        joules = 0.0
         per_step = []
         for b, batch, idx in batches:
             if handle is not None:
                 handle.state.reset()
-            t0 = time.perf_counter()
+            t0, j0 = time.perf_counter(), energy.joules() if energy else 0.0
             imgs = pipelines.generate(pipe, items, batch, idx, steps=steps, seed=seed,
-                                      guidance_scale=guidance_scale, on_step=on_step)
+                                      guidance_scale=guidance_scale, on_step=on_step)  # images on the CPU: synced
             seconds += time.perf_counter() - t0
+            joules += energy.joules() - j0 if energy else 0.0
             if handle is not None:
                 int8_calls, gated_calls = int8_calls + handle.state.int8_calls, gated_calls + handle.state.gated_calls
                 _add_blocks(blocks, handle.state.block_totals())
@@ -141,6 +145,7 @@ def run_variant(pipe, model, items, batches, device, kwargs: dict | None, *, ste
     speed = {"denoiser_ms_per_step": per_step_ms(timer.ms) if timer.ms else None,
              "denoiser_calls": len(timer.ms), "seconds_per_image": seconds / max(n_images, 1),
              "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+             "joules_per_image": joules / max(n_images, 1) if energy else None,
              "int8_calls": int8_calls if handle is not None else None,
              "gated_calls": gated_calls if handle is not None else None,
              "blocks": blocks if handle is not None else None, "qk_balance": balance}
@@ -228,7 +233,8 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
     Returns:
         On the main process, the report (what ``report.json`` holds, plus ``images``): ``baseline`` and
         ``variants`` (per variant ``speed``: ``denoiser_ms_per_step`` (median), ``seconds_per_image``,
-        ``peak_memory_mib``, ``int8_calls``, ``gated_calls``; ``quality``: per-image and aggregate PSNR,
+        ``peak_memory_mib``, ``joules_per_image`` (the GPU's energy over the timed generations, NVML; None
+        elsewhere), ``int8_calls``, ``gated_calls``; ``quality``: per-image and aggregate PSNR,
         SSIM, LPIPS, FID, KID, unless ``generate_only``; ``non_finite_images``: indices of images with
         NaN/Inf, left out of the scores; ``sparsity``: the fraction of (query block, key block) pairs skipped,
         ``{"steps", "per_step", "overall"}`` over every attention call), ``schedule`` (its mode per step), ``timing`` (whether the times
@@ -329,10 +335,16 @@ def _merge_speed(parts: list[dict]) -> dict:
             "denoiser_calls": sum(p["denoiser_calls"] for p in parts),
             "seconds_per_image": statistics.mean(p["seconds_per_image"] for p in parts),
             "peak_memory_mib": max(mem) if mem else None, "processes": len(parts),
+            "joules_per_image": _mean_known(p.get("joules_per_image") for p in parts),
             "int8_calls": None if parts[0].get("int8_calls") is None else sum(p["int8_calls"] for p in parts),
             "gated_calls": None if parts[0].get("gated_calls") is None else sum(p["gated_calls"] for p in parts),
             "blocks": None if parts[0].get("blocks") is None else _summed_blocks(p["blocks"] for p in parts),
             "qk_balance": _merged_balance([p.get("qk_balance") for p in parts])}
+
+
+def _mean_known(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known else None
 
 
 def _merged_balance(parts: list) -> dict | None:
