@@ -442,6 +442,11 @@ def test_demo_end_to_end(tmp_path):
     assert len(list((out / "images" / "fp16").glob("*.png"))) == 2
     check_html_in_chromium(out / "report.html")
     assert "report.html" in res.stdout  # the command names what to open
+    from diffusion_int8.embedded import PROMPTS
+
+    # the shipped example prompts, for the commands it prints next
+    assert (out / "prompts.txt").read_text() == PROMPTS.read_text()
+    assert "calibrate --prompts demo/prompts.txt --out calib/" in res.stdout
     md = (out / "report.md").read_text()
     assert "Reading the table: " in md  # what a good PSNR is, what gated calls are
     # what each variant's modules did about the Q·Kᵀ balance: 256 queries are too few for it (undecided), and the
@@ -456,6 +461,16 @@ def test_demo_end_to_end(tmp_path):
 
 
 from diffusion_int8.embedded.shapes import CLASSES  # noqa: E402
+
+
+def test_the_shipped_prompts_name_each_class_once():
+    from diffusion_int8.cli.common import read_items
+    from diffusion_int8.embedded import PROMPTS
+    from diffusion_int8.embedded.shapes import label_ids
+
+    for model in ("embedded", "embedded-long"):
+        items = read_items(PROMPTS, None, model)
+        assert items.kind == "prompt" and sorted(label_ids(items.values)) == list(range(len(CLASSES)))
 
 
 @pytest.mark.parametrize("argv, labels, steps", [

@@ -8,16 +8,19 @@ measured errors → eval (FP16 against each INT8 mode, the schedule and calibrat
 seeds). On a machine without a GPU the INT8 modes run the kernel's PyTorch emulation.
 
 On a CPU, unless told otherwise, it generates 8 of the 16 classes in 10 steps (45 s on two idle cores); on a
-GPU all 16 in 20 steps. ``--out`` receives ``calibration/`` and eval's reports and images as one set: an
-interrupted demo leaves the previous outputs or none.
+GPU all 16 in 20 steps. ``--out`` receives ``calibration/``, eval's reports and images, and ``prompts.txt`` (the
+shipped models' example prompts, for the calibrate and eval commands the demo prints) as one set: an interrupted
+demo leaves the previous outputs or none.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 from .. import pipelines
+from ..embedded import PROMPTS
 from ..embedded.shapes import CLASSES
 from ..embedded.variants import NAMES, describe
 from ..eval.run import OUTPUTS as EVAL_OUTPUTS
@@ -27,7 +30,7 @@ from .eval import eval_command
 from .outputs import check_out, command, output_set
 from .usage import device_arg, positive_float
 
-OUTPUTS = ("calibration",) + EVAL_OUTPUTS
+OUTPUTS = ("calibration", "prompts.txt") + EVAL_OUTPUTS
 DEMO_BUDGET = 0.015
 # why the demo departs from calibrate's default budget; shown in --help and when the demo runs
 BUDGET_WHY = (f"Tighter than calibrate's default {DEFAULT_BUDGET} on purpose: on the shipped model 'embedded', int8's worst-layer error runs "
@@ -70,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
                      # the demo shows INT8's quality: at the shipped models' 256 and 4,096 tokens of head
                      # dim 64 a GPU's speed gate would send every call to SDPA
                      no_speed_gate=True)
+        shutil.copyfile(PROMPTS, tmp / "prompts.txt")
     print(f"open {args.out / 'report.html'}")
+    model = "" if args.model == pipelines.EMBEDDED else f" --model {args.model}"
+    print(f"next, the same job by hand: diffusion-int8 calibrate{model} --prompts {args.out / 'prompts.txt'} --out calib/, "
+          f"then diffusion-int8 eval{model} --prompts {args.out / 'prompts.txt'} --schedule calib/schedule.json --out report/")
     return 0
 
 
