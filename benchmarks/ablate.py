@@ -21,7 +21,7 @@ import triton
 
 import diffusion_int8.kernels.attention as kattn
 from diffusion_int8.kernels.config import PV
-from diffusion_int8.testing import realistic_qkv
+from diffusion_int8.inputs import realistic_qkv
 
 SHAPES = {"flux": (2, 24, 4608, 128), "long": (1, 16, 16384, 128), "cogvideox": (1, 24, 17550, 64), "sdxl": (2, 10, 4096, 64)}
 

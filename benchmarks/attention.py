@@ -34,7 +34,9 @@ from diffusion_int8.kernels import attention as kattn
 from diffusion_int8.kernels import quantize as tq
 from diffusion_int8.kernels.config import PV, TileConfig, padded_head_dim
 from diffusion_int8.kernels.reference import attention_ref, token_mean
-from diffusion_int8.testing import back_to_back, cos_l1, graphed, median, realistic_qkv
+from diffusion_int8.compare import cos_l1
+from diffusion_int8.inputs import realistic_qkv
+from diffusion_int8.timing import back_to_back, graphed, median
 
 SHAPES = {  # name: (B, H, N, D), from ../shared/ANCHORS.md
     "flux": (2, 24, 4608, 128),

@@ -8,7 +8,7 @@ Eager calls, ``triton.testing.do_bench`` medians, one process; ratios are SDPA's
 
 import torch, triton
 from diffusion_int8 import int8_attention
-from diffusion_int8.testing import realistic_qkv
+from diffusion_int8.inputs import realistic_qkv
 import torch.nn.functional as F
 for name, (B, H, N, D) in {"flux": (2, 24, 4608, 128), "16k": (1, 16, 16384, 128), "cogvideox": (1, 24, 17550, 64)}.items():
     q, k, v = realistic_qkv(B, H, N, N, D, device="cuda")

@@ -3,7 +3,7 @@
     python benchmarks/outliers.py --out bench_out/outliers.json             # the kernels, on a GPU
     python benchmarks/outliers.py --device cpu --lengths 1024               # the emulation, on the CPU
 
-Inputs are ``testing.realistic_qkv`` (K channel bias, sink token) with ``--gain`` (20) times larger channels:
+Inputs are ``inputs.realistic_qkv`` (K channel bias, sink token) with ``--gain`` (20) times larger channels:
 ``separate`` gives Q and K outlier channels of their own (each channel ``gain`` times larger), ``shared`` the
 same channels in both (each sqrt(gain), so their product is ``gain`` times larger), and ``shared, both ×gain``
 the extreme of each ``gain`` times larger in the same channels (products ``gain``² larger). Every cell is the
@@ -29,7 +29,9 @@ import torch
 
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.reference import attention_ref, balance_from_ranges, needs_balance, token_mean
-from diffusion_int8.testing import cosine, interleaved_ms, realistic_qkv
+from diffusion_int8.compare import cosine
+from diffusion_int8.inputs import realistic_qkv
+from diffusion_int8.timing import interleaved_ms
 
 KINDS = {"separate": dict(outliers="separate"), "shared": dict(outliers="shared"),
          "shared, both ×gain": dict(outliers="shared", square=True)}

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from diffusion_int8.testing import graphed
+from diffusion_int8.timing import graphed
 
 
 def _models():

@@ -25,7 +25,8 @@ import torch
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels import PV, attention_ref, emulate_attention
 from diffusion_int8.kernels.config import pv_for_mode, Mode
-from diffusion_int8.testing import cosine, realistic_qkv
+from diffusion_int8.compare import cosine
+from diffusion_int8.inputs import realistic_qkv
 
 SHAPES = [(1, 2, 70, 90, 64), (2, 4, 256, 256, 64), (1, 3, 130, 77, 128), (2, 2, 33, 150, 40), (1, 8, 1024, 1024, 128),
           (2, 5, 300, 300, 72), (1, 4, 2048, 226, 64)]

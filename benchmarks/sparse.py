@@ -12,7 +12,7 @@ every other round; the median of the rounds' medians) or called back to back (*e
 loops).
 
 *Predicted*: the mask predicted inside the call (``int8_attention(..., sparsity=tau)``), on inputs whose attention
-is local in the sequence (``testing.local_qkv``, wavelengths scaled with the length), at the level tau that skips
+is local in the sequence (``inputs.local_qkv``, wavelengths scaled with the length), at the level tau that skips
 about the same fraction over the whole call (found by bisection beforehand); against the dense call on the same
 inputs, and against the same call given the predicted mask (``mask given``). Their difference, the predictor's cost,
 is smaller than the rows' noise at long shapes; time its launches alone to measure it.
@@ -40,8 +40,8 @@ from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.merge import merge_forecast
 from diffusion_int8.kernels.config import SPARSE_BLOCK
 from diffusion_int8.kernels.sparsity import predict_block_mask
-from diffusion_int8.testing import (back_to_back, graph_ms, interleaved_rounds, local_qkv, median, paired_ratio,
-                                    realistic_qkv)
+from diffusion_int8.inputs import local_qkv, realistic_qkv
+from diffusion_int8.timing import back_to_back, graph_ms, interleaved_rounds, median, paired_ratio
 
 SHAPES = {
     "wan": (1, 12, 32760, 128),

@@ -4,7 +4,7 @@ one, for masks that keep the same fraction in different patterns.
     python benchmarks/sparse_masks.py
     python benchmarks/sparse_masks.py --shape 16k --mode int8_fp16v
 
-On ``testing.realistic_qkv`` inputs: every block kept through the sparse path, half of each row's key blocks at
+On ``inputs.realistic_qkv`` inputs: every block kept through the sparse path, half of each row's key blocks at
 random, each row's first half, every other block, and a random quarter. Each is timed as the whole call
 (``int8_attention(..., block_mask=...)``: quantization, block lists, attention) and as the attention launch alone
 on inputs quantized beforehand (``kernels.attention.attend``), all replayed from CUDA graphs and taking turns in
@@ -24,7 +24,8 @@ from diffusion_int8 import int8_attention
 from diffusion_int8.kernels import quantize as tq
 from diffusion_int8.kernels.attention import attend, block_lists
 from diffusion_int8.kernels.config import Mode, SPARSE_BLOCK, pv_for_mode
-from diffusion_int8.testing import interleaved_rounds, median, paired_ratio, realistic_qkv
+from diffusion_int8.inputs import realistic_qkv
+from diffusion_int8.timing import interleaved_rounds, median, paired_ratio
 
 from sparse import SHAPES, fixed_mask
 

@@ -366,7 +366,7 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
     import torch.nn.functional as F
 
     from .kernels import int8_attention
-    from .testing import graph_ms
+    from .timing import graph_ms
 
     grids = []
     cells = [(d, dt, n, r) for d in head_dims for dt in dtypes for n in keys for r in rows]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import diffusion_int8
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels import config, reference as R
-from diffusion_int8.testing import local_qkv, realistic_qkv
+from diffusion_int8.inputs import local_qkv, realistic_qkv
 from test_attention import check
 
 

@@ -14,7 +14,8 @@ import torch
 
 from diffusion_int8.kernels import reference as R
 from diffusion_int8.kernels.config import PV, interpreting
-from diffusion_int8.testing import cos_l1, realistic_qkv
+from diffusion_int8.compare import cos_l1
+from diffusion_int8.inputs import realistic_qkv
 
 # Accuracy required against float64 attention: (min cosine, max relative L1).
 BOUNDS = {PV.FP16: (0.9995, 0.02), PV.FP8: (0.999, 0.04), PV.INT8: (0.999, 0.04)}

@@ -10,7 +10,7 @@ from diffusion_int8.kernels import reference as R
 from diffusion_int8.kernels.api import expand_block_mask
 from diffusion_int8.kernels.config import PV, SPARSE_BLOCK
 from diffusion_int8.kernels.sparsity import predict_block_mask
-from diffusion_int8.testing import local_qkv, realistic_qkv
+from diffusion_int8.inputs import local_qkv, realistic_qkv
 from test_attention import check, run_kernel
 
 

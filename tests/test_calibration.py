@@ -14,7 +14,7 @@ from diffusion_int8 import Mode, PrecisionSchedule, enable
 from diffusion_int8.calibration import Calibration, Collector, merge
 from diffusion_int8.calibration.file import evaluate_fit, fit_quadratic
 from diffusion_int8.calibration.stats import input_stats, quantile_lastdim
-from diffusion_int8.testing import rel_l1
+from diffusion_int8.compare import rel_l1
 from tiny_models import build
 
 

@@ -16,7 +16,7 @@ from diffusion_int8.kernels.merge import merge_forecast, merge_reference
 from diffusion_int8.models import attention_modules
 from diffusion_int8.routing import int8_core
 from diffusion_int8.eval.metrics import psnr
-from diffusion_int8.testing import local_qkv
+from diffusion_int8.inputs import local_qkv
 
 BLK = SPARSE_BLOCK
 

@@ -7,7 +7,7 @@ import torch
 
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.layout import padded_len
-from diffusion_int8.testing import realistic_qkv
+from diffusion_int8.inputs import realistic_qkv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -169,7 +169,7 @@ def test_the_default_balances_outlier_channels_on_the_gpu(D):
 
     from diffusion_int8 import Int8DiffusionProcessor
     from diffusion_int8.kernels import reference as R
-    from diffusion_int8.testing import cos_l1
+    from diffusion_int8.compare import cos_l1
 
     attn = identity_attention(2, D).cuda()
     for n, gain, sink in ((3, 30.0, True), (1, 30.0, False), (3, 20.0, False)):

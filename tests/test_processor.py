@@ -458,7 +458,8 @@ def test_the_default_balances_outlier_channels_q_or_k_carries_alone(D):
     # The default (no flag) finds them at the module's first call and balances: int8_fp16v cos >= 0.999 and
     # int8 >= 0.998 against float64, where without the balance both fall to 0.94-0.99 (emulation).
     from diffusion_int8.kernels import reference as R
-    from diffusion_int8.testing import cos_l1, realistic_qkv
+    from diffusion_int8.compare import cos_l1
+    from diffusion_int8.inputs import realistic_qkv
 
     attn = identity_attention(2, D)
     for n, gain, sink in ((3, 30.0, True), (1, 30.0, False), (3, 20.0, False)):
@@ -478,7 +479,7 @@ def test_the_gate_counts_the_balance_a_call_measures():
     # balance at 1,024 keys (speed_gate.balance_cost): the module with outlier channels of its own goes to SDPA,
     # the one without runs INT8, and one whose balance comes from nowhere (qk_balance=False) runs INT8 too
     from diffusion_int8.speed_gate import CrossoverTable, Grid, SpeedGate, balance_cost
-    from diffusion_int8.testing import realistic_qkv
+    from diffusion_int8.inputs import realistic_qkv
 
     D = 64
     grids = tuple(Grid(m, D, "float32", (512,), (512,), ((1.08,),)) for m in ("int8", "int8_fp16v"))
@@ -500,7 +501,7 @@ def test_the_gate_counts_the_balance_a_call_measures():
 def test_the_default_leaves_inputs_without_own_outlier_channels_as_they_are():
     # Q and K sharing their outlier channels, or none: the first call finds nothing to balance, and every call
     # gives what qk_balance=False gives, bit for bit
-    from diffusion_int8.testing import realistic_qkv
+    from diffusion_int8.inputs import realistic_qkv
 
     attn = identity_attention(2, 64)
     for n in (2, 0):

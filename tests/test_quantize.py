@@ -11,7 +11,7 @@ import triton.language as tl
 
 from diffusion_int8.kernels import reference as R
 from diffusion_int8.kernels.config import PV, padded_head_dim, tile_config
-from diffusion_int8.testing import realistic_qkv
+from diffusion_int8.inputs import realistic_qkv
 
 HEAD_DIMS = [32, 40, 64, 72, 80, 96, 128, 160, 256]
 

@@ -11,7 +11,7 @@ import torch
 
 from diffusion_int8.kernels.config import SPARSE_BLOCK
 from diffusion_int8.kernels.sparsity import predict_block_mask
-from diffusion_int8.testing import local_qkv, realistic_qkv
+from diffusion_int8.inputs import local_qkv, realistic_qkv
 
 BLK = SPARSE_BLOCK
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..kernels import Mode
 from ..kernels.api import expand_block_mask
-from ..testing import cosine, rel_l1
+from ..compare import cosine, rel_l1
 
 
 def quantile_lastdim(x: torch.Tensor, q: float) -> torch.Tensor:

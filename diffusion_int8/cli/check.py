@@ -12,7 +12,8 @@ import torch
 
 from ..kernels import Mode, attention_ref, int8_attention, kernel_info
 from ..kernels.config import MAX_HEAD_DIM
-from ..testing import cos_l1, realistic_qkv
+from ..compare import cos_l1
+from ..inputs import realistic_qkv
 from .outputs import check_out_file, command
 from .usage import UsageError, check_fits, device_arg, positive_int, user_errors
 
