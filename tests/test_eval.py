@@ -377,6 +377,34 @@ def test_cpu_timings_are_not_called_speed_and_gpu_ratios_have_one_wording(tmp_pa
     assert R.timing("cuda", "emulation")["speed"] is False and R.timing("cuda", "triton")["speed"] is True
 
 
+def test_the_speed_section_says_where_int8_pays():
+    # speed.headline and the report's section from measured rows (made up here; a GPU run makes them): the calls
+    # the gate runs in INT8 are named with their speed-up, the others as staying on SDPA, and the video step
+    from diffusion_int8.eval import report as R
+    from diffusion_int8.eval.speed import headline
+
+    def call(model, gate, x):
+        return {"model": model, "what": "w", "shape": [1, 12, 32760, 128], "dtype": "bfloat16", "masked_text": 0,
+                "sdpa_ms": 10.0, "int8_fp16v_ms": 10 / x, "int8_fp16v_speedup": x, "int8_ms": 10 / x,
+                "int8_speedup": x, "gate_int8": gate, "you_get": x if gate else 1.0}
+
+    calls = [call("SDXL", False, 0.8), call("Flux.1", False, 1.01), call("Wan2.1", True, 1.52)]
+    steps = [{"model": "shipped embedded, 256 tokens", "stock_ms": 5.0, "int8_ms": 5.1, "speedup": 0.98,
+              "int8_calls": 0, "gated_calls": 12},
+             {"model": "Wan2.1-T2V-1.3B, 480p×49 frames", "stock_ms": 300.0, "int8_ms": 250.0, "speedup": 1.2,
+              "int8_calls": 30, "gated_calls": 30}]
+    text = headline(calls, steps, {"64": None, "128": 9000})
+    assert text.startswith("On this GPU INT8 attention pays from about 9,000 tokens at head dim 128.")
+    assert "Wan2.1's attention runs 1.52× faster" in text and "SDXL, Flux.1 stay on SDPA" in text
+    assert "a Wan2.1-T2V-1.3B denoiser step runs 1.20× stock" in text and "shipped" not in text
+    section = {"device": "NVIDIA H100", "date": "2026-11-27", "calls": calls, "steps": steps,
+               "pays_from": {"64": None, "128": 9000}, "headline": text}
+    md = "\n".join(R.speed_markdown(section))
+    assert md.count("\n| ") == len(calls) + len(steps) + 2 and "| Wan2.1 (w) |" in md and "| INT8 | 1.52× |" in md
+    page = R.speed_html(section)
+    assert page.count("<table") == 2 and page.count("<tr>") == len(calls) + len(steps) + 2 and "<h2>Speed on this GPU" in page
+
+
 def test_no_energy_counter_off_nvidia_gpus():
     from diffusion_int8.eval.energy import EnergyCounter
 

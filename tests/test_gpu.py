@@ -227,3 +227,22 @@ def test_the_energy_counter_reads_the_work_of_this_gpu():
         torch.cuda.synchronize()
     watts = (counter.joules() - j0) / (time.perf_counter() - t0)
     assert 10 < watts < 2000, watts
+
+
+def test_the_speed_section_times_every_call_and_follows_the_gate():
+    # the demo's speed section at a few replays: every call timed, each decision the gate's own, and "you get" the
+    # INT8 speed-up exactly where the gate runs INT8
+    from diffusion_int8.eval.speed import CALLS, measure
+    from diffusion_int8.speed_gate import SpeedGate
+
+    lines = []
+    section = measure(torch.device("cuda"), progress=lines.append, reps=2, rounds=1, steps=False)
+    table = SpeedGate().table_for(torch.device("cuda"))
+    assert [r["model"] for r in section["calls"]] == [c.model for c in CALLS] and len(lines) == len(CALLS)
+    for row, call in zip(section["calls"], CALLS):
+        B, H, S, D = call.shape
+        assert row["sdpa_ms"] > 0 and row["int8_ms"] > 0 and row["int8_fp16v_ms"] > 0
+        if not call.masked_text:
+            assert row["gate_int8"] == table.pays("int8", D, call.dtype, B * H * S, S)
+        assert row["you_get"] == (row["int8_speedup"] if row["gate_int8"] else 1.0)
+    assert section["headline"].startswith("On this GPU INT8 attention pays from")

@@ -8,9 +8,14 @@ measured errors → eval (FP16 against each INT8 mode, the schedule and calibrat
 seeds). On a machine without a GPU the INT8 modes run the kernel's PyTorch emulation.
 
 On a CPU, unless told otherwise, it generates 8 of the 16 classes in 10 steps (45 s on two idle cores); on a
-GPU all 16 in 20 steps. ``--out`` receives ``calibration/``, eval's reports and images, and ``prompts.txt`` (the
-shipped models' example prompts, for the calibrate and eval commands the demo prints) as one set: an interrupted
-demo leaves the previous outputs or none.
+GPU all 16 in 20 steps, and the report opens with where INT8 pays on that GPU: attention calls at real models'
+shapes (SDXL, SD3.5, Flux, CogVideoX, Wan, HunyuanVideo) and whole denoiser steps (the shipped models, Wan2.1 with
+random weights), stock against INT8, each with the speed gate's decision. The shipped models' own attention is too
+short for INT8 to pay on a GPU: the demo forces it there to show its quality.
+
+``--out`` receives ``calibration/``, eval's reports and images, and ``prompts.txt`` (the shipped models' example
+prompts, for the calibrate and eval commands the demo prints) as one set: an interrupted demo leaves the previous
+outputs or none.
 """
 
 from __future__ import annotations
@@ -55,6 +60,14 @@ def run(args: argparse.Namespace) -> int:
         labels = list(CLASSES[:CPU_LABELS]) if labels is None else labels
         print(f"on a CPU (INT8 emulated): {len(labels)} classes, {steps} steps; --class-labels and --steps run more")
     steps = GPU_STEPS if steps is None else steps
+    gpu_speed = None
+    if not cpu and not args.skip_speed:
+        from ..eval.speed import measure
+
+        device = torch.device(args.device or "cuda")
+        print(f"[0/2] speed on this GPU ({torch.cuda.get_device_name(device)}): attention at real models' shapes and "
+              f"whole denoiser steps, stock against INT8 (--skip-speed leaves it out)")
+        gpu_speed = measure(device, progress=lambda line: print("  " + line))
     with output_set(args.out, OUTPUTS, args.overwrite) as tmp:
         # both steps write into the demo's fresh temporary directory: nothing there to overwrite
         common = dict(model=args.model, prompts=None, class_labels=labels, steps=steps,
@@ -72,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
                      lpips_weights=args.lpips_weights, fid_weights=args.fid_weights,
                      # the demo shows INT8's quality: at the shipped models' 256 and 4,096 tokens of head
                      # dim 64 a GPU's speed gate would send every call to SDPA
-                     no_speed_gate=True)
+                     no_speed_gate=True, gpu_speed=gpu_speed)
         shutil.copyfile(PROMPTS, tmp / "prompts.txt")
+    if gpu_speed is not None:
+        print(gpu_speed["headline"])
     print(f"open {args.out / 'report.html'}")
     model = "" if args.model == pipelines.EMBEDDED else f" --model {args.model}"
     print(f"next, the same job by hand: diffusion-int8 calibrate{model} --prompts {args.out / 'prompts.txt'} --out calib/, "
@@ -99,4 +114,7 @@ def add_parser(sub) -> None:
     p.add_argument("--lpips-weights", default=None, help="torchvision AlexNet weights for LPIPS (see eval --help)")
     p.add_argument("--fid-weights", default=None, help="torch-fidelity Inception weights for FID/KID (see eval --help)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs in --out")
+    p.add_argument("--skip-speed", action="store_true",
+                   help="on a GPU, leave out the report's speed section (attention calls at real models' shapes and "
+                        "whole denoiser steps, stock against INT8, with the speed gate's decisions: about a minute)")
     p.set_defaults(func=command(run))

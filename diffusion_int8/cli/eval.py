@@ -52,9 +52,10 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
                  modes: Sequence[str] = DEFAULT_MODES, schedule: str | None = None, calibration: str | None = None,
                  sparsity: float | None = None, refresh_every: int | None = None, generate_only: bool = False,
                  no_speed_gate: bool = False, lpips_weights: str | None = None, fid_weights: str | None = None,
-                 shown_out: Path | None = None) -> int:
+                 shown_out: Path | None = None, gpu_speed: dict | None = None) -> int:
     """The command (without ``--score``) with its arguments as keywords (``demo`` calls it); ``shown_out``:
-    ``out`` as messages name it (the demo writes into a temporary directory). Returns the exit status."""
+    ``out`` as messages name it (the demo writes into a temporary directory); ``gpu_speed``: a speed section
+    (``eval.speed.measure``) for the report. Returns the exit status."""
     check_out(out, OUTPUTS, overwrite)
     items = read_items(prompts, class_labels, model)
     schedule, calibration = load_inputs(schedule, calibration)
@@ -79,6 +80,8 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
     if report is None:  # another process of a launch: the main one writes
         shards.barrier()
         return 0
+    if gpu_speed is not None:
+        report["gpu_speed"] = gpu_speed
     with output_set(out, OUTPUTS, overwrite) as tmp:
         write_report(report, tmp)
     shown = shown_out or out

@@ -244,6 +244,8 @@ def write_markdown(report: dict, out: Path) -> Path:
     lines = [f"# INT8 attention evaluation: {report['model']}", "",
              f"{report['num_images']} images, {report['steps']} steps, seeds {report['seed']}+i, on {report['device']} "
              f"(INT8 kernel: {report['kernel']}).", ""]
+    if report.get("gpu_speed"):
+        lines += speed_markdown(report["gpu_speed"]) + ["", "## Quality and speed of the demo's model", ""]
     note = timing_of(report)["note"]
     lines += [f"**{note}**", ""] if note else []
     cols = header(report)
@@ -396,6 +398,7 @@ body{{font-family:system-ui,sans-serif;margin:24px;color:#222}} table{{border-co
 <h1>INT8 attention evaluation</h1>
 <p>Model <code>{e(report['model'])}</code> · {report['num_images']} images · {report['steps']} steps · seeds {report['seed']}+i ·
 device {e(report['device'])} · INT8 kernel: {e(report['kernel'])} · {e(report['created'])}</p>
+{speed_html(report['gpu_speed']) if report.get('gpu_speed') else ''}
 <h2>Metrics against {e(names[0])}</h2>
 {f'<p class="warn">{e(timing_note)}</p>' if timing_note else ''}
 <table class="metrics"><tr>{table}</tr>{rows}</table>
@@ -425,3 +428,55 @@ window.addEventListener("load", () => {{
     path = out / "report.html"
     path.write_text(page)
     return path
+
+
+def speed_markdown(section: dict) -> list[str]:
+    """``speed.measure``'s section as Markdown lines: the headline, the calls' table and the steps' table."""
+    lines = ["## Speed on this GPU", "", f"**{section['headline']}**", "",
+             f"Measured on {section['device']}, {section['date']}. Attention calls replayed from CUDA graphs, each INT8 "
+             f"mode against SDPA in the same rounds (× = SDPA's time over the mode's); \"you get\" is what `enable()` "
+             f"does by default (`int8` where the speed gate lets it, SDPA elsewhere).", "",
+             "| model | call (B, H, S, D) | SDPA ms | int8_fp16v | int8 | the gate | you get |", "|---|---|---|---|---|---|---|"]
+    for r in section["calls"]:
+        mask = f", {r['masked_text']} text tokens, a quarter padded" if r["masked_text"] else ""
+        lines.append(f"| {r['model']} ({r['what']}) | {tuple(r['shape'])} {r['dtype']}{mask} | {r['sdpa_ms']:.2f} | "
+                     f"{r['int8_fp16v_speedup']:.2f}× | {r['int8_speedup']:.2f}× | "
+                     f"{'INT8' if r['gate_int8'] else 'SDPA'} | {r['you_get']:.2f}× |")
+    if section["steps"]:
+        lines += ["", "Whole denoiser steps, eager (median of 5 after warm-up), stock against `enable()`'s defaults:", "",
+                  "| model | stock ms | INT8 ms | × | INT8 / gated calls |", "|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['stock_ms']:.1f} | {r['int8_ms']:.1f} | {r['speedup']:.2f}× | "
+                  f"{r['int8_calls']} / {r['gated_calls']} |" for r in section["steps"]]
+    return lines
+
+
+
+
+def speed_html(section: dict) -> str:
+    """The section as HTML: ``speed_markdown``'s content, its tables as tables."""
+    escape = html.escape
+
+    out, table = [], []
+
+    def flush():
+        if table:
+            head, *body = table
+            cells = lambda row, tag: "".join(f"<{tag}>{escape(c)}</{tag}>" for c in row)  # noqa: E731
+            out.append(f'<table class="metrics"><tr>{cells(head, "th")}</tr>'
+                       + "".join(f"<tr>{cells(row, 'td')}</tr>" for row in body) + "</table>")
+            table.clear()
+
+    for line in speed_markdown(section):
+        if line.startswith("|"):
+            if not line.startswith("|---"):
+                table.append([c.strip() for c in line.strip("|").split("|")])
+            continue
+        flush()
+        if line.startswith("## "):
+            out.append(f"<h2>{escape(line[3:])}</h2>")
+        elif line.startswith("**"):
+            out.append(f"<p><strong>{escape(line.strip('*'))}</strong></p>")
+        elif line:
+            out.append(f'<p class="note">{escape(line.replace("`", ""))}</p>')
+    flush()
+    return "\n".join(out)

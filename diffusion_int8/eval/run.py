@@ -108,9 +108,12 @@ def run_variant(pipe, model, items, batches, device, kwargs: dict | None, *, ste
     images, seconds, n_images, int8_calls, gated_calls = {}, 0.0, 0, 0, 0
     blocks: dict[int, list] = {}  # step -> [block pairs computed, all pairs], over the batches
     try:
-        if batches:  # warm-up (Triton compilation, allocator), not timed
+        if batches:  # warm-up (Triton compilation, allocator, calibrated ranges per timestep), not timed
             b, batch, idx = batches[0]
-            pipelines.generate(pipe, items, batch[:1], idx[:1], steps=2, seed=seed, guidance_scale=guidance_scale)
+            # on a GPU the whole schedule: its timesteps' static ranges are evaluated once, at the first generation;
+            # on a CPU (no speed measurement) two steps compile what there is to compile
+            pipelines.generate(pipe, items, batch[:1], idx[:1], steps=steps if device.type == "cuda" else 2,
+                               seed=seed, guidance_scale=guidance_scale)
             timer.pending = []
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -1,0 +1,199 @@
+"""Where INT8 attention pays on this GPU: attention calls at real models' shapes and whole denoiser steps, each
+timed against stock in one run, with the speed gate's decision beside it (``measure``).
+
+The attention calls are replayed from CUDA graphs (the GPU's time alone), the three variants taking turns
+(``timing.interleaved_rounds``), on inputs with real structure (``inputs.realistic_qkv``: a K channel bias and a
+sink token) laid out as diffusers hands them over ((B, S, H, D) memory). The denoiser steps are eager, as a
+pipeline runs them, medians of CUDA-event-timed steps after warm-up: the shipped models, and Wan2.1-T2V-1.3B's
+real configuration with random weights (no download). "What you get" is what ``enable()`` does by default: INT8
+where the gate lets it, SDPA elsewhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..inputs import realistic_qkv
+from ..kernels import Mode, int8_attention
+from ..speed_gate import SpeedGate
+from ..timing import interleaved_rounds, median
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call of a real model: (B, H, S, D) self- or joint attention, ``masked_text`` text tokens at the
+    end of the sequence of which a quarter are padding (a key mask), in ``dtype``."""
+
+    model: str
+    what: str
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype = torch.bfloat16
+    masked_text: int = 0
+
+
+CALLS = (
+    Call("SDXL", "1024², 64×64 self-attention, CFG batch", (2, 10, 4096, 64), torch.float16),
+    Call("SD3.5 Large", "1024², joint image + text, CFG batch", (2, 38, 4429, 64)),
+    Call("Flux.1", "1024², joint image + text", (1, 24, 4608, 128)),
+    Call("CogVideoX-5B", "720×480×49 frames, joint, CFG batch", (2, 48, 17776, 64)),
+    Call("Wan2.1", "480p×81 frames, self-attention", (1, 12, 32760, 128)),
+    Call("HunyuanVideo", "544×960×61 frames, joint, text padded", (1, 24, 32896, 128), masked_text=256),
+)
+MODES = ("int8_fp16v", "int8")
+
+
+def measure(device: torch.device, progress: Callable[[str], None] = print, reps: int = 10, rounds: int = 3,
+            steps: bool = True) -> dict:
+    """The speed section of a report: ``{"device", "date", "calls", "steps", "pays_from", "headline"}`` (see
+    ``call_rows``, ``step_rows``, ``pays_from``, ``headline``). ``steps=False`` leaves the denoiser steps out."""
+    gate = SpeedGate()
+    calls = call_rows(device, gate, progress, reps, rounds)
+    step = step_rows(device, progress) if steps else []
+    crossover = pays_from(device, gate)
+    return {"device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
+            "calls": calls, "steps": step, "pays_from": crossover, "headline": headline(calls, step, crossover)}
+
+
+def call_rows(device: torch.device, gate: SpeedGate, progress=print, reps: int = 10, rounds: int = 3) -> list[dict]:
+    """Per ``CALLS`` entry: SDPA's ms, each INT8 mode's ms and speed-up (SDPA's time over its own, the median of
+    ``rounds`` paired rounds), the gate's decision for the default mode, and the speed-up ``enable()`` gives it."""
+    rows = []
+    for i, call in enumerate(CALLS):
+        B, H, S, D = call.shape
+        q, k, v = realistic_qkv(B, H, S, S, D, dtype=call.dtype, layout="BSHD", device=device, seed=i)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # BHSD views of (B, S, H, D) memory, as diffusers passes
+        mask = None
+        if call.masked_text:
+            mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=device)
+            mask[..., S - call.masked_text // 4:] = False
+        fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)}
+        for m in MODES:
+            fns[m] = lambda m=m: int8_attention(q, k, v, mode=m, attn_mask=mask)
+        times = interleaved_rounds(fns, reps, rounds)
+        sdpa = median(times["sdpa"])
+        row = {"model": call.model, "what": call.what, "shape": list(call.shape), "dtype": str(call.dtype)[6:],
+               "masked_text": call.masked_text, "sdpa_ms": sdpa}
+        for m in MODES:
+            row[f"{m}_ms"] = median(times[m])
+            row[f"{m}_speedup"] = median([a / b for a, b in zip(times["sdpa"], times[m])])
+        default = Mode.parse("int8")
+        row["gate_int8"] = bool(gate.pays(default, q, k, mask))
+        row["you_get"] = row["int8_speedup"] if row["gate_int8"] else 1.0
+        rows.append(row)
+        progress(f"[{i + 1}/{len(CALLS)}] {call.model} {call.shape}: SDPA {sdpa:.2f} ms, "
+                 + ", ".join(f"{m} {row[f'{m}_speedup']:.2f}×" for m in MODES)
+                 + f"; the gate: {'INT8' if row['gate_int8'] else 'SDPA'}")
+        del q, k, v, fns
+        torch.cuda.empty_cache()
+    return rows
+
+
+def step_rows(device: torch.device, progress=print, steps: int = 5) -> list[dict]:
+    """Eager denoiser steps, stock against ``enable()``'s defaults (INT8 where the gate lets it): the shipped
+    models and Wan2.1-T2V-1.3B at 480p × 49 frames (random weights). Per model: both step times (median of
+    ``steps`` after two warm-up steps), the ratio, and the INT8 / gated attention calls of one step."""
+    from .. import enable
+    from ..embedded import load_pipeline
+
+    models = []
+    for variant, name in (("base", "shipped embedded, 256 tokens"), ("long", "shipped embedded-long, 4,096 tokens")):
+        try:
+            pipe = load_pipeline(variant=variant, device=device)
+        except FileNotFoundError as exc:  # an install without the long model's weights
+            progress(f"{name}: skipped ({exc})")
+            continue
+        model = pipe.transformer
+        x = dict(hidden_states=torch.randn(32, model.config.in_channels, model.config.sample_size,
+                                           model.config.sample_size, device=device, dtype=model.dtype),
+                 timestep=torch.full((32,), 500, device=device), class_labels=torch.zeros(32, dtype=torch.long, device=device))
+        models.append((name + ", batch 32", model, x))
+    models.append(("Wan2.1-T2V-1.3B, 480p×49 frames, 30 blocks (random weights)", *_wan(device)))
+    rows = []
+    for name, model, x in models:
+        with torch.no_grad():
+            stock = _step_ms(model, x, steps)
+            handle = enable(model, record=True)
+            _step_ms(model, x, 1)  # the gate's decisions and the kernels' compilation, before counting
+            handle.state.reset()
+            model(**x)
+            int8, gated = handle.state.int8_calls, handle.state.gated_calls
+            ms = _step_ms(model, x, steps)
+            handle.disable()
+        rows.append({"model": name, "stock_ms": stock, "int8_ms": ms, "speedup": stock / ms, "int8_calls": int8,
+                     "gated_calls": gated})
+        progress(f"{name}: stock {stock:.1f} ms, INT8 (defaults) {ms:.1f} ms a step, {stock / ms:.2f}×; "
+                 f"{int8} INT8 / {gated} gated attention calls")
+        del model, x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _wan(device: torch.device):
+    """Wan2.1-T2V-1.3B's transformer (30 blocks, 12 heads × 128), random bf16 weights made on ``device``, and one
+    step's inputs at 480p × 49 frames (13 × 60 × 104 latents: 20,280 tokens; 512 text tokens)."""
+    import diffusers
+
+    with torch.device(device):
+        model = diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+            text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6).to(torch.bfloat16).eval()
+        x = dict(hidden_states=torch.randn(1, 16, 13, 60, 104, dtype=torch.bfloat16), timestep=torch.tensor([500]),
+                 encoder_hidden_states=torch.randn(1, 512, 4096, dtype=torch.bfloat16))
+    return model, x
+
+
+def _step_ms(model, x: dict, steps: int) -> float:
+    for _ in range(2):
+        model(**x)
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(**x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return median(times)
+
+
+def pays_from(device: torch.device, gate: SpeedGate) -> dict[str, int | None]:
+    """Per head dim (64, 128): the fewest tokens from which the gate runs the default mode's self-attention
+    with 24 heads, batch 1, bf16 (eighth-octave steps from 1,024 to 131,072), or None where it never does."""
+    table = gate.table_for(device)
+    out = {}
+    for d in (64, 128):
+        found = None
+        if table is not None:
+            for i in range(0, 7 * 8 + 1):
+                s = int(1024 * 2 ** (i / 8))
+                if table.pays("int8", d, torch.bfloat16, 24 * s, s):
+                    found = s
+                    break
+        out[str(d)] = found
+    return out
+
+
+def headline(calls: list[dict], steps: list[dict], crossover: dict) -> str:
+    """The honest summary: from how many tokens INT8 pays on this GPU, which of the calls it speeds up, and that the
+    others run at stock speed."""
+    fast = [r for r in calls if r["gate_int8"]]
+    slow = [r["model"] for r in calls if not r["gate_int8"]]
+    where = " and ".join(f"about {n:,} tokens at head dim {d}" for d, n in crossover.items() if n) or "no length measured"
+    text = f"On this GPU INT8 attention pays from {where}."
+    if fast:
+        text += " " + ", ".join(f"{r['model']}'s attention runs {r['you_get']:.2f}× faster" for r in fast) + "."
+    if slow:
+        text += (f" {', '.join(slow)} {'stays' if len(slow) == 1 else 'stay'} on SDPA (too short for INT8 to pay): "
+                 f"stock speed, stock images.")
+    video = [r for r in steps if r["int8_calls"] and not r["model"].startswith("shipped")]
+    if video:
+        text += " " + "; ".join(f"a {r['model'].split(',')[0]} denoiser step runs {r['speedup']:.2f}× stock"
+                                for r in video) + "."
+    return text
+
