@@ -396,7 +396,7 @@ def test_the_speed_section_says_where_int8_pays():
     text = headline(calls, steps, {"64": None, "128": 9000})
     assert text.startswith("On this GPU INT8 attention pays from about 9,000 tokens at head dim 128.")
     assert "Wan2.1's attention runs 1.52× faster" in text and "SDXL, Flux.1 stay on SDPA" in text
-    assert "a Wan2.1-T2V-1.3B denoiser step runs 1.20× stock" in text and "shipped" not in text
+    assert "Wan2.1-T2V-1.3B: a whole denoiser step runs 1.20× stock." in text and "shipped" not in text
     section = {"device": "NVIDIA H100", "date": "2026-11-27", "calls": calls, "steps": steps,
                "pays_from": {"64": None, "128": 9000}, "headline": text}
     md = "\n".join(R.speed_markdown(section))

@@ -193,7 +193,7 @@ def headline(calls: list[dict], steps: list[dict], crossover: dict) -> str:
                  f"stock speed, stock images.")
     video = [r for r in steps if r["int8_calls"] and not r["model"].startswith("shipped")]
     if video:
-        text += " " + "; ".join(f"a {r['model'].split(',')[0]} denoiser step runs {r['speedup']:.2f}× stock"
+        text += " " + "; ".join(f"{r['model'].split(',')[0]}: a whole denoiser step runs {r['speedup']:.2f}× stock"
                                 for r in video) + "."
     return text
 
