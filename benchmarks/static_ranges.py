@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from diffusion_int8 import pipelines
+from diffusion_int8 import Int8Config, pipelines
 from diffusion_int8.calibration.run import calibrate
 from diffusion_int8.eval.run import run_variant
 from diffusion_int8.models import denoiser
@@ -41,12 +41,14 @@ def main() -> None:
     schedule = PrecisionSchedule.from_calibration(cal, budget=args.budget)
     batches = items.batches(args.images)
     model = denoiser(pipe)
-    variants = {"schedule, measured": dict(schedule=schedule), "schedule, static": dict(schedule=schedule, calibration=cal),
-                "int8, measured": dict(mode="int8"), "int8, static": dict(mode="int8", calibration=cal)}
+    variants = {"schedule, measured": Int8Config(schedule=schedule, speed_gate=False),
+                "int8, measured": Int8Config("int8", speed_gate=False)}
+    variants = {**variants, "schedule, static": variants["schedule, measured"].replace(calibration=cal),
+                "int8, static": variants["int8, measured"].replace(calibration=cal)}
     ms = {name: [] for name in variants}
     for r in range(args.rounds):
-        for name, kw in variants.items():
-            _, speed, _ = run_variant(pipe, model, items, batches, dev, kw, steps=args.steps, seed=0, speed_gate=False)
+        for name, config in variants.items():
+            _, speed, _ = run_variant(pipe, model, items, batches, dev, config, steps=args.steps, seed=0)
             ms[name].append(speed["denoiser_ms_per_step"])
         print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.2f}" for n, v in ms.items()), flush=True)
     print(f"\n{torch.cuda.get_device_name(dev)}, {args.model}, {args.images} images x {args.steps} steps, ms a step")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -15,9 +14,8 @@ from .kernels import Mode
 from .kernels.config import MAX_HEAD_DIM
 from .models import (attention_modules, attention_outside_processors, denoiser, head_dim_of, reaches_attention,
                      set_processor)
-from .processor import Int8DiffusionProcessor, Int8State, Schedule, as_calibration, as_gate, check_carry, check_sparsity
-from .schedule import PrecisionSchedule
-from .speed_gate import SpeedGate
+from .config import Int8Config
+from .processor import Int8DiffusionProcessor, Int8State
 from .versions import check_diffusers_version
 
 
@@ -100,55 +98,28 @@ def _warn_skipped(model: torch.nn.Module, skipped: dict[str, str]) -> None:
                       f"processor: {listing}", RuntimeWarning, stacklevel=3)
 
 
-def enable(
-    pipe_or_model,
-    mode: str | Mode = "int8",
-    *,
-    schedule: Schedule | None = None,
-    calibration: "Calibration | str | None" = None,
-    record: bool = False,
-    observer: Callable | None = None,
-    speed_gate: "bool | SpeedGate | str | Path" = True,
-    sparsity: float | None = None,
-    refresh_every: int | None = None,
-    qk_balance: bool | None = None,
-    qk_rotate: bool = False,
-) -> Int8Handle:
+def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: bool = False,
+           observer: Callable | None = None, **options) -> Int8Handle:
     """Install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoiser.
 
     Args:
         pipe_or_model: a diffusers pipeline (its ``transformer`` or ``unet`` is used) or the model.
-        mode: constant precision, when no ``schedule`` is given.
-        schedule: a ``PrecisionSchedule``, preset name, schedule file or callable ``timestep -> mode``; the
-            timestep the denoiser receives (the first element of a CFG batch) is read by a forward pre-hook,
-            once per denoiser call (one host read per step).
-        calibration: a ``Calibration`` or its file (``diffusion-int8 calibrate``): checked against the model
-            (layer names, heads, head dims), then its ranges at each step become static quantization ranges.
+        mode: an ``Int8Config``, or the mode of one made from ``options``: ``enable(pipe, "int8",
+            calibration="calib/")`` is ``enable(pipe, Int8Config("int8", calibration="calib/"))``. The config's
+            options (schedule, calibration, speed gate, sparsity, carrying, outlier handling) are documented there;
+            a calibration is also checked against the model (layer names, heads, head dims). With a schedule, a
+            calibration or carrying, the timestep the denoiser receives (the first element of a CFG batch) is read
+            by a forward pre-hook, once per denoiser call (one host read per step).
         record: keep a trace of ``(step, timestep, layer, mode)`` in ``handle.state.trace``, and count the
             (query block, key block) pairs computed per step: ``handle.state.skipped_blocks()``.
         observer: see ``Int8DiffusionProcessor``; the calibration collector passes one.
-        speed_gate: True (default): INT8 only for the call shapes where it beats SDPA on this GPU, by the
-            crossover table shipped for its architecture or measured by ``diffusion-int8 tune``; SDPA elsewhere.
-            False forces INT8 (experiments, quality evaluation). A ``SpeedGate`` or table file gates by that.
-            ``handle.state.int8_calls`` / ``gated_calls`` count the two outcomes.
-        sparsity: block-sparse attention at a constant level tau in (0, 1] (the pooled attention mass kept per
-            query block; see ``Int8DiffusionProcessor``) for every INT8 call, with ``mode`` or with a schedule
-            that has no levels of its own; a schedule with levels (``PrecisionSchedule.from_calibration(...,
-            sparsity_budget=...)``) sets them per step and layer instead, and giving both raises ``ValueError``.
-        refresh_every: with ``sparsity``, the skipped blocks are carried instead of dropped: computed every
-            ``refresh_every``-th denoising step and forecast in between from the last two such steps, the mask
-            predicted once per generation (``carry.BlockCarry``; see ``Int8DiffusionProcessor``). Eager
-            pipelines only: each attention module keeps its skipped blocks' last two outputs.
-        qk_balance: ``int8_attention``'s exact Q·Kᵀ channel balance against outlier channels that Q or K carries
-            alone. None (default): where each module needs it (the calibration's, the schedule's
-            ``balance_layers``, else the module's first INT8 call decides; ``Int8DiffusionProcessor``); True:
-            every call; False: none. ``handle.summary()["qk_balance"]`` lists which modules balance.
-        qk_rotate: passed to ``int8_attention``: the Hadamard rotation of Q and K against outlier channels, those
-            Q and K share included (with ``qk_balance`` too, both apply).
+        options: keywords of ``Int8Config``, when ``mode`` is not a config.
 
     Every attention module of the model is routed (diffusers' ``Attention``, ``AttentionModuleMixin`` modules and
     model-specific ones); those the kernel cannot run (head dim > 256, a processor with no scaled-dot-product
     attention) keep their processor, and one warning names the model and lists them (``handle.summary()`` too).
+    ``handle.state.int8_calls`` / ``gated_calls`` count the calls that ran INT8 and those the speed gate sent to
+    SDPA; ``handle.summary()["qk_balance"]`` lists what each module does about the Q·Kᵀ balance.
     Raises ``ValueError`` for a model without attention modules; refuses a model already enabled, or one compiled
     with ``torch.compile`` (enable first, compile after).
     """
@@ -157,14 +128,9 @@ def enable(
         raise RuntimeError("diffusion_int8 is already enabled on this model; call handle.disable() first")
     if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
         raise RuntimeError("the model is already compiled: call diffusion_int8.enable() before torch.compile")
-    Mode.parse(mode)
-    if isinstance(schedule, str):
-        schedule = PrecisionSchedule.load(schedule)
-    check_carry(refresh_every, check_sparsity(sparsity, schedule), schedule)
-    calibration = as_calibration(calibration)
-    if calibration is not None:
-        calibration.validate(model)
-    gate = as_gate(speed_gate)
+    config = Int8Config.of(mode, **options)
+    if config.calibration is not None:
+        config.calibration.validate(model)
     modules = attention_modules(model)
     outside = attention_outside_processors(model)
     if not modules:
@@ -183,13 +149,12 @@ def enable(
             skipped[name] = why
             continue
         originals[name] = module.processor
-        set_processor(module, Int8DiffusionProcessor(
-            mode, schedule=schedule, calibration=calibration, inner=module.processor, state=state, name=name,
-            observer=observer, speed_gate=gate, sparsity=sparsity, refresh_every=refresh_every, qk_balance=qk_balance,
-            qk_rotate=qk_rotate))
+        set_processor(module, Int8DiffusionProcessor(config, inner=module.processor, state=state, name=name,
+                                                     observer=observer))
     _warn_skipped(model, skipped)
     hook = None
-    if schedule is not None or record or calibration is not None or observer is not None or refresh_every is not None:
+    if (config.schedule is not None or record or config.calibration is not None or observer is not None
+            or config.refresh_every is not None):
         hook = model.register_forward_pre_hook(functools.partial(_read_timestep, state), with_kwargs=True)
     handle = Int8Handle(model, state, originals, skipped, hook)
     model.__dict__["_diffusion_int8_handle"] = handle

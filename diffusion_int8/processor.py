@@ -15,27 +15,24 @@ import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from .calibration.file import Calibration
 from .carry import BlockCarry
+from .config import Int8Config
 from .kernels import Mode, StaticRanges
 from .kernels.api import sdpa_with_lse
 from .kernels.config import SPARSE_BLOCK
 from .kernels.layout import BALANCE_MIN_QUERIES, cdiv
 from .kernels.reference import needs_balance
-from .kernels.sparsity import check_tau, predict_block_mask
+from .kernels.sparsity import predict_block_mask
 from .models import any_stock_signature, call_params, stock_processor_for, stock_signature, text_position
 from .routing import (RouteToInt8, attention_dispatch, context_split, int8_core, keeps_stock, kernel_takes, other_backend,
                       routed, ulysses_share)
 from .schedule import PrecisionSchedule, noise_level
-from .speed_gate import CrossoverTable, SpeedGate
 
-Schedule = Union[PrecisionSchedule, str, Callable[[float], Union[str, Mode]]]
 
 
 @dataclass
@@ -84,25 +81,6 @@ class Int8State:
         return skipped_fractions(self.block_totals())
 
 
-def as_gate(speed_gate) -> SpeedGate | None:
-    if speed_gate is True:
-        return SpeedGate()
-    if speed_gate is False or speed_gate is None:
-        return None
-    if isinstance(speed_gate, SpeedGate):
-        return speed_gate
-    if isinstance(speed_gate, (str, Path, CrossoverTable)):
-        return SpeedGate(speed_gate)
-    raise TypeError(f"speed_gate must be True, False, a SpeedGate, a CrossoverTable or its file, got {speed_gate!r}")
-
-
-def as_calibration(calibration):
-    """A ``Calibration`` from itself, its file or directory, or None."""
-    if isinstance(calibration, (str, Path)):
-        return Calibration.load(calibration)
-    return calibration
-
-
 class Int8DiffusionProcessor:
     """A diffusers attention processor whose attention core runs in INT8.
 
@@ -111,47 +89,14 @@ class Int8DiffusionProcessor:
     processor and wires the timestep.
 
     Args:
-        mode: constant precision, ``"int8"``, ``"int8_fp16v"`` or ``"fp16"`` (the stock processor exactly).
-        schedule: instead of ``mode``, a ``PrecisionSchedule`` (per noise level and layer), a preset name
-            or schedule file (``PrecisionSchedule.load``), or any callable ``timestep -> mode``; evaluated at
-            every call from ``state.timestep`` (``enable`` keeps it current). Until a timestep is known,
-            ``fp16`` runs.
-        calibration: a ``Calibration`` (or its file): its fitted per-head ranges at the current noise level
-            and K means become the kernel's static quantization ranges and smoothing vector for module ``name``
-            (no statistics pass over K and V). Needs the timestep.
+        mode: an ``Int8Config``, or the mode of one made from ``options`` (``Int8Config(mode, **options)``: the
+            schedule, calibration, speed gate, sparsity, carrying and outlier options, each documented there).
         inner: the stock processor to wrap; inferred per module when None (``stock_processor_for``).
         state: the ``Int8State`` to read the timestep from and record into.
         name: the module's name, for the trace and the calibration.
         observer: a callable ``observer(processor, query, key, value, attn_mask, scale, out)`` given every
             attention call's BHSD inputs and exact output (``out``); the calibration collector is one.
-        speed_gate: True (default) runs an INT8 mode only for call shapes where it is faster than SDPA on the
-            GPU (``speed_gate.SpeedGate``; elsewhere SDPA, exact); False forces INT8 wherever the mode says;
-            a ``SpeedGate``, or a crossover table file, gates by that table.
-        sparsity: a constant sparsity level tau in (0, 1] for every INT8 call: the call predicts which key blocks
-            hold ``tau`` of each query block's pooled attention mass (``int8_attention(..., sparsity=tau)``, as
-            ``predict_block_mask`` does, from sums its quantization makes) and the kernel skips the rest (1 or None:
-            dense). A schedule with levels of its own (``PrecisionSchedule.sparse``) sets them
-            instead, and giving both is an error. Calls that run SDPA (``fp16``, or sent there by the speed gate),
-            calls with an ``attn_mask`` and calls of at most ``SPARSE_BLOCK`` keys stay dense. In joint text+image
-            attention (the stock processor receives ``encoder_hidden_states`` and attends over both), the key
-            blocks holding the text tokens are always kept.
-        refresh_every: with ``sparsity``, carry the skipped blocks instead of dropping them (``carry.BlockCarry``):
-            every ``refresh_every``-th denoising step computes them too, the steps between forecast them from
-            the last two such steps; the mask is predicted once per generation. Needs the timestep (``enable``
-            reads it), and eager mode between calls (not CUDA graph replays of single steps).
-        qk_balance: ``int8_attention``'s Q·Kᵀ channel balance, against outlier channels that Q or K carries
-            alone (see its docstring; with measured ranges it needs at least 1,024 queries per head). None (the
-            default) balances where the module needs it: with a calibration, by its static balance (files from
-            ``calibrate`` since schema 4; a channel without outliers is left as it is); with a schedule from a
-            calibration, in the modules its ``balance_layers`` name; else by the module's first INT8 call of
-            1,024+ queries per head, which looks once for a channel the balance would move (one read from the
-            GPU; under ``torch.compile`` or CUDA-graph capture before that, every call measures its balance).
-            True balances every call, False none; ``balance_status()`` says what this module does.
-        qk_rotate: ``int8_attention``'s Hadamard rotation of Q and K, for outlier channels, Q and K sharing them or
-            not (with ``qk_balance`` too, both apply). With a calibration, Q's and K's ranges are then measured per
-            call (the calibrated ones are of the unrotated tensors); its V ranges, K mean and balance still apply.
-            The speed gate's table was measured without the rotation's cost (up to +6% a call at Flux's shape): with it
-            on, calls the gate sends to INT8 may be slower than SDPA, and a warning says so once.
+        options: keywords of ``Int8Config``, when ``mode`` is not a config.
     """
 
     def __new__(cls, *args, inner: Any = None, **kwargs):
@@ -160,50 +105,21 @@ class Int8DiffusionProcessor:
         sig = stock_signature(type(inner)) if inner is not None else any_stock_signature()
         return super().__new__(_declaring_class(sig))
 
-    def __init__(
-        self,
-        mode: str | Mode = "int8",
-        *,
-        schedule: Schedule | None = None,
-        calibration: "Calibration | str | None" = None,
-        inner: Any = None,
-        state: Int8State | None = None,
-        name: str | None = None,
-        observer: Callable | None = None,
-        speed_gate: "bool | SpeedGate | str | Path" = True,
-        sparsity: float | None = None,
-        refresh_every: int | None = None,
-        qk_balance: bool | None = None,
-        qk_rotate: bool = False,
-    ):
-        self.mode = Mode.parse(mode)
-        self.gate = as_gate(speed_gate)
+    def __init__(self, mode: "Int8Config | str | Mode" = "int8", *, inner: Any = None, state: Int8State | None = None,
+                 name: str | None = None, observer: Callable | None = None, **options):
+        config = self.config = Int8Config.of(mode, **options)
+        self.mode, self.gate, self.schedule = config.mode, config.speed_gate, config.schedule
+        self.sparsity, self.qk_balance, self.qk_rotate = config.sparsity, config.qk_balance, config.qk_rotate
+        self.carry = None if config.refresh_every is None else BlockCarry(config.refresh_every)
         attention_dispatch()  # imported now, not while torch.compile traces a call
-        if isinstance(schedule, str):
-            schedule = PrecisionSchedule.load(schedule)
-        if schedule is not None and not callable(schedule):
-            raise TypeError(f"schedule must be a PrecisionSchedule, a preset name, a file or a callable, got {type(schedule).__name__}")
-        self.sparsity = check_sparsity(sparsity, schedule)
-        self.carry = check_carry(refresh_every, self.sparsity, schedule)
         self._warned_carry = False
-        if qk_balance is not None and not isinstance(qk_balance, bool):
-            raise TypeError(f"qk_balance must be None (where the module needs it), True or False, got {qk_balance!r}")
-        if not isinstance(qk_rotate, bool):
-            raise TypeError(f"qk_rotate must be True or False, got {qk_rotate!r}")
-        self.qk_balance = qk_balance
-        self.qk_rotate = qk_rotate
-        if qk_rotate and self.gate is not None:
-            _warn_rotation_cost()
-        self.schedule = schedule
         self.inner = inner
         self.state = state if state is not None else Int8State()
         self.name = name
-        calibration = as_calibration(calibration)
+        calibration = self.calibration = config.calibration
         if calibration is not None and name not in calibration.layers:
             raise ValueError(f"the calibration has no layer {name!r}: pass the module's name (enable() does)")
-        if calibration is not None and qk_balance and not calibration.has_channel_ranges():
-            _warn_no_channel_ranges(calibration.meta.get("schema_version"))
-        self.calibration = calibration
+        qk_balance, schedule = config.qk_balance, config.schedule
         # the calibration's static balance: asked for, or by default where the calibration saw outlier channels
         # (the policy ``Calibration.ranges_at`` takes for every layer, and what it comes to in this one)
         self._range_balance = qk_balance if calibration is not None and calibration.has_channel_ranges() else False
@@ -656,46 +572,6 @@ def skipped_fractions(totals: dict[int, tuple[float, int]]) -> dict | None:
     kept, total = sum(totals[s][0] for s in steps), sum(totals[s][1] for s in steps)
     return {"steps": steps, "per_step": [1 - totals[s][0] / max(totals[s][1], 1) for s in steps],
             "overall": 1 - kept / max(total, 1)}
-
-
-def check_carry(refresh_every, sparsity: float | None, schedule=None) -> BlockCarry | None:
-    """A ``BlockCarry`` for ``refresh_every`` (None: none), which needs a constant ``sparsity`` below 1."""
-    if refresh_every is None:
-        return None
-    if isinstance(schedule, PrecisionSchedule) and schedule.sparse:
-        raise ValueError(f"refresh_every={refresh_every!r} carries the blocks of one constant sparsity level, and "
-                         f"schedule {schedule.name!r} sets levels per step: give sparsity=tau with mode= or a "
-                         f"schedule without levels")
-    if sparsity is None or sparsity >= 1:
-        raise ValueError(f"refresh_every={refresh_every!r} carries the blocks a sparsity level skips: give "
-                         f"sparsity=tau (a constant level below 1) too, got sparsity={sparsity!r}")
-    return BlockCarry(refresh_every)
-
-
-def check_sparsity(sparsity, schedule) -> float | None:
-    """``sparsity`` (None or a level in (0, 1]) checked, and not given beside a schedule with levels of its own."""
-    if sparsity is None:
-        return None
-    sparsity = check_tau(sparsity, "sparsity")
-    if isinstance(schedule, PrecisionSchedule) and schedule.sparse:
-        raise ValueError(f"schedule {schedule.name!r} sets sparsity levels of its own; give sparsity= or a schedule "
-                         f"with levels, not both")
-    return sparsity
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_rotation_cost() -> None:
-    warnings.warn("diffusion_int8: qk_rotate costs 0-7% of an INT8 call (H100: +3-6% at Flux's shape, "
-                  "+3-4% at SDXL's), which the speed gate's crossover table does not include: "
-                  "calls it sends to INT8 may be slower than SDPA. Time your model with and without it "
-                  "(benchmarks/pipeline.py).", UserWarning, stacklevel=4)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_no_channel_ranges(schema) -> None:
-    warnings.warn(f"diffusion_int8: qk_balance=True with a schema {schema} calibration, which has no per-channel Q/K "
-                  f"maxima: its static ranges run without the Q·Kᵀ balance. Run `diffusion-int8 calibrate` again to "
-                  f"record them.", UserWarning, stacklevel=4)
 
 
 def heads_share(ranges: StaticRanges, rank: int, devices: int) -> StaticRanges:

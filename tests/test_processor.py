@@ -432,10 +432,10 @@ def test_sparsity_arguments_are_checked():
         Int8DiffusionProcessor("int8", qk_balance="yes")
     with pytest.raises(TypeError, match="qk_rotate must be True or False"):
         Int8DiffusionProcessor("int8", qk_rotate=1)
-    from diffusion_int8 import processor
+    from diffusion_int8 import config
 
-    processor._warn_rotation_cost.cache_clear()
-    with pytest.warns(UserWarning, match="qk_rotate costs .* the speed gate's crossover table does not include"):
+    config._warn_rotation_cost.cache_clear()
+    with pytest.warns(UserWarning, match="qk_rotate costs .* which the speed gate's crossover tables do not include"):
         Int8DiffusionProcessor("int8", qk_rotate=True)
     enable(model, schedule="balanced", sparsity=0.9).disable()  # no levels of its own: the constant applies
 

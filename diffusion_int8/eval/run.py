@@ -23,9 +23,12 @@ from tqdm.auto import tqdm
 
 from .. import pipelines
 from ..calibration import Calibration
+from ..config import Int8Config
+from ..install import enable
 from ..kernels import Mode, kernel_info
-from ..processor import check_carry, check_sparsity, skipped_fractions
+from ..processor import skipped_fractions
 from ..schedule import PrecisionSchedule
+from ..speed_gate import SpeedGate
 from . import report as R
 from .energy import EnergyCounter
 from .score import Scorer, save_images
@@ -82,28 +85,28 @@ def check_modes(modes: Sequence[str]) -> list[str]:
 
 def variants(modes: Sequence[str] = DEFAULT_MODES, schedule: PrecisionSchedule | None = None,
              calibration: Calibration | None = None, sparsity: float | None = None,
-             refresh_every: int | None = None) -> dict[str, dict]:
-    """``{name: enable() kwargs}`` in report order; the baseline (stock pipeline) is not listed."""
-    out = {m: {"mode": m} for m in modes}
+             refresh_every: int | None = None, speed_gate: bool = True) -> dict[str, Int8Config]:
+    """``{name: config}`` in report order, one speed gate shared (``speed_gate`` False: INT8 forced); the baseline
+    (stock pipeline) is not listed. The configs are checked as they are made, before any image."""
+    gate = SpeedGate() if speed_gate else False
+    out = {m: Int8Config(m, speed_gate=gate) for m in modes}
     if schedule is not None:
-        out[f"schedule:{schedule.name}"] = {"schedule": schedule}
+        out[f"schedule:{schedule.name}"] = Int8Config(schedule=schedule, speed_gate=gate)
     if calibration is not None:
-        base_name, base = list(out.items())[-1] if out else ("int8", {"mode": "int8"})
-        out[f"{base_name}+static-ranges"] = {**base, "calibration": calibration}
-    if sparsity is not None:
+        base_name, base = list(out.items())[-1] if out else ("int8", Int8Config("int8", speed_gate=gate))
+        out[f"{base_name}+static-ranges"] = base.replace(calibration=calibration)
+    if sparsity is not None or refresh_every is not None:
         name = f"int8+sparsity{sparsity:g}" + (f"+refresh{refresh_every}" if refresh_every else "")
-        out[name] = {"mode": "int8", "sparsity": sparsity, "refresh_every": refresh_every}
+        out[name] = Int8Config("int8", sparsity=sparsity, refresh_every=refresh_every, speed_gate=gate)
     return out
 
 
-def run_variant(pipe, model, items, batches, device, kwargs: dict | None, *, steps: int, seed: int,
-                guidance_scale: float | None = None, speed_gate: bool = True, on_step=None):
-    """Images (by index) and speed of one variant; ``kwargs`` None runs the stock pipeline.
+def run_variant(pipe, model, items, batches, device, config: Int8Config | None, *, steps: int, seed: int,
+                guidance_scale: float | None = None, on_step=None):
+    """Images (by index) and speed of one variant; ``config`` None runs the stock pipeline.
 
     ``on_step(n)`` hears of every timed denoising step (the warm-up run is not counted)."""
-    from .. import enable
-
-    handle = enable(pipe, record=True, speed_gate=speed_gate, **kwargs) if kwargs is not None else None
+    handle = enable(pipe, config, record=True) if config is not None else None
     timer = StepTimer(model, device)
     images, seconds, n_images, int8_calls, gated_calls = {}, 0.0, 0, 0, 0
     blocks: dict[int, list] = {}  # step -> [block pairs computed, all pairs], over the batches
@@ -144,7 +147,7 @@ def run_variant(pipe, model, items, batches, device, kwargs: dict | None, *, ste
         if handle is not None:
             handle.disable()
     # carried blocks alternate dearer refresh steps with cheaper ones: their mean, not the median of either kind
-    per_step_ms = statistics.mean if (kwargs or {}).get("refresh_every") else statistics.median
+    per_step_ms = statistics.mean if config is not None and config.refresh_every else statistics.median
     speed = {"denoiser_ms_per_step": per_step_ms(timer.ms) if timer.ms else None,
              "denoiser_calls": len(timer.ms), "seconds_per_image": seconds / max(n_images, 1),
              "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
@@ -171,9 +174,8 @@ def _modes_per_step(trace) -> list[str]:
     return [max(set(m), key=m.count) for _, m in sorted(by_step.items())]
 
 
-def generate_all(pipe, items, plan: dict, shards, *, batch_size: int, steps: int, seed: int,
-                 guidance_scale: float | None = None, speed_gate: bool = True,
-                 progress: bool = True) -> tuple[dict, dict, dict, dict]:
+def generate_all(pipe, items, plan: dict[str, Int8Config], shards, *, batch_size: int, steps: int, seed: int,
+                 guidance_scale: float | None = None, progress: bool = True) -> tuple[dict, dict, dict, dict]:
     """Every variant's images (uint8, by index), speed, modes per step and the indices of non-finite images."""
     model = pipelines.denoiser(pipe)
     batches = shards.mine(items.batches(batch_size))
@@ -183,11 +185,11 @@ def generate_all(pipe, items, plan: dict, shards, *, batch_size: int, steps: int
     bar = tqdm(total=len(todo) * len(batches) * steps, desc="generate", unit="step",
                disable=not progress or not shards.is_main)
     try:
-        for name, kwargs in todo.items():
+        for name, config in todo.items():
             bar.set_postfix_str(name)
             imgs, speeds[name], per_step[name] = run_variant(
-                pipe, model, items, batches, shards.device, kwargs, steps=steps, seed=seed,
-                guidance_scale=guidance_scale, speed_gate=speed_gate, on_step=bar.update)
+                pipe, model, items, batches, shards.device, config, steps=steps, seed=seed,
+                guidance_scale=guidance_scale, on_step=bar.update)
             # flagged before the uint8 conversion, which would turn NaN into an ordinary (black) pixel
             nonfinite[name] = sorted(i for i, t in imgs.items() if not torch.isfinite(t).all())
             results[name] = {i: _to_uint8(t) for i, t in imgs.items()}
@@ -255,17 +257,17 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"{what}: no file at {path} (leave it out to report the metric unavailable)")
     items = pipelines.resolve_items(pipe, prompts, class_labels)
-    check_carry(refresh_every, check_sparsity(sparsity, None))
     if schedule is not None and not isinstance(schedule, PrecisionSchedule):
         schedule = PrecisionSchedule.load(schedule)
     if calibration is not None and not isinstance(calibration, Calibration):
         calibration = Calibration.load(calibration)
     if calibration is not None:
         calibration.validate(pipelines.denoiser(pipe))
+    plan = variants(modes, schedule, calibration, sparsity, refresh_every, speed_gate)
     shards = shards or pipelines.Shards(str(pipelines.denoiser(pipe).device))
     results, speeds, per_step, nonfinite = generate_all(
-        pipe, items, variants(modes, schedule, calibration, sparsity, refresh_every), shards, batch_size=batch_size,
-        steps=steps, seed=seed, guidance_scale=guidance_scale, speed_gate=speed_gate, progress=progress)
+        pipe, items, plan, shards, batch_size=batch_size, steps=steps, seed=seed, guidance_scale=guidance_scale,
+        progress=progress)
     gathered = shards.gather([(results, speeds, nonfinite)])
     if not shards.is_main:
         return None

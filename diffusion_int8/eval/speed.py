@@ -97,7 +97,7 @@ def step_rows(device: torch.device, progress=print, steps: int = 5) -> list[dict
     """Eager denoiser steps, stock against ``enable()``'s defaults (INT8 where the gate lets it): the shipped
     models and Wan2.1-T2V-1.3B at 480p × 49 frames (random weights). Per model: both step times (median of
     ``steps`` after two warm-up steps), the ratio, and the INT8 / gated attention calls of one step."""
-    from .. import enable
+    from ..install import enable
     from ..embedded import load_pipeline
 
     models = []
