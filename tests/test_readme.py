@@ -1,4 +1,5 @@
-"""The README's Python blocks run as written, in order and in one namespace, on the shipped model.
+"""The Python blocks of the README and then of the user guide run as written, in order and in one namespace, on
+the shipped model.
 
 A block that needs something the machine may lack says so in a comment line of its own, ``# needs: cuda``;
 it is skipped, with that reason, where the need is not met. Any other need is an error here, so that a
@@ -14,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "GUIDE.md")
+BLOCKS = [b for doc in DOCUMENTS for b in re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.S | re.M)]
 NEEDS = {"cuda": torch.cuda.is_available}
 MARKER = re.compile(r"^# needs: *(.+?) *$", re.M)
 
@@ -25,7 +27,7 @@ def needs(block: str) -> list[str]:
 
 
 def test_readme_has_python_blocks_with_known_needs():
-    assert len(BLOCKS) >= 4, "the README's ```python blocks were not found"
+    assert len(BLOCKS) >= 4, "the documents' ```python blocks were not found"
     assert any("load_pipeline()" in b for b in BLOCKS) and any("enable(pipe" in b for b in BLOCKS)
     for block in BLOCKS:
         unknown = set(needs(block)) - set(NEEDS)
@@ -55,5 +57,5 @@ def test_readme_block_runs(index, namespace):
     block = BLOCKS[index]
     missing = [n for n in needs(block) if n in NEEDS and not NEEDS[n]()]
     if missing:
-        pytest.skip(f"README block {index} is marked '# needs: {', '.join(missing)}'")
-    exec(compile(block, f"README.md python block {index}", "exec"), namespace)
+        pytest.skip(f"block {index} is marked '# needs: {', '.join(missing)}'")
+    exec(compile(block, f"README.md / docs/GUIDE.md python block {index}", "exec"), namespace)

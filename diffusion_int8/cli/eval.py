@@ -169,7 +169,7 @@ def add_parser(sub) -> None:
     p.add_argument("--calibration", help="also a variant with static ranges from this calibration (file or directory)")
     p.add_argument("--sparsity", type=sparsity_level, metavar="TAU",
                    help="also an int8 variant at this block-sparsity level in (0, 1): the attention mass kept per "
-                        "query block (README, 'Block-sparse attention')")
+                        "query block (docs/GUIDE.md, 'Block-sparse attention')")
     p.add_argument("--refresh-every", type=at_least_two, metavar="K",
                    help="with --sparsity: carry the skipped blocks, computing them every K-th step and forecasting "
                         "them in between, instead of dropping them")

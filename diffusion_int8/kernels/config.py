@@ -38,7 +38,7 @@ SPARSE_BLOCK = 128
 MAX_HEAD_DIM = 256
 # Floor on a row's block maximum of P before INT8 P quantization (a fully masked block has max 0).
 P_FLOOR = 1e-30
-# Triton releases the kernels are tested with (pyproject.toml, README "Tests"); the sm_90 Gluon kernels
+# Triton releases the kernels are tested with (pyproject.toml, docs/GUIDE.md "The attention op"); the sm_90 Gluon kernels
 # fall back to the portable kernel, with a warning, on any release whose Gluon API they cannot use
 TESTED_TRITON = "3.6.0 to 3.9.0"
 # Compile with FMA contraction, as every Triton up to 3.9 does by default (3.9 warns that 3.10 will not):
