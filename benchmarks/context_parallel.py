@@ -50,11 +50,11 @@ def _build(name: str, tiny: bool, device: torch.device):
         x["encoder_hidden_states"] = x["encoder_hidden_states"][:, :6]  # text tokens split over the devices too
         return model, x, torch.float32
     sys.path.insert(0, HERE)
-    from pipeline import _cast, _models
+    from pipeline import cast, models
 
     with torch.device(device):
-        model, x, dtype, _ = _models()[name]()
-    return model.to(dtype).eval(), _cast(x, dtype), dtype
+        model, x, dtype, _ = models()[name]()
+    return model.to(dtype).eval(), cast(x, dtype), dtype
 
 
 def _step_ms(model, x, steps: int, device: torch.device) -> tuple[float, torch.Tensor]:

@@ -37,7 +37,7 @@ import torch
 from diffusion_int8.timing import graphed
 
 
-def _models():
+def models():
     import diffusers as d
 
     def flux():
@@ -204,9 +204,9 @@ def _fix_sparsity(skip: float) -> None:
     attention._PLANS.clear()
 
 
-def _cast(x, dtype):
+def cast(x, dtype):
     if isinstance(x, dict):
-        return {k: _cast(v, dtype) for k, v in x.items()}
+        return {k: cast(v, dtype) for k, v in x.items()}
     if isinstance(x, torch.Tensor):
         x = x.cuda()
         return x.to(dtype) if x.is_floating_point() else x
@@ -350,7 +350,7 @@ def main():
                          "(speed_gate=False: INT8 for every call) or '<mode> sparse=F' (block-sparse, F of the blocks "
                          "skipped in every INT8 call)")
     args = ap.parse_args()
-    builders = _models()
+    builders = models()
     results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                         "date": time.strftime("%Y-%m-%d"), "cuda_graph": args.graph, "compiled": args.compile}}
     print(f"| model | config | mode | step ms | speedup | host CPU ms | host speedup | INT8 / gated calls | peak GiB | "
@@ -360,7 +360,7 @@ def main():
         with torch.device("cuda"):
             model, x, dtype, note = builders[name]()
         model = model.to(dtype).eval()
-        x = _cast(x, dtype)
+        x = cast(x, dtype)
         if args.graph:
             try:
                 _time(model, x, 1, graph=True)

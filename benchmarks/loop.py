@@ -1,0 +1,115 @@
+"""Whole denoising loops of video DiTs at real configurations (random weights, no download): the wall time of a
+flow-matching loop with the timestep moving, as a user runs it, stock against INT8 variants.
+
+    python benchmarks/loop.py --out bench_out/loop.json [--models wan,hunyuanvideo] [--steps 50] [--compile]
+
+- **Wan2.1-T2V-1.3B** at 480p × 81 frames: all 30 blocks, 21 × 60 × 104 latents (32,760 tokens), CFG as
+  diffusers' ``WanPipeline`` runs it: two denoiser calls a step (prompt, negative prompt), guidance 5.
+- **HunyuanVideo** at 544 × 960 × 61 frames (32,640 video tokens + 256 text, 76 of them padding): 2 of its 20
+  double and 4 of its 40 single blocks (every block has the full model's attention shape; the full model's step
+  adds the other blocks), guidance-distilled: one call a step.
+
+The timesteps come from diffusers' ``FlowMatchEulerDiscreteScheduler`` (shift 3 for Wan, 7 for HunyuanVideo), so
+a schedule or a carried variant sees them move as in the pipelines. Variants: stock; ``int8`` (``enable()``'s
+defaults: the speed gate, the Q·Kᵀ balance where a module needs it); ``int8`` with block sparsity at ``--sparsity``
+whose skipped blocks are carried, refreshed every ``--refresh-every`` steps (0.2 and 2 by default: the setting the
+long shipped model's quality table gives 34.4-36.8 dB for, BENCHMARKS.md "Skipped blocks carried"). Each variant runs a 3-step warm-up loop, then the timed loop (host clock,
+synchronized at both ends). ``--compile`` adds stock and ``int8`` with ``torch.compile(model)`` after ``enable``
+(the warm-up compiles). Ratios compare variants of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from pipeline import cast, models
+
+import diffusion_int8
+
+CONFIGS = {  # model -> (latent frames, guidance scale or None for guidance-distilled, scheduler shift)
+    "wan": (21, 5.0, 3.0),
+    "hunyuanvideo": (16, None, 7.0),
+}
+
+
+def loop(model, x: dict, negative: dict | None, steps: int, guidance: float | None, shift: float) -> float:
+    """Seconds of a ``steps``-step Euler flow-matching loop over ``model`` from ``x``'s latents."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(steps, device="cuda")
+    latents = x["hidden_states"].clone()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            step = {**x, "hidden_states": latents, "timestep": t.expand(latents.shape[0])}
+            pred = model(**step, return_dict=False)[0]
+            if guidance is not None:
+                uncond = model(**{**step, **negative}, return_dict=False)[0]
+                pred = uncond + guidance * (pred - uncond)
+            latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="wan,hunyuanvideo")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--sparsity", type=float, default=0.2)
+    p.add_argument("--refresh-every", type=int, default=2)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    builders = models()
+    results = {"device": torch.cuda.get_device_name(), "steps": args.steps, "models": {}}
+    for name in args.models.split(","):
+        frames, guidance, shift = CONFIGS[name]
+        model, x, dtype, what = builders[name]()
+        x["hidden_states"] = torch.randn(*x["hidden_states"].shape[:2], frames, *x["hidden_states"].shape[3:])
+        model, x = model.to("cuda", dtype).eval(), cast(x, dtype)
+        negative = {"encoder_hidden_states": torch.randn_like(x["encoder_hidden_states"])} if guidance else None
+        variants = {"stock": None, "int8": diffusion_int8.Int8Config("int8"),
+                    f"int8 sparsity {args.sparsity:g} carried (refresh every {args.refresh_every})":
+                        diffusion_int8.Int8Config("int8", sparsity=args.sparsity, refresh_every=args.refresh_every)}
+        runs = [(n, c, False) for n, c in variants.items()]
+        if args.compile:
+            runs += [("stock, compiled", None, True), ("int8, compiled", variants["int8"], True)]
+        rows = {}
+        for label, config, compiled in runs:
+            handle = diffusion_int8.enable(model, config, record=True) if config is not None else None
+            run = torch.compile(model) if compiled else model
+            loop(run, x, negative, 3, guidance, shift)  # warm-up: kernels, plans, compilation
+            if handle is not None:
+                handle.state.reset()
+            seconds = loop(run, x, negative, args.steps, guidance, shift)
+            row = {"seconds": seconds}
+            if handle is not None:
+                row.update(int8_calls=handle.state.int8_calls, gated_calls=handle.state.gated_calls,
+                           skipped=handle.state.skipped_blocks()["overall"])
+                handle.disable()
+            rows[label] = row
+            torch._dynamo.reset()
+            print(f"{name} {label}: {seconds:.1f} s", flush=True)
+        stock = {False: rows["stock"]["seconds"], True: rows.get("stock, compiled", {}).get("seconds")}
+        for label, row in rows.items():
+            row["speedup"] = stock["compiled" in label] / row["seconds"]
+        results["models"][name] = {"what": what + f"; {frames} latent frames", "guidance": guidance, "rows": rows}
+        print(f"\n{name} ({what}; {frames} latent frames), {args.steps} steps, {torch.cuda.get_device_name()}")
+        print("| variant | s | × stock | INT8 / gated calls | blocks skipped |\n|---|---|---|---|---|")
+        for label, row in rows.items():
+            calls = f"{row['int8_calls']} / {row['gated_calls']}" if "int8_calls" in row else "–"
+            skipped = f"{row['skipped']:.0%}" if "skipped" in row else "–"
+            print(f"| {label} | {row['seconds']:.1f} | {row['speedup']:.2f}× | {calls} | {skipped} |")
+        del model, x
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
