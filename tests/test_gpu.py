@@ -112,11 +112,11 @@ def test_families_at_real_shapes(name):
     from diffusion_int8.speed_gate import CrossoverTable, SpeedGate
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from pipeline import _cast, _models
+    from pipeline import cast, models
 
     with torch.device("cuda"):
-        model, x, dtype, _ = _models()[name]()
-    model, x = model.to(dtype).eval(), _cast(x, dtype)
+        model, x, dtype, _ = models()[name]()
+    model, x = model.to(dtype).eval(), cast(x, dtype)
 
     def run():
         with torch.no_grad():
