@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--sparsity", type=float, default=0.2)
     p.add_argument("--refresh-every", type=int, default=2)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--compiled-only", action="store_true", help="with --compile, only the compiled rows")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     builders = models()
@@ -76,8 +77,8 @@ def main() -> None:
         variants = {"stock": None, "int8": diffusion_int8.Int8Config("int8"),
                     f"int8 sparsity {args.sparsity:g} carried (refresh every {args.refresh_every})":
                         diffusion_int8.Int8Config("int8", sparsity=args.sparsity, refresh_every=args.refresh_every)}
-        runs = [(n, c, False) for n, c in variants.items()]
-        if args.compile:
+        runs = [] if args.compiled_only else [(n, c, False) for n, c in variants.items()]
+        if args.compile or args.compiled_only:
             runs += [("stock, compiled", None, True), ("int8, compiled", variants["int8"], True)]
         rows = {}
         for label, config, compiled in runs:
@@ -95,7 +96,7 @@ def main() -> None:
             rows[label] = row
             torch._dynamo.reset()
             print(f"{name} {label}: {seconds:.1f} s", flush=True)
-        stock = {False: rows["stock"]["seconds"], True: rows.get("stock, compiled", {}).get("seconds")}
+        stock = {False: rows.get("stock", {}).get("seconds"), True: rows.get("stock, compiled", {}).get("seconds")}
         for label, row in rows.items():
             row["speedup"] = stock["compiled" in label] / row["seconds"]
         results["models"][name] = {"what": what + f"; {frames} latent frames", "guidance": guidance, "rows": rows}
