@@ -161,7 +161,10 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
     return handle
 
 
+@torch.compiler.disable
 def _read_timestep(state: Int8State, module, args, kwargs):
+    # outside any compiled graph (one graph break at the denoiser's start): traced, its reads of the state would
+    # guard the graph on each step's timestep and recompile it at every step
     t = kwargs.get("timestep", args[1] if len(args) > 1 else None)
     if t is None:
         return None

@@ -179,9 +179,16 @@ class Int8DiffusionProcessor:
             if hasattr(inner, name):
                 setattr(inner, name, value)
 
+    # What depends on the timestep is looked up outside any compiled graph (``torch.compiler.disable``: a graph
+    # break where a schedule or a calibration is in use). Traced, each step's timestep would be a constant the graph
+    # is guarded on, and every step would recompile it; the graph is guarded on what the lookup returns instead (a
+    # mode or a level: a few values), and static ranges reach it as tensors.
+
     def current_mode(self) -> Mode:
-        if self.schedule is None:
-            return self.mode
+        return self.mode if self.schedule is None else self._scheduled_mode()
+
+    @torch.compiler.disable
+    def _scheduled_mode(self) -> Mode:
         if self.state.timestep is None:
             return Mode.FP16
         if isinstance(self.schedule, PrecisionSchedule):
@@ -190,11 +197,17 @@ class Int8DiffusionProcessor:
 
     def current_tau(self) -> float | None:
         """The sparsity level of this call: the schedule's, else the constant ``sparsity`` (None: dense)."""
-        if isinstance(self.schedule, PrecisionSchedule) and self.state.timestep is not None:
-            tau = self.schedule.tau_for(self.state.timestep, self.name, self.state.timestep_scale)
+        if isinstance(self.schedule, PrecisionSchedule) and self.schedule.sparse:
+            tau = self._scheduled_tau()
             if tau is not None:
                 return tau
         return self.sparsity
+
+    @torch.compiler.disable
+    def _scheduled_tau(self) -> float | None:
+        if self.state.timestep is None:
+            return None
+        return self.schedule.tau_for(self.state.timestep, self.name, self.state.timestep_scale)
 
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
         # Positional arguments go to the stock processor untouched (new-style modules pass
@@ -225,7 +238,7 @@ class Int8DiffusionProcessor:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
         mode = self.current_mode()
         tracing = self.state.trace is not None
-        if tracing:
+        if tracing and not torch.compiler.is_compiling():  # kept in eager mode only, as the counts are
             self.state.trace.append((self.state.step, self.state.timestep, self.name, mode.value))
         if mode is Mode.FP16 and self.observer is None and not tracing and not self._ring:  # a trace counts blocks
             return inner(attn, hidden_states, *args, **kwargs)
@@ -308,6 +321,10 @@ class Int8DiffusionProcessor:
             return inner(attn, hidden_states, *args, **kwargs)
 
     def _static_ranges(self, device: torch.device):
+        return None if self.calibration is None else self._calibrated_ranges(device)
+
+    @torch.compiler.disable
+    def _calibrated_ranges(self, device: torch.device):
         """The calibration's ranges at the current timestep on ``device`` (without Q's and K's with ``qk_rotate``),
         evaluated for every layer at once the first time a timestep is seen (``Calibration.ranges_at``) and kept:
         a generation's steps reuse those of the last one with the same schedule, with no work on the host and no
