@@ -89,9 +89,11 @@ def main() -> None:
                 handle.state.reset()
             seconds = loop(run, x, negative, args.steps, guidance, shift)
             row = {"seconds": seconds}
-            if handle is not None:
-                row.update(int8_calls=handle.state.int8_calls, gated_calls=handle.state.gated_calls,
-                           skipped=handle.state.skipped_blocks()["overall"])
+            if handle is not None:  # eager runs count the calls and blocks; compiled graphs do not
+                skipped = handle.state.skipped_blocks()
+                if not compiled:
+                    row.update(int8_calls=handle.state.int8_calls, gated_calls=handle.state.gated_calls,
+                               skipped=None if skipped is None else skipped["overall"])
                 handle.disable()
             rows[label] = row
             torch._dynamo.reset()
@@ -104,7 +106,7 @@ def main() -> None:
         print("| variant | s | × stock | INT8 / gated calls | blocks skipped |\n|---|---|---|---|---|")
         for label, row in rows.items():
             calls = f"{row['int8_calls']} / {row['gated_calls']}" if "int8_calls" in row else "–"
-            skipped = f"{row['skipped']:.0%}" if "skipped" in row else "–"
+            skipped = f"{row['skipped']:.0%}" if row.get("skipped") is not None else "–"
             print(f"| {label} | {row['seconds']:.1f} | {row['speedup']:.2f}× | {calls} | {skipped} |")
         del model, x
         torch.cuda.empty_cache()
