@@ -863,31 +863,36 @@ def test_calibrate_cli_with_sparsity_levels(tmp_path):
     assert "tau 0.5" in res.stdout and "levels per step:" in res.stdout
 
 
-def test_a_moving_timestep_does_not_recompile_the_denoiser(monkeypatch):
+def test_a_moving_timestep_does_not_recompile_the_denoiser():
     # Under torch.compile the timestep the hook reads at every step must not become a constant the graph is guarded
     # on: with a trace (record=True), a schedule or a calibration (whose ranges change at every step), a second
     # generation at the same timesteps compiles no new frame, and a third at other timesteps none either (the
     # recompile limit raised, so that a graph guarded on the timestep would show as new frames, not as a fallback)
-    from torch._dynamo.testing import CompileCounter
-
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
-
     from diffusion_int8 import PrecisionSchedule, Rule
 
     model, cal = make_calibration()
     _, x = build("dit")
     schedule = PrecisionSchedule(rules=[Rule("fp16", min_noise=0.9), Rule("int8", min_noise=0.4)], default="int8_fp16v")
     for kw in (dict(mode="int8", record=True), dict(schedule=schedule), dict(mode="int8", calibration=cal)):
-        handle = enable(model, speed_gate=False, **kw)
-        torch._dynamo.reset()
-        counter = CompileCounter()
-        compiled = torch.compile(model, backend=counter)
-        frames = []
-        with torch.no_grad():
-            for timesteps in (torch.linspace(999, 1, 10), torch.linspace(999, 1, 10), torch.linspace(990, 3, 12)):
-                for t in timesteps:
-                    compiled(**{**x, "timestep": t.expand(2)}, return_dict=False)
-                frames.append(counter.frame_count)
-        handle.disable()
+        frames = compiled_frames(model, x, kw)
         assert frames[0] == frames[1] == frames[2] < 16, (kw, frames)
 
+
+@torch._dynamo.config.patch(recompile_limit=64)
+def compiled_frames(model, x, kw) -> list[int]:
+    """Frames dynamo compiled after each of three generations of the model, enabled with ``kw``."""
+    from torch._dynamo.testing import CompileCounter
+
+    handle = enable(model, speed_gate=False, **kw)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    frames = []
+    with torch.no_grad():
+        for timesteps in (torch.linspace(999, 1, 10), torch.linspace(999, 1, 10), torch.linspace(990, 3, 12)):
+            for t in timesteps:
+                compiled(**{**x, "timestep": t.expand(2)}, return_dict=False)
+            frames.append(counter.frame_count)
+    handle.disable()
+    torch._dynamo.reset()
+    return frames

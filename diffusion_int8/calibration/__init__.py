@@ -7,6 +7,15 @@ it with a summary and a calibration-driven ``PrecisionSchedule``, as ``diffusion
 
 from .collect import Collector, merge
 from .file import FILE_NAME, Calibration
-from .run import calibrate, write_outputs
 
 __all__ = ["Calibration", "Collector", "merge", "FILE_NAME", "calibrate", "write_outputs"]
+
+
+def __getattr__(name: str):
+    # the runner enables the plugin (``install``), which reads calibration files: it loads on first use, so that
+    # the file format imports without the plugin and the plugin imports the format without a cycle
+    if name in ("calibrate", "write_outputs"):
+        from . import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from .. import pipelines
+from ..install import enable
 from .collect import Collector, merge
 from .file import FILE_NAME, Calibration
 from .summary import write_all
@@ -60,8 +61,6 @@ def calibrate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Seque
             without default labels, sparsity levels outside (0, 1), a percentile outside (0, 100], or steps,
             batch size, seed or guidance scale out of range (``pipelines.check_run``); all before any work.
     """
-    from .. import enable
-
     pipelines.check_run(steps, batch_size, seed, guidance_scale)
     collector = Collector(percentile=percentile, sparsity_levels=sparsity_levels)
     items = pipelines.resolve_items(pipe, prompts, class_labels)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..inputs import realistic_qkv
+from ..install import enable
 from ..kernels import Mode, int8_attention
 from ..speed_gate import SpeedGate
 from ..timing import interleaved_rounds, median
@@ -97,8 +98,7 @@ def step_rows(device: torch.device, progress=print, steps: int = 5) -> list[dict
     """Eager denoiser steps, stock against ``enable()``'s defaults (INT8 where the gate lets it): the shipped
     models and Wan2.1-T2V-1.3B at 480p × 49 frames (random weights). Per model: both step times (median of
     ``steps`` after two warm-up steps), the ratio, and the INT8 / gated attention calls of one step."""
-    from ..install import enable
-    from ..embedded import load_pipeline
+    from ..embedded import load_pipeline  # diffusers, loaded where the steps are timed
 
     models = []
     for variant, name in (("base", "shipped embedded, 256 tokens"), ("long", "shipped embedded-long, 4,096 tokens")):
