@@ -135,7 +135,6 @@ class Int8DiffusionProcessor:
         self._warned_infer = False
         self._routed_calls: dict[type, Callable] = {}  # stock processor type -> its routed __call__
         self._routed_hit = False  # set by the routes: did the first routed call reach them
-        self._ranges: dict = {}  # (timestep, device) -> the calibration's ranges there (``_static_ranges``)
         self._text: tuple[int, str | None] = (0, None)  # text tokens of the current call and where they are
         self._keep: dict = {}  # (keys, text tokens, where, device) -> always-kept key blocks
         # module -> {(mode, input shapes, dtype, device): gated calls} for inputs whose every attention call was gated
@@ -326,20 +325,14 @@ class Int8DiffusionProcessor:
     @torch.compiler.disable
     def _calibrated_ranges(self, device: torch.device):
         """The calibration's ranges at the current timestep on ``device`` (without Q's and K's with ``qk_rotate``),
-        evaluated for every layer at once the first time a timestep is seen (``Calibration.ranges_at``) and kept:
-        a generation's steps reuse those of the last one with the same schedule, with no work on the host and no
-        copy to the GPU."""
-        if self.calibration is None or self.state.timestep is None:
+        evaluated for every layer at once the first time a timestep is seen and kept by the calibration
+        (``Calibration.ranges_at``): a generation's steps reuse those of the last one with the same schedule, with
+        no work on the host and no copy to the GPU."""
+        if self.state.timestep is None:
             return None
-        key = (self.state.timestep, device)
-        ranges = self._ranges.get(key)
-        if ranges is None:
-            ranges = self.calibration.ranges_at(self.state.timestep, device, balance=self._range_balance)[self.name]
-            if self.qk_rotate:  # the rotated Q and K are measured: their calibrated ranges are of the unrotated ones
-                ranges = ranges._replace(q_amax=None, k_amax=None)
-            if len(self._ranges) >= 4096:  # steps x devices of the schedules in use; bounded all the same
-                self._ranges.clear()
-            self._ranges[key] = ranges
+        ranges = self.calibration.ranges_at(self.state.timestep, device, balance=self._range_balance)[self.name]
+        if self.qk_rotate:  # the rotated Q and K are measured: their calibrated ranges are of the unrotated ones
+            ranges = ranges._replace(q_amax=None, k_amax=None)
         return ranges
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -305,18 +305,18 @@ class Calibration:
         The memo assumes ``layers`` is not changed after the first call."""
         if clip not in (None, "max", "p99"):
             raise ValueError(f"clip must be None, 'max' or 'p99', got {clip!r}")
-        if balance and clip == "p99":
-            raise ValueError("a static Q·Kᵀ balance comes with ranges from the maxima: use clip=None or 'max'")
-        if balance and not self.has_channel_ranges():
-            raise ValueError(f"this calibration (schema {self.meta.get('schema_version')}) has no per-channel Q/K "
-                             f"maxima, which a static Q·Kᵀ balance is made from; run `diffusion-int8 calibrate` again")
-        if clip == "max" and not all("fit.qmax" in st for st in self.layers.values()):
-            raise ValueError(f"this calibration (schema {self.meta.get('schema_version')}) has no Q/K maxima; "
-                             f"use clip='p99' or None, or record them by running `diffusion-int8 calibrate` again")
         device = torch.device(device)
         key = (float(timestep), device, clip, balance)
         found = self._memo.get(key)
-        if found is None:
+        if found is None:  # checked once, where the ranges are made
+            if balance and clip == "p99":
+                raise ValueError("a static Q·Kᵀ balance comes with ranges from the maxima: use clip=None or 'max'")
+            if balance and not self.has_channel_ranges():
+                raise ValueError(f"this calibration (schema {self.meta.get('schema_version')}) has no per-channel Q/K "
+                                 f"maxima, which a static Q·Kᵀ balance is made from; run `diffusion-int8 calibrate` again")
+            if clip == "max" and not all("fit.qmax" in st for st in self.layers.values()):
+                raise ValueError(f"this calibration (schema {self.meta.get('schema_version')}) has no Q/K maxima; "
+                                 f"use clip='p99' or None, or record them by running `diffusion-int8 calibrate` again")
             if len(self._memo) >= 4096:  # steps x devices of the schedules in use; bounded all the same
                 self._memo.clear()
             found = self._memo[key] = self._evaluate(float(timestep), device, clip, balance)
