@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diffusion_int8 import int8_attention
-from diffusion_int8.kernels import attention as kattn
+from diffusion_int8.kernels import attention as kattn, clear_cache
 from diffusion_int8.kernels import quantize as tq
 from diffusion_int8.kernels.config import PV, TileConfig, padded_head_dim
 from diffusion_int8.kernels.reference import attention_ref, token_mean
@@ -285,7 +285,7 @@ def sweep_tiles(q, k, v, D, scale, block_ns):
             for (bm, warps), bn, stages in itertools.product(programs, block_ns, (2, 3)):
                 cfg = TileConfig(bm, bn, warps, stages, original(D, pv).k_groups)
                 kattn.tile_config = tq.tile_config = lambda *_, cfg=cfg: cfg
-                kattn._PLANS.clear()  # a plan replays the tiles it was recorded with, which its key does not name
+                clear_cache()  # a plan replays the tiles it was recorded with, which its key does not name
                 try:
                     ms = bench(lambda: kattn.triton_attention(q, k, v, layout="BHSD", pv=pv, sm_scale=scale,
                                                               sm90=False))
@@ -297,7 +297,7 @@ def sweep_tiles(q, k, v, D, scale, block_ns):
             found[pv.value] = ok[:5]
     finally:
         kattn.tile_config = tq.tile_config = original
-        kattn._PLANS.clear()
+        clear_cache()
     return found
 
 

@@ -183,7 +183,7 @@ def _fix_sparsity(skip: float) -> None:
     """Every INT8 call that predicts a block mask keeps round((1 - skip) · blocks) key blocks per query block, at
     random (fixed per shape): the call's predictor still runs (its launch stays in the call's launch plan, so its cost
     is in the time), and the attention kernel then gets the fixed mask's block lists instead of the predicted ones."""
-    from diffusion_int8.kernels import attention, pool
+    from diffusion_int8.kernels import attention, clear_cache, pool
 
     if hasattr(pool.predict, "skip"):  # installed by an earlier round of this variant
         if pool.predict.skip != skip:
@@ -201,7 +201,7 @@ def _fix_sparsity(skip: float) -> None:
 
     fixed.skip = skip
     pool.predict = fixed
-    attention._PLANS.clear()
+    clear_cache()
 
 
 def cast(x, dtype):

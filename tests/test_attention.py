@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from diffusion_int8.kernels import reference as R
+from diffusion_int8.kernels import clear_cache, reference as R
 from diffusion_int8.kernels.config import PV, interpreting
 from diffusion_int8.compare import cos_l1
 from diffusion_int8.inputs import realistic_qkv
@@ -501,11 +501,11 @@ def test_k_groups_lift_the_short_sequence_tail():
 def test_sm90_compile_failure_falls_back_once(monkeypatch):
     # A Triton whose Gluon compiler rejects the sm_90 kernel: the call still returns the portable kernel's
     # result, one warning says why, and kernel_info and every later call know it.
-    from diffusion_int8.kernels import attention, hopper
+    from diffusion_int8.kernels import attention, cache, hopper
 
     if not interpreting():
         pytest.skip("simulated in the interpreter, where the portable kernel runs on CPU tensors")
-    monkeypatch.setattr(attention, "_PLANS", {})  # a replayed plan would not reach the launch
+    monkeypatch.setattr(cache, "ENTRIES", {})  # a replayed plan would not reach the launch
     monkeypatch.setattr(hopper, "compile_failure", None)
     monkeypatch.setattr(hopper, "supports", lambda *a: True)
 
@@ -554,8 +554,11 @@ def test_replayed_launch_plans(kdev, case):
     # The first call of a signature records its launches; later calls with other tensors of the same signature
     # replay them with only the pointers changed (launch.Plan), the rotation's constant matrix as it was.
     # Every call must still compute its own inputs.
-    from diffusion_int8.kernels import attention
+    from diffusion_int8.kernels import cache
     from diffusion_int8.kernels.launch import Plan
+
+    def plans():
+        return sum(key[0] == "plan" for key in cache.ENTRIES)
 
     B, H, H_kv, Sq, Sk, D, layout = 2, 4, 4, 130, 200, 64, "BHSD"
     kw = dict(pv=PV.FP8)
@@ -575,13 +578,13 @@ def test_replayed_launch_plans(kdev, case):
                            k_amax=(kb - mean[:, :, None]).abs().amax((2, 3)))
         emu = R.emulate_attention(q, k, v, **kw_call)
         ref = R.attention_ref(q, k, v, layout=layout, attn_mask=kw_call.get("attn_mask"))
-        before = len(attention._PLANS)
+        before = plans()
         check(run_kernel(q, k, v, **kw_call), emu, ref, kw_call["pv"], q.dtype, call=(q, k, v, kw_call))
         if call == 0:
-            assert len(attention._PLANS) == before + 1  # recorded
-            assert isinstance(list(attention._PLANS.values())[-1], Plan)  # and replayable
+            assert plans() == before + 1  # recorded
+            assert isinstance(list(cache.ENTRIES.values())[-1], Plan)  # and replayable
         else:
-            assert len(attention._PLANS) == before  # replayed
+            assert plans() == before  # replayed
 
 
 def test_launch_plans_from_two_threads(kdev):
@@ -601,9 +604,7 @@ def test_launch_plans_from_two_threads(kdev):
         kw = dict(layout="BHSD", pv=PV.FP8 if i % 4 < 2 else PV.FP16, sm_scale=D**-0.5)
         work.append((q, k, v, kw, triton_attention(q, k, v, **kw)))
     results = [None] * len(work)
-    from diffusion_int8.kernels import attention
-
-    attention._PLANS.clear()  # the threads record the plans again, concurrently
+    clear_cache()  # the threads record the plans again, concurrently
 
     def worker(idx):
         for i in idx:

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch
 
 from .config import (ENV_BACKEND, ENV_PV8, MAX_HEAD_DIM, PV, SPARSE_BLOCK, Backend, Kernel, Mode, padded_head_dim,
                      pv_for_mode, select_backend)
-from .launch import signature
+from . import cache
+from .cache import signature
 from .layout import check_rotation, output_like, to_bhsd
 from .ops import dispatch
 from .sparsity import check_keep, check_tau, predict_block_mask
@@ -125,21 +126,19 @@ def int8_attention(
     try:  # the call's signature; one seen before skips every check and selection below (the hot path)
         plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
-            mode, layout, scale, smooth_k, balance_key(qk_balance), balance_key(qk_rotate), return_lse,
+            "call", mode, layout, scale, smooth_k, balance_key(qk_balance), balance_key(qk_rotate), return_lse,
             balance_key(sparsity), balance_key(return_block_mask), os.environ.get(ENV_BACKEND),
             os.environ.get(ENV_PV8), signature(q), signature(k), signature(v), signature(attn_mask),
             signature(block_mask), signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean),
             signature(keep_kv_blocks))
-        call = _CALLS.get(key)
+        call = cache.ENTRIES.get(key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, tensors without storage, unhashable options
         key, call = None, None
     if call is None:
         call = _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax,
                         k_amax, v_amax, k_mean, sparsity, keep_kv_blocks, return_block_mask)
         if key is not None:
-            if len(_CALLS) >= 4096:
-                _CALLS.clear()
-            _CALLS[key] = call
+            cache.remember(key, call)
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not bool(torch.isfinite(t).all()):
@@ -199,10 +198,6 @@ class _Call(NamedTuple):
     empty: bool  # no batch, queries or keys
     backend: Backend | None  # None for fp16
     pv: PV | None
-
-
-# Call signatures that passed the checks, with what was decided for them
-_CALLS: dict[tuple, _Call] = {}
 
 
 def _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax, k_amax,

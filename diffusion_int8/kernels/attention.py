@@ -18,7 +18,8 @@ from . import pool
 from . import quantize as tq
 from .config import (FP8_P_SHIFT, FP_FUSION, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, TESTED_TRITON, Kernel,
                      padded_head_dim, tile_config)
-from .launch import EAGER, Runner, plan_or_run, signature
+from .cache import signature
+from .launch import EAGER, Runner, plan_or_run
 from .key_mask import KeyMaskPlan, as_key_mask
 from .layout import cdiv, output_like, padded_len, rows_16b_aligned, to_bhsd
 from .reference import smoothing_offset
@@ -424,10 +425,10 @@ def triton_attention(
     ``_ablate``: the portable kernel's ablation switches (``ABLATE_*``), for ``benchmarks/ablate.py`` only.
     """
     if key is not None and out is None:
-        key = (*key, return_lse, sm90, _ablate)  # out is allocated below, so its signature follows from q's
+        key = ("plan", *key[1:], return_lse, sm90, _ablate)  # out is allocated below, so its signature follows from q's
     else:
         given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
-        key = (layout, pv, sm_scale, smooth_k, given_bal is None and qk_balance, qk_rotate, sparsity, return_lse,
+        key = ("plan", layout, pv, sm_scale, smooth_k, given_bal is None and qk_balance, qk_rotate, sparsity, return_lse,
                return_block_mask, sm90, _ablate, *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax,
                                                                   v_amax, k_mean, keep_kv_blocks, out, given_bal)))
     if out is None:
@@ -465,7 +466,7 @@ def triton_attention(
         attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, blocks=blocks, lse=lse, sm90=sm90,
                runner=runner, _ablate=_ablate)
 
-    plan_or_run(_PLANS, key, inputs, record)
+    plan_or_run(key, inputs, record)
     extra = () if mask_out is None else (mask_out,)
     if lse is None:
         return (out, *extra) if extra else out
@@ -476,10 +477,6 @@ def triton_attention(
         k_mean = tq.kv_stats(kb, None)[0]
     offset = smoothing_offset(to_bhsd(q, layout), kb, sm_scale, smooth_k, k_mean)
     return out, (lse if offset is None else lse.add_(offset)), *extra
-
-
-# Launch plans by call signature (launch.Plan): compiled kernels and argument templates, no tensors
-_PLANS: dict[tuple, object] = {}
 
 
 def attend(

@@ -21,16 +21,10 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from . import cache
 from .config import interpreting
 
 _ALIGN = 256  # workspace buffers start on 256-byte boundaries, so their pointers keep any alignment
-
-
-def signature(t: torch.Tensor | None):
-    """What a launch is specialized on, of one input: shape, strides, dtype, device, 16-byte alignment."""
-    if t is None:
-        return None
-    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
 
 
 class Runner:
@@ -242,10 +236,11 @@ def _active(hook):
     return None if hook is None or (hasattr(hook, "calls") and not hook.calls) else hook
 
 
-def plan_or_run(plans: dict, key: tuple, inputs: list, record: Callable[[Runner], None], max_plans: int = 1024) -> None:
-    """Run one call: replay the plan of ``key`` if there is one, else run ``record(runner)`` (which allocates and
-    launches through the runner), keeping a plan of it for the next call with this key when it can be replayed."""
-    plan = plans.get(key)
+def plan_or_run(key: tuple, inputs: list, record: Callable[[Runner], None]) -> None:
+    """Run one call: replay the plan ``cache`` holds for ``key`` if there is one, else run ``record(runner)``
+    (which allocates and launches through the runner), keeping a plan of it for the next call with this key when
+    it can be replayed."""
+    plan = cache.ENTRIES.get(key)
     if plan is not None:
         return record(EAGER) if plan is _NO_PLAN else plan(inputs)
     rec = Recorder()
@@ -254,9 +249,7 @@ def plan_or_run(plans: dict, key: tuple, inputs: list, record: Callable[[Runner]
         plan = Plan(rec, inputs)
     except NotReplayable:  # remembered, so later calls of the key skip the recording
         plan = _NO_PLAN
-    if len(plans) >= max_plans:
-        plans.clear()
-    plans[key] = plan
+    cache.remember(key, plan)
 
 
 _NO_PLAN = object()  # a key whose calls cannot be replayed: they run through Triton's launcher
