@@ -507,15 +507,14 @@ def test_the_shipped_prompts_name_each_class_once():
     (["--class-labels", "3", "5"], ["3", "5"], 10),
     (["--class-labels", "3", "--steps", "20"], ["3"], 20),
 ])
-def test_demo_on_a_cpu_runs_fewer_images_and_steps_unless_told(tmp_path, monkeypatch, capsys, argv, labels, steps):
+def test_demo_on_a_cpu_runs_fewer_images_and_steps_unless_told(tmp_path, capsys, argv, labels, steps):
     from diffusion_int8.__main__ import build_parser
     from diffusion_int8.cli import demo
 
-    seen = []
-    monkeypatch.setattr(demo, "calibrate_command", lambda out, **kw: seen.append(kw))
-    monkeypatch.setattr(demo, "eval_command", lambda out, **kw: seen.append(kw))
-    args = build_parser().parse_args(["demo", "--device", "cpu", "--out", str(tmp_path / "d"), *argv])
-    assert demo.run(args) == 0
-    assert [(kw["class_labels"], kw["steps"]) for kw in seen] == [(labels, steps)] * 2
+    args = build_parser().parse_args(["demo", "--out", str(tmp_path / "d"), *argv])
+    assert demo.sizes(args, cpu=True) == (labels, steps)
     notice = "on a CPU (INT8 emulated)" in capsys.readouterr().out
     assert notice == (len(argv) < 4)
+    # on a GPU: what was given, else every class in GPU_STEPS steps, with no notice
+    assert demo.sizes(args, cpu=False) == (args.class_labels, args.steps or demo.GPU_STEPS)
+    assert "on a CPU" not in capsys.readouterr().out

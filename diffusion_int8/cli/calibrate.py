@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 from .. import pipelines
-from ..calibration import FILE_NAME, calibrate, write_outputs
+from ..calibration import calibrate, write_outputs
 from ..calibration.run import OUTPUTS
 from ..schedule import PrecisionSchedule
 from .common import add_model_args, check_model, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, command, output_set
+from .summaries import print_calibration
 from .usage import UsageError, percentile as percentile_arg, positive_float, sparsity_levels as levels_arg
 
 DEFAULT_BUDGET = 0.02
@@ -32,10 +33,8 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
                       class_labels: list[str] | None = None, steps: int = 20, batch_size: int = 8, seed: int = 0,
                       guidance_scale: float | None = None, device: str | None = None, overwrite: bool = False,
                       percentile: float = 99.0, budget: float = DEFAULT_BUDGET, per_layer: bool = False,
-                      sparsity_levels: list[float] | None = None, sparsity_budget: float | None = None,
-                      shown_out: Path | None = None) -> int:
-    """The command with its arguments as keywords (``demo`` calls it); ``shown_out``: ``out`` as messages
-    name it (the demo writes into a temporary directory). Returns the exit status."""
+                      sparsity_levels: list[float] | None = None, sparsity_budget: float | None = None) -> int:
+    """The command with its arguments as keywords. Returns the exit status."""
     if sparsity_budget is not None and not sparsity_levels:
         raise UsageError("--sparsity-budget needs --sparsity-levels: the levels to measure and choose from")
     if sparsity_levels and sparsity_budget is None:
@@ -58,22 +57,7 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
         schedule = PrecisionSchedule.from_calibration(cal, budget, per_layer=per_layer, sparsity_budget=sparsity_budget)
         with output_set(out, OUTPUTS, overwrite) as tmp:
             summary = write_outputs(cal, schedule, tmp, budget)
-        shown = shown_out or out
-        print(f"wrote {shown / FILE_NAME}, {shown / 'schedule.json'} and {shown / 'summary.md'}: calibrated in "
-              f"{calibrating:.1f} s, written in {time.time() - t0 - calibrating:.1f} s")
-        for m, e in summary["errors"].items():
-            print(f"  {m:11s} rel L1 mean {e['mean_rel_l1']:.4f}, worst {e['max_rel_l1']:.4f} "
-                  f"({e['most_sensitive'][0]['layer']} at step {e['most_sensitive'][0]['step']})")
-        fit = summary["ranges_vs_sigma"]
-        print("  ranges vs sigma, median R² proportional/quadratic: "
-              + ", ".join(f"{k} {v['r2_proportional']:.2f}/{v['r2_quadratic']:.2f}" for k, v in fit.items()))
-        for tau, e in summary["sparsity"].items():
-            print(f"  tau {tau:9s} skips {e['skipped']:.1%} of the blocks, rel L1 mean {e['mean_rel_l1']:.4f}, "
-                  f"worst {e['max_rel_l1']:.4f}")
-        print(f"  schedule {schedule.name}: {' '.join(summary['schedule']['per_step'])}")
-        if "tau_per_step" in summary["schedule"]:
-            print("  levels per step: " + " ".join("dense" if t is None else f"{t:g}"
-                                                    for t in summary["schedule"]["tau_per_step"]))
+        print_calibration(summary, schedule, out, calibrating, time.time() - t0 - calibrating)
     shards.barrier()
     return 0
 

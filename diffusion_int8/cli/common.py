@@ -27,10 +27,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs in --out")
 
 
-def add_run_args(p: argparse.ArgumentParser, batch_size: int) -> None:
-    """``--steps``, ``--batch-size`` and ``--seed``: ``calibrate``'s, ``eval``'s and ``demo``'s."""
-    p.add_argument("--steps", type=int_at_least(1, pipelines.MAX_STEPS), default=20,
-                   help=f"denoising steps, at most {pipelines.MAX_STEPS} (default: %(default)s)")
+def add_run_args(p: argparse.ArgumentParser, batch_size: int, steps: int | None = 20, steps_default: str = "%(default)s") -> None:
+    """``--steps``, ``--batch-size`` and ``--seed``: ``calibrate``'s, ``eval``'s and ``demo``'s (whose ``--steps``
+    default depends on the device: ``steps`` None, ``steps_default`` says what it is)."""
+    p.add_argument("--steps", type=int_at_least(1, pipelines.MAX_STEPS), default=steps,
+                   help=f"denoising steps, at most {pipelines.MAX_STEPS} (default: {steps_default})")
     p.add_argument("--batch-size", type=int_at_least(1, pipelines.MAX_BATCH_SIZE), default=batch_size,
                    help=f"images per pipeline call, at most {pipelines.MAX_BATCH_SIZE} (default: %(default)s)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="image i is seeded with seed + i (default: %(default)s)")

@@ -22,17 +22,20 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import time
 from pathlib import Path
 
 from .. import pipelines
+from ..calibration import Calibration, calibrate, write_outputs
 from ..embedded import PROMPTS
 from ..embedded.shapes import CLASSES
 from ..embedded.variants import NAMES, describe
-from ..eval.run import OUTPUTS as EVAL_OUTPUTS
-from .calibrate import DEFAULT_BUDGET, calibrate_command
-from .common import add_run_args, check_weights
-from .eval import eval_command
+from ..eval.run import OUTPUTS as EVAL_OUTPUTS, evaluate, write_report
+from ..schedule import PrecisionSchedule
+from .calibrate import DEFAULT_BUDGET
+from .common import add_run_args, check_model, check_weights, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, command, output_set
+from .summaries import print_calibration, print_report
 from .usage import device_arg, positive_float
 
 OUTPUTS = ("calibration", "prompts.txt") + EVAL_OUTPUTS
@@ -48,45 +51,61 @@ CPU_STEPS, CPU_LABELS = 10, 8  # the demo's defaults where the INT8 modes are em
 GPU_STEPS = 20
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    check_out(args.out, OUTPUTS, args.overwrite)
-    check_weights(args.lpips_weights, args.fid_weights)
-    cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+def sizes(args: argparse.Namespace, cpu: bool) -> tuple[list[str] | None, int]:
+    """The class labels (None: every class) and steps the demo runs: as given, else fewer on a CPU (one line says
+    so) and ``GPU_STEPS`` on a GPU."""
     steps, labels = args.steps, args.class_labels
     if cpu and (steps is None or labels is None):
         steps = CPU_STEPS if steps is None else steps
         labels = list(CLASSES[:CPU_LABELS]) if labels is None else labels
         print(f"on a CPU (INT8 emulated): {len(labels)} classes, {steps} steps; --class-labels and --steps run more")
-    steps = GPU_STEPS if steps is None else steps
+    return labels, GPU_STEPS if steps is None else steps
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    check_out(args.out, OUTPUTS, args.overwrite)
+    check_weights(args.lpips_weights, args.fid_weights)
+    check_model(args.model)
+    shards = pipelines.Shards(args.device)
+    labels, steps = sizes(args, shards.device.type == "cpu")
+    items = read_items(None, labels, args.model)
     gpu_speed = None
-    if not cpu and not args.skip_speed:
+    if shards.device.type == "cuda" and not args.skip_speed:
         from ..eval.speed import measure
 
-        device = torch.device(args.device or "cuda")
-        print(f"[0/2] speed on this GPU ({torch.cuda.get_device_name(device)}): attention at real models' shapes and "
-              f"whole denoiser steps, stock against INT8 (--skip-speed leaves it out)")
-        gpu_speed = measure(device, progress=lambda line: print("  " + line))
+        print(f"[0/2] speed on this GPU ({torch.cuda.get_device_name(shards.device)}): attention at real models' "
+              f"shapes and whole denoiser steps, stock against INT8 (--skip-speed leaves it out)")
+        gpu_speed = measure(shards.device, progress=lambda line: print("  " + line))
+    pipe = load_pipeline(args.model, shards.device)
+    items = item_kwargs(items_for(args.model, pipe, items))
+    run_args = dict(steps=steps, batch_size=args.batch_size, seed=args.seed, model=pipelines.model_id(args.model),
+                    shards=shards)
     with output_set(args.out, OUTPUTS, args.overwrite) as tmp:
-        # both steps write into the demo's fresh temporary directory: nothing there to overwrite
-        common = dict(model=args.model, prompts=None, class_labels=labels, steps=steps,
-                      batch_size=args.batch_size, seed=args.seed, guidance_scale=None, device=args.device,
-                      overwrite=False)
         budget = f"budget {args.budget}" + (f" (calibrate's default is {DEFAULT_BUDGET}; see demo --help)"
                                             if args.budget == DEMO_BUDGET else "")
         print(f"[1/2] calibrate → {args.out / 'calibration'}, {budget}")
-        calib = tmp / "calibration"
-        calibrate_command(calib, **common, shown_out=args.out / "calibration", percentile=99.0, budget=args.budget,
-                          per_layer=False)
+        t0 = time.time()
+        cal = calibrate(pipe, **items, **run_args)
+        calibrating = time.time() - t0
+        schedule = PrecisionSchedule.from_calibration(cal, args.budget)
+        summary = write_outputs(cal, schedule, tmp / "calibration", args.budget)
+        print_calibration(summary, schedule, args.out / "calibration", calibrating, time.time() - t0 - calibrating)
         print(f"[2/2] eval → {args.out}")
-        eval_command(tmp, **common, shown_out=args.out, modes=["int8", "int8_fp16v"],
-                     schedule=str(calib / "schedule.json"), calibration=str(calib), generate_only=False,
-                     lpips_weights=args.lpips_weights, fid_weights=args.fid_weights,
-                     # the demo shows INT8's quality: at the shipped models' 256 and 4,096 tokens of head
-                     # dim 64 a GPU's speed gate would send every call to SDPA
-                     no_speed_gate=True, gpu_speed=gpu_speed)
+        # eval reads the files just written, as the eval command would
+        report = evaluate(pipe, **items, **run_args, modes=["int8", "int8_fp16v"],
+                          schedule=PrecisionSchedule.load(tmp / "calibration" / "schedule.json"),
+                          calibration=Calibration.load(tmp / "calibration"), lpips_weights=args.lpips_weights,
+                          fid_weights=args.fid_weights,
+                          # the demo shows INT8's quality: at the shipped models' 256 and 4,096 tokens of head
+                          # dim 64 a GPU's speed gate would send every call to SDPA
+                          speed_gate=False)
+        if gpu_speed is not None:
+            report["gpu_speed"] = gpu_speed
+        write_report(report, tmp)
         shutil.copyfile(PROMPTS, tmp / "prompts.txt")
+    print_report(report, args.out)
     if gpu_speed is not None:
         print(gpu_speed["headline"])
     print(f"open {args.out / 'report.html'}")
@@ -104,10 +123,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("diffusion-int8-demo"), help="output directory (default ./diffusion-int8-demo)")
     p.add_argument("--class-labels", nargs="+", default=None,
                    help=f"default: one image of each of the 16 classes (on a CPU, of the first {CPU_LABELS})")
-    add_run_args(p, batch_size=16)
-    p.set_defaults(steps=None)
-    steps = next(a for a in p._actions if a.dest == "steps")
-    steps.help = (f"denoising steps, at most {pipelines.MAX_STEPS} (default: {GPU_STEPS}; on a CPU, {CPU_STEPS})")
+    add_run_args(p, batch_size=16, steps=None, steps_default=f"{GPU_STEPS}; on a CPU, {CPU_STEPS}")
     p.add_argument("--budget", type=positive_float, default=DEMO_BUDGET,
                    help=f"error budget of the derived schedule (default: %(default)s). {BUDGET_WHY}")
     p.add_argument("--device", type=device_arg, default=None, help="cuda, cuda:N or cpu (default: the GPU if there is one, else cpu)")

@@ -31,6 +31,7 @@ from ..kernels import Mode, kernel_info
 from ..schedule import PRESETS, PrecisionSchedule
 from .common import WEIGHTS, add_model_args, check_model, check_weights, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, command, output_set
+from .summaries import print_report
 from .usage import UsageError, at_least_two, check_readable, sparsity_level, user_errors
 
 
@@ -51,11 +52,8 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
                  guidance_scale: float | None = None, device: str | None = None, overwrite: bool = False,
                  modes: Sequence[str] = DEFAULT_MODES, schedule: str | None = None, calibration: str | None = None,
                  sparsity: float | None = None, refresh_every: int | None = None, generate_only: bool = False,
-                 no_speed_gate: bool = False, lpips_weights: str | None = None, fid_weights: str | None = None,
-                 shown_out: Path | None = None, gpu_speed: dict | None = None) -> int:
-    """The command (without ``--score``) with its arguments as keywords (``demo`` calls it); ``shown_out``:
-    ``out`` as messages name it (the demo writes into a temporary directory); ``gpu_speed``: a speed section
-    (``eval.speed.measure``) for the report. Returns the exit status."""
+                 no_speed_gate: bool = False, lpips_weights: str | None = None, fid_weights: str | None = None) -> int:
+    """The command (without ``--score``) with its arguments as keywords. Returns the exit status."""
     check_out(out, OUTPUTS, overwrite)
     items = read_items(prompts, class_labels, model)
     schedule, calibration = load_inputs(schedule, calibration)
@@ -80,17 +78,14 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
     if report is None:  # another process of a launch: the main one writes
         shards.barrier()
         return 0
-    if gpu_speed is not None:
-        report["gpu_speed"] = gpu_speed
     with output_set(out, OUTPUTS, overwrite) as tmp:
         write_report(report, tmp)
-    shown = shown_out or out
     if generate_only:
-        print(f"wrote {len(report['images'])} image sets under {shown / 'images'} and {shown / 'report.json'} (timings only)")
+        print(f"wrote {len(report['images'])} image sets under {out / 'images'} and {out / 'report.json'} (timings only)")
         if report["timing"]["note"]:
             print(f"  {report['timing']['note']}")
     else:
-        _print_summary(report, shown)
+        print_report(report, out)
     shards.barrier()
     return 0
 
@@ -105,28 +100,6 @@ def run(args: argparse.Namespace) -> int:
                         sparsity=args.sparsity, refresh_every=args.refresh_every, generate_only=args.generate_only,
                         no_speed_gate=args.no_speed_gate,
                         lpips_weights=args.lpips_weights, fid_weights=args.fid_weights)
-
-
-def _print_summary(report: dict, out: Path) -> None:
-    print("wrote " + ", ".join(str(out / f) for f in R.REPORT_FILES))
-    timing = R.timing_of(report)
-    if timing["note"]:
-        print(f"  {timing['note']}")
-    sparse = R.sparse_variants(report)
-    for name, v in report["variants"].items():
-        agg = v["quality"]["aggregate"]
-        ms, base = v["speed"].get("denoiser_ms_per_step"), report["baseline"]["speed"].get("denoiser_ms_per_step")
-        ratio = R.vs_stock(base, ms) if timing["speed"] else None
-        excluded = agg["psnr"].get("excluded", 0)
-        print(f"  {name:28s} PSNR {R.fmt(agg['psnr']['mean'], 2)} dB (min {R.fmt(agg['psnr']['min'], 2)}), "
-              f"SSIM {R.fmt(agg['ssim']['mean'], 4)}" + (f", denoiser step {ms:.2f} ms: {ratio}" if ratio else "")
-              + (f"; {excluded} non-finite image(s) left out" if excluded else "")
-              + (f"; {v['sparsity']['overall']:.1%} of attention blocks skipped" if name in sparse else ""))
-    for name, steps in R.sparsity_lines(report):
-        print(f"  {name}: blocks skipped per step {steps}")
-    for k, v in report["metrics_available"].items():
-        if not v["available"]:
-            print(f"  {k}: unavailable: {v['reason']}")
 
 
 def score_folders(args) -> int:
@@ -155,7 +128,7 @@ def score_folders(args) -> int:
         report["image_dirs"][key] = str(c)
     with output_set(args.out, R.REPORT_FILES, args.overwrite) as tmp:
         write_report_files(report, images, names, tmp)
-    _print_summary(report, args.out)
+    print_report(report, args.out)
     return 0
 
 

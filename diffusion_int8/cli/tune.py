@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.config import MAX_HEAD_DIM
-from ..speed_gate import DTYPES, cache_path, measure
+from ..plugin.speed_gate import DTYPES, cache_path, measure
 from .outputs import check_out_file, command
 from .usage import UsageError, user_errors
 

@@ -1,0 +1,51 @@
+"""What ``calibrate``, ``eval`` and ``demo`` print when they finish: the files written and the figures in them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..calibration import FILE_NAME
+from ..eval import report as R
+
+
+def print_calibration(summary: dict, schedule, out: Path, calibrating: float, writing: float) -> None:
+    """A calibration's outputs (``write_outputs``' summary and the derived ``schedule``) written to ``out``, in
+    ``calibrating`` and ``writing`` seconds."""
+    print(f"wrote {out / FILE_NAME}, {out / 'schedule.json'} and {out / 'summary.md'}: calibrated in "
+          f"{calibrating:.1f} s, written in {writing:.1f} s")
+    for m, e in summary["errors"].items():
+        print(f"  {m:11s} rel L1 mean {e['mean_rel_l1']:.4f}, worst {e['max_rel_l1']:.4f} "
+              f"({e['most_sensitive'][0]['layer']} at step {e['most_sensitive'][0]['step']})")
+    fit = summary["ranges_vs_sigma"]
+    print("  ranges vs sigma, median R² proportional/quadratic: "
+          + ", ".join(f"{k} {v['r2_proportional']:.2f}/{v['r2_quadratic']:.2f}" for k, v in fit.items()))
+    for tau, e in summary["sparsity"].items():
+        print(f"  tau {tau:9s} skips {e['skipped']:.1%} of the blocks, rel L1 mean {e['mean_rel_l1']:.4f}, "
+              f"worst {e['max_rel_l1']:.4f}")
+    print(f"  schedule {schedule.name}: {' '.join(summary['schedule']['per_step'])}")
+    if "tau_per_step" in summary["schedule"]:
+        print("  levels per step: " + " ".join("dense" if t is None else f"{t:g}"
+                                                for t in summary["schedule"]["tau_per_step"]))
+
+
+def print_report(report: dict, out: Path) -> None:
+    """An evaluation's report written to ``out``: each variant's quality, speed and skipped blocks."""
+    print("wrote " + ", ".join(str(out / f) for f in R.REPORT_FILES))
+    timing = R.timing_of(report)
+    if timing["note"]:
+        print(f"  {timing['note']}")
+    sparse = R.sparse_variants(report)
+    for name, v in report["variants"].items():
+        agg = v["quality"]["aggregate"]
+        ms, base = v["speed"].get("denoiser_ms_per_step"), report["baseline"]["speed"].get("denoiser_ms_per_step")
+        ratio = R.vs_stock(base, ms) if timing["speed"] else None
+        excluded = agg["psnr"].get("excluded", 0)
+        print(f"  {name:28s} PSNR {R.fmt(agg['psnr']['mean'], 2)} dB (min {R.fmt(agg['psnr']['min'], 2)}), "
+              f"SSIM {R.fmt(agg['ssim']['mean'], 4)}" + (f", denoiser step {ms:.2f} ms: {ratio}" if ratio else "")
+              + (f"; {excluded} non-finite image(s) left out" if excluded else "")
+              + (f"; {v['sparsity']['overall']:.1%} of attention blocks skipped" if name in sparse else ""))
+    for name, steps in R.sparsity_lines(report):
+        print(f"  {name}: blocks skipped per step {steps}")
+    for k, v in report["metrics_available"].items():
+        if not v["available"]:
+            print(f"  {k}: unavailable: {v['reason']}")
