@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import diffusion_int8
-import diffusion_int8.processor as P
+import diffusion_int8.plugin.processor as P
 from diffusion_int8.embedded import load_pipeline
 from diffusion_int8.eval.metrics import psnr
 from diffusion_int8.kernels.config import SPARSE_BLOCK

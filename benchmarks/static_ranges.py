@@ -20,7 +20,7 @@ import torch
 from diffusion_int8 import Int8Config, pipelines
 from diffusion_int8.calibration.run import calibrate
 from diffusion_int8.eval.run import run_variant
-from diffusion_int8.models import denoiser
+from diffusion_int8.plugin.models import denoiser
 from diffusion_int8.schedule import PrecisionSchedule
 
 

@@ -22,7 +22,7 @@ import torch
 
 from . import jsonfile
 from .embedded.variants import VARIANTS, describe, shipped
-from .models import denoiser
+from .plugin.models import denoiser
 
 EMBEDDED = VARIANTS["base"].name  # the default --model; every shipped name is in embedded.variants
 

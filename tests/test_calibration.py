@@ -62,10 +62,10 @@ def collect_dit(batches=2, steps=3, record_inputs=None):
     model, x = build("dit")
     col = Collector()
 
-    def observer(proc, q, k, v, mask, scale, exact):
+    def observer(call):
         if record_inputs is not None:
-            record_inputs.append((proc.state.step, proc.name, q.clone(), k.clone(), v.clone()))
-        col(proc, q, k, v, mask, scale, exact)
+            record_inputs.append((call.step, call.layer, call.query.clone(), call.key.clone(), call.value.clone()))
+        col(call)
 
     handle = enable(model, mode="fp16", observer=observer)
     records = []
@@ -210,7 +210,7 @@ def test_fit_recovers_a_quadratic_and_ranges_follow_it():
 def test_static_ranges_reach_the_kernel(monkeypatch):
     model, cal = make_calibration()
     _, x = build("dit")
-    import diffusion_int8.routing as P
+    import diffusion_int8.plugin.routing as P
 
     seen = []
     real = P.int8_attention
@@ -331,7 +331,7 @@ def test_static_balance_reaches_the_kernel_and_helps_outlier_channels(monkeypatc
     timesteps, stats = merge([col.record(0)])
     cal = Calibration.from_stats({"model": "tiny-dit", "model_class": type(model).__name__,
                                   "num_train_timesteps": 1000}, timesteps, stats)
-    import diffusion_int8.routing as P
+    import diffusion_int8.plugin.routing as P
 
     seen, real = [], P.int8_attention
     monkeypatch.setattr(P, "int8_attention", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
@@ -728,7 +728,7 @@ def collect_long_dit(monkeypatch, seen=None):
 
     import diffusers as d
 
-    from diffusion_int8 import processor
+    from diffusion_int8.plugin import processor
     from diffusion_int8.kernels.sparsity import predict_block_mask
 
     monkeypatch.setattr(processor, "predict_block_mask", functools.partial(predict_block_mask, min_similarity=None))
@@ -737,10 +737,11 @@ def collect_long_dit(monkeypatch, seen=None):
                                     num_layers=2, sample_size=48, patch_size=2, num_embeds_ada_norm=10).eval()
     col = Collector(sparsity_levels=LEVELS)
 
-    def observer(proc, q, k, v, mask, scale, exact):
+    def observer(call):
         if seen is not None:
-            seen.append((proc.state.step, proc.name, q.clone(), k.clone(), v.clone(), scale, exact.clone()))
-        col(proc, q, k, v, mask, scale, exact)
+            seen.append((call.step, call.layer, call.query.clone(), call.key.clone(), call.value.clone(), call.scale,
+                         call.out.clone()))
+        col(call)
 
     handle = enable(model, mode="fp16", observer=observer)
     g = torch.Generator().manual_seed(0)

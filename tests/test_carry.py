@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from diffusion_int8 import Int8DiffusionProcessor, PrecisionSchedule, Rule, enable
-from diffusion_int8.carry import BlockCarry
+from diffusion_int8.plugin.carry import BlockCarry
 from diffusion_int8.kernels import Mode
 from diffusion_int8.kernels.config import SPARSE_BLOCK
 from diffusion_int8.kernels.merge import merge_forecast, merge_reference
-from diffusion_int8.models import attention_modules
-from diffusion_int8.routing import int8_core
+from diffusion_int8.plugin.models import attention_modules
+from diffusion_int8.plugin.routing import int8_core
 from diffusion_int8.eval.metrics import psnr
 from diffusion_int8.inputs import local_qkv
 
@@ -260,7 +260,7 @@ def test_gpu_kernels_carry_as_the_emulation_does(monkeypatch, mode, D):
 
 
 def test_a_timestep_that_does_not_move_keeps_the_call_sites_bounded():
-    from diffusion_int8.carry import MAX_CALLS_PER_STEP
+    from diffusion_int8.plugin.carry import MAX_CALLS_PER_STEP
 
     q, k, v = local_qkv(1, 1, 300, 300, 64, seed=8)
     carry = BlockCarry(2)

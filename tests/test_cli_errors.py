@@ -479,7 +479,7 @@ def test_tune_out_is_checked_before_measuring(tmp_path, capsys, fake_gpu, monkey
 
 @pytest.mark.parametrize("failure, status", [(OSError("No space left on device"), 2), (KeyboardInterrupt(), 130)])
 def test_tune_leaves_no_temporary_file(failure, status, tmp_path, capsys, fake_gpu, monkeypatch):
-    from diffusion_int8 import speed_gate
+    from diffusion_int8.plugin import speed_gate
 
     monkeypatch.setattr(fake_gpu, "measure", lambda *_, **__: speed_gate.CrossoverTable("test", "sm_90", ()))
     real_replace = speed_gate.os.replace

@@ -142,7 +142,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     # an observer (the calibration's) would see one device's heads: refused
     model, x = fresh()
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
-    diffusion_int8.enable(model, "fp16", observer=lambda *args: None)
+    diffusion_int8.enable(model, "fp16", observer=lambda call: None)
     try:
         with torch.no_grad():
             model(**x, return_dict=False)

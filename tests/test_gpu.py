@@ -109,7 +109,7 @@ def test_families_at_real_shapes(name):
     import sys
 
     import diffusion_int8
-    from diffusion_int8.speed_gate import CrossoverTable, SpeedGate
+    from diffusion_int8.plugin.speed_gate import CrossoverTable, SpeedGate
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from pipeline import cast, models
@@ -145,7 +145,7 @@ def test_tune_measures_a_table_the_gate_reads(tmp_path):
     import sys
 
     from diffusion_int8.kernels.config import Mode
-    from diffusion_int8.speed_gate import CrossoverTable, SpeedGate, arch_of
+    from diffusion_int8.plugin.speed_gate import CrossoverTable, SpeedGate, arch_of
 
     out = tmp_path / "table.json"
     res = subprocess.run([sys.executable, "-m", "diffusion_int8", "tune", "--out", str(out), "--head-dims", "128",
@@ -233,7 +233,7 @@ def test_the_speed_section_times_every_call_and_follows_the_gate():
     # the demo's speed section at a few replays: every call timed, each decision the gate's own, and "you get" the
     # INT8 speed-up exactly where the gate runs INT8
     from diffusion_int8.eval.speed import CALLS, measure
-    from diffusion_int8.speed_gate import SpeedGate
+    from diffusion_int8.plugin.speed_gate import SpeedGate
 
     lines = []
     section = measure(torch.device("cuda"), progress=lines.append, reps=2, rounds=1, steps=False)

@@ -11,7 +11,7 @@ import torch
 
 import diffusion_int8
 from diffusion_int8 import Int8DiffusionProcessor, enable
-from diffusion_int8.models import attention_modules
+from diffusion_int8.plugin.models import attention_modules
 from tiny_models import FAMILIES, build, identity_attention, run_identity
 
 # Relative L2 error of the denoiser output against stock, measured on these tiny models
@@ -345,7 +345,7 @@ class Spy:
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    from diffusion_int8 import routing
+    from diffusion_int8.plugin import routing
     from diffusion_int8.kernels import ops
 
     spy = Spy(routing.int8_attention)
@@ -408,7 +408,7 @@ def test_schedule_levels_apply_per_noise_level_and_sdpa_calls_stay_dense(kernel_
     assert skipped["per_step"][0] == 0 and skipped["per_step"][1] > 0 and skipped["per_step"][2] == 0
     assert skipped["overall"] == pytest.approx(skipped["per_step"][1] / 3)  # every step has the same 100 pairs
 
-    class NeverPays(diffusion_int8.speed_gate.SpeedGate):
+    class NeverPays(diffusion_int8.plugin.speed_gate.SpeedGate):
         def pays(self, mode, q, k, attn_mask=None):
             return False
 
@@ -432,7 +432,7 @@ def test_sparsity_arguments_are_checked():
         Int8DiffusionProcessor("int8", qk_balance="yes")
     with pytest.raises(TypeError, match="qk_rotate must be True or False"):
         Int8DiffusionProcessor("int8", qk_rotate=1)
-    from diffusion_int8 import config
+    from diffusion_int8.plugin import config
 
     config._warn_rotation_cost.cache_clear()
     with pytest.warns(UserWarning, match="qk_rotate costs .* which the speed gate's crossover tables do not include"):
@@ -478,7 +478,7 @@ def test_the_gate_counts_the_balance_a_call_measures():
     # A table whose INT8 lead (1.08x, margin 1.05) pays for a call but not for the call plus its measured Q·Kᵀ
     # balance at 1,024 keys (speed_gate.balance_cost): the module with outlier channels of its own goes to SDPA,
     # the one without runs INT8, and one whose balance comes from nowhere (qk_balance=False) runs INT8 too
-    from diffusion_int8.speed_gate import CrossoverTable, Grid, SpeedGate, balance_cost
+    from diffusion_int8.plugin.speed_gate import CrossoverTable, Grid, SpeedGate, balance_cost
     from diffusion_int8.inputs import realistic_qkv
 
     D = 64
@@ -540,7 +540,7 @@ def test_qk_rotate_reaches_the_op_and_drops_static_q_k_ranges(kernel_calls):
 
 @pytest.mark.parametrize("family, first", [("flux", True), ("sd3", False), ("cogvideox", True)])
 def test_joint_attention_always_keeps_the_text_key_blocks(monkeypatch, family, first):
-    from diffusion_int8 import routing
+    from diffusion_int8.plugin import routing
 
     spy = Spy(routing.int8_attention)
     monkeypatch.setattr(routing, "int8_attention", spy)

@@ -146,7 +146,7 @@ def test_threads_carrying_skipped_blocks_keep_their_own_call_sites():
 # -- speed-gate tables and the JSON files the package reads --
 
 def _table_json(tmp_path):
-    from diffusion_int8.speed_gate import CrossoverTable, Grid
+    from diffusion_int8.plugin.speed_gate import CrossoverTable, Grid
 
     grid = Grid("int8", 64, "float16", (1024, 4096), (1 << 16, 1 << 18), ((0.8, 1.1), (1.2, 1.5)))
     path = tmp_path / "table.json"
@@ -163,7 +163,7 @@ def _table_json(tmp_path):
     (lambda g: g.__setitem__("margin", "1.03"), "margin must be a finite positive number"),
 ])
 def test_crossover_tables_are_validated_whole(tmp_path, change, message):
-    from diffusion_int8.speed_gate import CrossoverTable
+    from diffusion_int8.plugin.speed_gate import CrossoverTable
 
     path, data = _table_json(tmp_path)
     change(data)
@@ -174,7 +174,7 @@ def test_crossover_tables_are_validated_whole(tmp_path, change, message):
 
 
 def test_a_cached_table_of_another_architecture_is_ignored_with_a_warning(tmp_path, monkeypatch):
-    from diffusion_int8 import speed_gate
+    from diffusion_int8.plugin import speed_gate
 
     path, data = _table_json(tmp_path)
     path.write_text(json.dumps({**data, "arch": "sm_80"}))
@@ -195,7 +195,7 @@ def test_saving_a_table_does_not_follow_a_link_planted_beside_it(tmp_path):
     victim.write_text("keep me")
     link = tmp_path / f".{path.name}.{os.getpid()}.tmp"
     link.symlink_to(victim)
-    from diffusion_int8.speed_gate import CrossoverTable
+    from diffusion_int8.plugin.speed_gate import CrossoverTable
 
     table = CrossoverTable.load(path)
     CrossoverTable(table.device, table.arch, table.grids, margin=1.2).save(path)
@@ -206,7 +206,7 @@ def test_saving_a_table_does_not_follow_a_link_planted_beside_it(tmp_path):
 
 def test_deeply_nested_json_is_refused_before_parsing(tmp_path):
     from diffusion_int8 import PrecisionSchedule
-    from diffusion_int8.speed_gate import CrossoverTable
+    from diffusion_int8.plugin.speed_gate import CrossoverTable
 
     from diffusion_int8.pipelines import check_model
 
@@ -237,7 +237,7 @@ def shipped_pipe():
 
 
 def _processors(pipe):
-    from diffusion_int8.models import attention_modules
+    from diffusion_int8.plugin.models import attention_modules
     from diffusion_int8.pipelines import denoiser
 
     return {n: type(m.processor) for n, m in attention_modules(denoiser(pipe)).items()}

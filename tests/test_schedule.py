@@ -51,7 +51,7 @@ def test_json_round_trip_and_no_silent_overwrite(tmp_path):
 def test_enable_with_a_schedule_switches_per_step_and_layer(monkeypatch):
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
     model, x = build("dit")
-    layers = sorted(diffusion_int8.models.attention_modules(model))
+    layers = sorted(diffusion_int8.plugin.models.attention_modules(model))
     schedule = PrecisionSchedule(rules=(Rule("int8", min_noise=0.5, layers=layers[0]),), default="int8_fp16v")
     handle = diffusion_int8.enable(model, schedule=schedule, record=True)
     with torch.no_grad():

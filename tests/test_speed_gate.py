@@ -10,7 +10,7 @@ import torch
 
 from diffusion_int8 import enable
 from diffusion_int8.kernels import Mode
-from diffusion_int8.speed_gate import SHIPPED, CrossoverTable, Grid, SpeedGate
+from diffusion_int8.plugin.speed_gate import SHIPPED, CrossoverTable, Grid, SpeedGate
 from tiny_models import build
 
 

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import diffusion_int8
-from diffusion_int8.models import attention_modules
-from diffusion_int8.routing import kernel_takes
-from diffusion_int8.speed_gate import CrossoverTable, SpeedGate
+from diffusion_int8.plugin.models import attention_modules
+from diffusion_int8.plugin.routing import kernel_takes
+from diffusion_int8.plugin.speed_gate import CrossoverTable, SpeedGate
 from zoo import CASES, EXCLUDED, build, run
 from zoo.registry import CPU_ONLY, UNROUTABLE, to_device
 

@@ -1,7 +1,8 @@
 """Recording attention statistics while a pipeline runs, and merging the records of several batches.
 
-``Collector`` is an ``enable(..., observer=...)`` observer: at every attention call it receives the
-BHSD inputs the kernel would see (after the model's norms and RoPE) and the exact output. It keeps,
+``Collector`` is an ``enable(..., observer=...)`` observer: at every attention call it receives an
+``AttentionCall``: the layer, the step, the BHSD inputs the kernel would see (after the model's norms and RoPE)
+and the exact output. It keeps,
 per layer and denoising step, sums over images of the per-head statistics of ``stats.py``, so records
 of different batches, processes or machines merge exactly by adding them in batch order.
 """
@@ -14,7 +15,8 @@ import torch
 
 from ..kernels import Mode
 from ..kernels.sparsity import check_tau
-from ..routing import int8_sdpa
+from ..plugin.observer import AttentionCall
+from ..plugin.routing import int8_sdpa
 from .stats import QUANTIZED_MODES, input_stats, output_errors, sparse_key, sparse_sdpa
 
 MEAN_STATS = ("q_p99", "k_p99", "q_max", "k_max", "k_mean", "q_cmax", "k_cmax")  # averaged over images
@@ -45,15 +47,16 @@ class Collector:
         self.timesteps: dict[int, float] = {}
 
     @torch.no_grad()
-    def __call__(self, proc, q, k, v, attn_mask, scale, exact) -> None:
-        step, layer = proc.state.step, proc.name
-        self.timesteps[step] = proc.state.timestep
+    def __call__(self, call: AttentionCall) -> None:
+        step, layer, q, k, v = call.step, call.layer, call.query, call.key, call.value
+        attn_mask, scale, exact = call.attn_mask, call.scale, call.out
+        self.timesteps[step] = call.timestep
         found = input_stats(q, k, v, self.percentile)
         for mode in self.modes:
             errs = output_errors(int8_sdpa(mode, q, k, v, attn_mask, scale=scale), exact)
             found.update({f"err.{mode.value}.{m}": t for m, t in errs.items()})
         for tau in self.sparsity_levels:
-            found.update(self._sparse_stats(proc, q, k, v, attn_mask, scale, exact, tau))
+            found.update(self._sparse_stats(call, tau))
         entry = self.acc.setdefault(layer, {}).setdefault(step, {})
         entry["count"] = entry.get("count", 0) + q.shape[0]
         for key, t in found.items():
@@ -66,9 +69,10 @@ class Collector:
                 entry[key] = entry[key] + t if key in entry else t
 
     @staticmethod
-    def _sparse_stats(proc, q, k, v, attn_mask, scale, exact, tau: float) -> dict[str, torch.Tensor]:
+    def _sparse_stats(call: AttentionCall, tau: float) -> dict[str, torch.Tensor]:
         """Per (batch, head): the error of block-sparse exact attention at ``tau`` and the fraction of pairs kept."""
-        mask = proc.block_mask_for(q, k, attn_mask, scale, tau)
+        q, k, v, scale, exact = call.query, call.key, call.value, call.scale, call.out
+        mask = call.block_mask(tau)
         B, H = q.shape[:2]
         if mask is None:
             errs = {"rel_l1": q.new_zeros(B, H), "cos": q.new_ones(B, H)}

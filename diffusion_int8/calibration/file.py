@@ -39,7 +39,7 @@ import torch
 from .. import jsonfile
 from ..kernels import Mode, StaticRanges
 from ..kernels.config import MAX_HEAD_DIM
-from ..models import attention_modules, head_dim_of
+from ..plugin.models import attention_modules, head_dim_of
 from ..schedule import noise_level
 from .stats import SPARSE_STATS, sparse_key, sparse_stat
 

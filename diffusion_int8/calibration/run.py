@@ -17,7 +17,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from .. import pipelines
-from ..install import enable
+from ..plugin.install import enable
 from .collect import Collector, merge
 from .file import FILE_NAME, Calibration
 from .summary import write_all

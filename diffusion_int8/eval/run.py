@@ -23,12 +23,12 @@ from tqdm.auto import tqdm
 
 from .. import pipelines
 from ..calibration import Calibration
-from ..config import Int8Config
-from ..install import enable
+from ..plugin.config import Int8Config
+from ..plugin.install import enable
 from ..kernels import Mode, kernel_info
-from ..processor import skipped_fractions
+from ..plugin.state import skipped_fractions
 from ..schedule import PrecisionSchedule
-from ..speed_gate import SpeedGate
+from ..plugin.speed_gate import SpeedGate
 from . import report as R
 from .energy import EnergyCounter
 from .score import Scorer, save_images

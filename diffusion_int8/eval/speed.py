@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ..inputs import realistic_qkv
-from ..install import enable
+from ..plugin.install import enable
 from ..kernels import Mode, int8_attention
-from ..speed_gate import SpeedGate
+from ..plugin.speed_gate import SpeedGate
 from ..timing import interleaved_rounds, median
 
 

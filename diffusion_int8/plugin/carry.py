@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.merge import merge_forecast
-from .kernels.sparsity import predict_block_mask
+from ..kernels.merge import merge_forecast
+from ..kernels.sparsity import predict_block_mask
 
 # calls of one module in one denoising step (CFG as two batches makes two); more means the timestep is not moving
 # (a benchmark calling the denoiser at one timestep): each call then starts over instead of adding call sites

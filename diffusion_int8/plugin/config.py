@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
 
-from .calibration.file import Calibration
+from ..calibration.file import Calibration
 from .carry import BlockCarry
-from .kernels import Mode
-from .kernels.sparsity import check_tau
-from .schedule import PrecisionSchedule
+from ..kernels import Mode
+from ..kernels.sparsity import check_tau
+from ..schedule import PrecisionSchedule
 from .speed_gate import CrossoverTable, SpeedGate
 
 Schedule = Union[PrecisionSchedule, str, Callable[[float], Union[str, Mode]]]

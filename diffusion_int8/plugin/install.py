@@ -6,17 +6,19 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .kernels import Mode
-from .kernels.config import MAX_HEAD_DIM
+from ..kernels import Mode
+from ..kernels.config import MAX_HEAD_DIM
 from .models import (attention_modules, attention_outside_processors, denoiser, head_dim_of, reaches_attention,
                      set_processor)
 from .config import Int8Config
-from .processor import Int8DiffusionProcessor, Int8State
-from .versions import check_diffusers_version
+from .observer import Observer
+from .processor import Int8DiffusionProcessor
+from .state import Int8State
+from ..versions import check_diffusers_version
 
 
 @dataclass
@@ -99,7 +101,7 @@ def _warn_skipped(model: torch.nn.Module, skipped: dict[str, str]) -> None:
 
 
 def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: bool = False,
-           observer: Callable | None = None, **options) -> Int8Handle:
+           observer: Observer | None = None, **options) -> Int8Handle:
     """Install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoiser.
 
     Args:

@@ -7,6 +7,7 @@ import functools
 import inspect
 import sys
 import types
+import typing
 
 import torch
 
@@ -192,3 +193,27 @@ def denoiser(pipe_or_model) -> torch.nn.Module:
         f"{type(pipe_or_model).__name__} has no denoiser (looked for .transformer, .unet, .prior); "
         f"pass the model itself"
     )
+
+
+# diffusers passes a processor only the keyword arguments its ``__call__`` declares (``inspect.signature``) and drops
+# the rest with a log line, so an INT8 processor declares what the stock processor it runs declares: it is an
+# instance of a subclass whose ``__call__`` (the same code) carries that signature, one subclass per signature.
+_DECLARING: dict[tuple, type] = {}
+
+
+def declaring_subclass(base: type, sig: inspect.Signature) -> type:
+    """The subclass of ``base`` whose ``__call__`` (``base.__call__``'s code) declares ``sig`` (a bound method's,
+    without self), made once per signature; it has ``base``'s name, module and qualified name (pickles resolve
+    ``base`` and make it again)."""
+    key = (base, *((p.name, p.kind) for p in sig.parameters.values()))
+    cls = _DECLARING.get(key)
+    if cls is None:
+        fn = base.__call__
+        call = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        call.__kwdefaults__, call.__doc__, call.__qualname__ = fn.__kwdefaults__, fn.__doc__, fn.__qualname__
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        call.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()],
+                                         return_annotation=typing.Any)
+        cls = _DECLARING[key] = type(base.__name__, (base,), {"__call__": call, "__module__": base.__module__,
+                                                              "__qualname__": base.__qualname__})
+    return cls

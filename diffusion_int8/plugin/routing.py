@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .kernels import Mode, StaticRanges, int8_attention
-from .kernels.config import MAX_HEAD_DIM
+from ..kernels import Mode, StaticRanges, int8_attention
+from ..kernels.config import MAX_HEAD_DIM
 
 
 def routed(fn: Callable, sdpa: Callable, dispatch: Callable) -> Callable | None:
@@ -65,31 +65,11 @@ def keeps_stock(backend, parallel_config) -> bool:
     return backend != "native"
 
 
-def context_split(parallel_config) -> str | None:
-    """How diffusers' ``parallel_config`` splits attention: ``"ulysses"`` (heads exchanged by all-to-all, each device
-    attending over every token of its heads), ``"ring"`` (K/V blocks passed around, partial results merged through
-    their log-sum-exp), or None for none or both at once (which runs diffusers' own attention)."""
-    cp = getattr(parallel_config, "context_parallel_config", None)
-    if cp is None or (cp.ring_degree > 1) == (cp.ulysses_degree > 1):
-        return None
-    return "ring" if cp.ring_degree > 1 else "ulysses"
-
-
 def other_backend(inner) -> bool:
     """``keeps_stock`` for a stock processor's settings; processors without the dispatcher have none."""
     if not hasattr(inner, "_attention_backend") and getattr(inner, "_parallel_config", None) is None:
         return False
     return keeps_stock(getattr(inner, "_attention_backend", None), getattr(inner, "_parallel_config", None))
-
-
-def ulysses_share(inner) -> tuple[int, int] | None:
-    """(this device's rank, devices) where a stock processor's dispatcher call is split Ulysses-wise on diffusers'
-    native backend, whose template ends in one SDPA call on this device's share of the heads; else None."""
-    config = getattr(inner, "_parallel_config", None)
-    if context_split(config) != "ulysses" or keeps_stock(getattr(inner, "_attention_backend", None), None):
-        return None
-    cp = config.context_parallel_config
-    return cp._ulysses_local_rank, cp.ulysses_degree
 
 
 class RouteToInt8(TorchFunctionMode):

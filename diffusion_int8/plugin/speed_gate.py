@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import jsonfile
-from .kernels.config import MAX_HEAD_DIM, Mode, padded_head_dim
-from .kernels.key_mask import is_key_mask
+from .. import jsonfile
+from ..kernels.config import MAX_HEAD_DIM, Mode, padded_head_dim
+from ..kernels.key_mask import is_key_mask
 
 FORMAT = "diffusion-int8 crossover table"
 VERSION = 1
@@ -365,8 +365,8 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
     import triton
     import torch.nn.functional as F
 
-    from .kernels import int8_attention
-    from .timing import graph_ms
+    from ..kernels import int8_attention
+    from ..timing import graph_ms
 
     grids = []
     cells = [(d, dt, n, r) for d in head_dims for dt in dtypes for n in keys for r in rows]

@@ -2,7 +2,7 @@
 
 For each case: builds it, runs the stock forward twice (the outputs must be equal and finite), counts the
 F.scaled_dot_product_attention calls the forward makes (diffusers' native attention backend ends in it), the
-attention modules (``diffusion_int8.models.attention_modules``) and their processor classes, and checks
+attention modules (``diffusion_int8.plugin.models.attention_modules``) and their processor classes, and checks
 that a declared mask input has zeros. Prints one line a case; exit status 1 if any failed.
 """
 
@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffusion_int8.models import attention_modules  # noqa: E402
+from diffusion_int8.plugin.models import attention_modules  # noqa: E402
 from zoo import registry  # noqa: E402
 
 PARTS = ["images_a", "images_b", "videos_a", "videos_b", "unets", "controlnets", "audio_other", "autoencoders"]

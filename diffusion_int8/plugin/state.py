@@ -1,0 +1,72 @@
+"""``Int8State``: the denoising position the processors of one ``enable`` read, and what their calls did."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels.config import SPARSE_BLOCK
+from ..kernels.layout import cdiv
+
+
+@dataclass
+class Int8State:
+    """The denoising position the processors read, held by the user's handle (no module globals).
+
+    ``timestep`` is the value the denoiser was last called with (first element for CFG batches),
+    ``step`` counts denoiser calls since ``reset()``; ``trace``, when a list, records
+    ``(step, timestep, layer, mode)`` for every attention call (the mode the schedule chose, before the speed
+    gate); ``int8_calls`` and ``gated_calls`` count the calls that ran INT8 and those the gate sent to SDPA (in eager
+    mode: under ``torch.compile`` the counts stay as they are). While a trace is kept, ``block_counts`` adds up per
+    step the (query block, key block) pairs computed and all pairs, over every attention call, dense ones included
+    (``skipped_blocks`` reads them).
+    """
+
+    timestep: float | None = None
+    step: int = -1
+    trace: list | None = None
+    timestep_scale: float | None = None  # 1000 or 1: what the timesteps of this generation are out of
+    int8_calls: int = 0  # attention calls that ran an INT8 mode
+    gated_calls: int = 0  # calls the schedule gave an INT8 mode and the speed gate sent to SDPA
+    # step -> [pairs computed (a device tensor where a mask was predicted: no host sync per call), all pairs]
+    block_counts: dict = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.timestep, self.step, self.timestep_scale = None, -1, None
+        self.int8_calls = self.gated_calls = 0
+        self.block_counts.clear()
+        if self.trace is not None:
+            self.trace.clear()
+
+    def count_blocks(self, kept, total: int) -> None:
+        """Add one attention call's computed pairs (an int or a 0-d device tensor) and all its pairs to this step."""
+        entry = self.block_counts.setdefault(self.step, [0, 0])
+        entry[0] = entry[0] + kept
+        entry[1] += total
+
+    def block_totals(self) -> dict[int, tuple[float, int]]:
+        """``{step: (pairs computed, all pairs)}`` since ``reset()``, read from the device counters (one host
+        synchronization per step: call it at report time)."""
+        return {s: (float(kept), total) for s, (kept, total) in sorted(self.block_counts.items())}
+
+    def skipped_blocks(self) -> dict | None:
+        """The fraction of (query block, key block) pairs skipped, ``{"steps": [...], "per_step": [...], "overall":
+        f}`` over the steps since ``reset()``, or None where nothing was counted (no trace kept)."""
+        return skipped_fractions(self.block_totals())
+
+
+def skipped_fractions(totals: dict[int, tuple[float, int]]) -> dict | None:
+    """``Int8State.block_totals`` (or their sums over generations) as skipped fractions per step and overall."""
+    if not totals:
+        return None
+    steps = sorted(totals)
+    kept, total = sum(totals[s][0] for s in steps), sum(totals[s][1] for s in steps)
+    return {"steps": steps, "per_step": [1 - totals[s][0] / max(totals[s][1], 1) for s in steps],
+            "overall": 1 - kept / max(total, 1)}
+
+
+def block_pairs(query: torch.Tensor, key: torch.Tensor) -> int:
+    """(query block, key block) pairs of an attention call, over its batch and heads (BHSD, or any with S at -2)."""
+    batch_heads = query.numel() // max(query.shape[-2] * query.shape[-1], 1)
+    return batch_heads * cdiv(query.shape[-2], SPARSE_BLOCK) * cdiv(key.shape[-2], SPARSE_BLOCK)
