@@ -78,9 +78,8 @@ def int8_attention(
         qk_balance: scale Q's channels down and K's up (or the reverse) by powers of two, per (batch, K/V head,
             channel), from their measured ranges: Q·Kᵀ is unchanged exactly, and a channel large in Q or in K
             alone (an outlier channel) no longer sets the range every other channel of its token is quantized
-            with (20x such channels: cos 0.971 -> 0.9996 against float64 on the H100). It costs a quarter read
-            of Q in the statistics pass (1-3% of the call at Flux's shape, 3-4% at SDXL's), so it is off by
-            default. Applies where no static ``q_amax``, ``k_amax`` or ``k_mean`` is given and a K/V head has
+            with. It costs a quarter read of Q in the statistics pass, so this function leaves it off
+            (``enable`` turns it on per module where the first call shows outlier channels). Applies where no static ``q_amax``, ``k_amax`` or ``k_mean`` is given and a K/V head has
             at least 1,024 queries (fewer give no reliable channel ranges). A tensor instead is a given balance,
             broadcastable to (B, Hkv, D), finite and positive (powers of two keep Q·Kᵀ exact), e.g. a calibrated
             one (``Calibration.ranges(..., balance=True)``): then nothing is measured for it, and ``q_amax`` and
@@ -88,12 +87,9 @@ def int8_attention(
         qk_rotate: multiply Q's and K's rows (K after smoothing) by a ±1 Hadamard matrix before quantizing them:
             Q·Kᵀ is unchanged up to rounding (exactly DP times it, divided out in Q's scale), and every channel
             is spread over all of them, so outlier channels no longer set a token's range, including channels
-            that Q and K share, which the balance cannot move (20x in both, H100: worst cos 0.9982 -> 0.9997
-            against float64 with 16-bit P·V). With ``qk_balance`` too, the balance applies first: together they
-            cover both kinds of outlier channels (in the emulation at 1,024 tokens, D = 64 and 128: worst cos
-            0.99987 / 0.99952 with 16-bit / FP8 P·V). Costs two INT8 MMAs per tile in the quantization launch: +2.8% /
-            +5.8% of a call at Flux's shape with 16-bit / FP8 P·V, 3-4% at SDXL's on an H100 (BENCHMARKS.md), so
-            it is off by default. Needs Q's and K's ranges measured (no ``q_amax``/``k_amax``).
+            that Q and K share, which the balance cannot move. With ``qk_balance`` too, the balance applies
+            first: together they cover both kinds of outlier channels. It costs two INT8 MMAs per tile in the
+            quantization launch (BENCHMARKS.md has the accuracy and the cost), so it is off by default. Needs Q's and K's ranges measured (no ``q_amax``/``k_amax``).
         q_amax, k_amax: static quantization ranges broadcastable to (B, Hq) / (B, Hkv), e.g. per-head
             calibrated ranges (``Calibration.ranges``; ``k_amax`` is of the smoothed K). Values beyond
             are clipped. Ranges must be finite and positive: on CPU tensors (and with ``check_finite``)
@@ -111,7 +107,7 @@ def int8_attention(
         return_lse: also return each query row's log-sum-exp of its scaled (and masked) logits, as the INT8
             modes computed them (their quantized scores, K's smoothing added back): what ring attention merges
             partial results with. Every kernel writes it in its epilogue; adding the smoothing back reads K and Q
-            once more (0.13 ms at Flux's shape on an H100). Mode ``fp16`` computes it exactly (flash attention's on
+            once more. Mode ``fp16`` computes it exactly (flash attention's on
             a GPU, else a float32 Q·Kᵀ).
         return_block_mask: with ``sparsity``, also return the mask it predicted: bool (B, Hq, nQB, nKB), True =
             computed (e.g. to count the skipped blocks).

@@ -1,7 +1,7 @@
 """Launch plans: an INT8 attention call worked out once per call signature, then replayed with little host time.
 
 Triton's ``kernel[grid](...)`` binds and specializes every argument, looks the compiled kernel up and builds
-its launch metadata on each call: about 30-70 µs a launch in Triton 3.6, three launches a call. A ``Plan``
+its launch metadata on each call, tens of microseconds a launch, and a call makes up to three. A ``Plan``
 records the first call of a signature (the kernels it launched, with what arguments, and the buffers it
 allocated), lays those buffers out in one workspace, and replays later calls as one allocation and one
 direct call of each compiled kernel's launcher, with only the pointers changed. The signature (shapes,

@@ -1,8 +1,7 @@
 """PyTorch custom op around the kernels, so ``torch.compile`` and tracers see one opaque node.
 
 In plain eager mode ``dispatch`` calls the implementation directly: the custom-op layers (autograd
-and backend dispatch in Python) cost 100–180 µs of host time per call on the H100 machine, a quarter of
-the op's host time at small shapes, and do nothing there. Under ``torch.compile``, ``make_fx``/export,
+and backend dispatch in Python) cost host time on every call and do nothing there. Under ``torch.compile``, ``make_fx``/export,
 fake tensors or any other Python dispatch mode the op itself runs, so graphs record it.
 """
 

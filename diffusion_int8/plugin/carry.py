@@ -1,7 +1,7 @@
 """Block-sparse attention whose skipped blocks are carried across denoising steps instead of dropped.
 
 Dropping a (query block, key block) pair loses its attention mass at that step, and over a trajectory the losses
-add up: on the long shipped model, 35 dB against FP16 holds only to about 15% of the blocks skipped. Attention
+add up: the images drift from FP16's as more blocks are skipped (BENCHMARKS.md, block-sparse attention). Attention
 changes smoothly from one step to the next, so ``BlockCarry`` computes the skipped blocks now and then and
 forecasts them in between:
 

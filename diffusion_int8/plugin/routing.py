@@ -5,7 +5,7 @@ its module's ``F`` (``AttnProcessor2_0``, ``JointAttnProcessor2_0``, ``CogVideoX
 the attention dispatcher's ``dispatch_attention_fn`` (``FluxAttnProcessor``, ``WanAttnProcessor`` …).
 ``routed`` copies a stock processor's ``__call__`` with those two globals pointing elsewhere, so nothing is
 patched globally and nothing else in the processor pays for the routing (a ``TorchFunctionMode`` around the
-call intercepts every torch call in it: 0.3-0.5 ms of host time per attention module; ``RouteToInt8`` does that
+call would intercept every torch call in it, at a host cost per attention module; ``RouteToInt8`` does that
 only where torch.compile traces it away). ``int8_sdpa`` is SDPA's signature on the INT8 op.
 """
 
