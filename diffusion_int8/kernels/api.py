@@ -1,4 +1,4 @@
-"""The public attention entry point: validation and dispatch."""
+"""``int8_attention``: the public attention entry point, in three steps: validate (once per call signature), plan, run."""
 
 from __future__ import annotations
 
@@ -119,7 +119,40 @@ def int8_attention(
         row without keys (in either layout, as ``torch.nn.functional.scaled_dot_product_attention``'s kernels
         give it); with ``return_block_mask``, the predicted mask after those.
     """
-    try:  # the call's signature; one seen before skips every check and selection below (the hot path)
+    # 1. Validate, once per call signature: a signature seen before skips every check and choice (the hot path)
+    key, call = _checked_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate,
+                              q_amax, k_amax, v_amax, k_mean, sparsity, keep_kv_blocks, return_lse, return_block_mask)
+    given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
+    _check_values(q, k, v, q_amax, k_amax, v_amax, k_mean, given_bal, check_finite)
+    # 2. Plan: exact attention, an empty call, or the INT8 kernels on the backend and P·V format the checks chose
+    if call.mode is Mode.FP16:
+        return _exact(q, k, v, call, layout, attn_mask, block_mask, sparsity, keep_kv_blocks, return_lse,
+                      return_block_mask)
+    if call.empty:
+        return _empty(q, k, layout, return_lse, return_block_mask)
+    # 3. Run: plain eager tensors go straight to the launch plan of their signature (the custom op's dispatch
+    # layers do nothing there but cost host time); anything that may be tracing goes through the op
+    if key is not None and call.backend is Backend.TRITON and not _dispatch_mode():
+        from .attention import triton_attention
+
+        return triton_attention(q, k, v, layout=layout, pv=call.pv, sm_scale=call.scale, smooth_k=smooth_k,
+                                qk_balance=qk_balance, qk_rotate=qk_rotate, attn_mask=attn_mask, block_mask=block_mask,
+                                q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean, sparsity=sparsity,
+                                keep_kv_blocks=keep_kv_blocks, return_lse=return_lse,
+                                return_block_mask=return_block_mask, key=key)
+    out, lse, mask = dispatch(
+        q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, given_bal, keep_kv_blocks, layout,
+        call.pv.value, call.scale, smooth_k, qk_balance is True, qk_rotate, sparsity, call.backend.value,
+        bool(return_lse), bool(return_block_mask),
+    )
+    return _results(out, *((lse,) if return_lse else ()), *((mask,) if return_block_mask else ()))
+
+
+def _checked_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax, k_amax,
+                  v_amax, k_mean, sparsity, keep_kv_blocks, return_lse, return_block_mask) -> tuple[tuple | None, "_Call"]:
+    """The call's signature (None where it has none: traced, or not plain tensors) and what its checks decided,
+    from the cache where the signature was seen; raises on bad arguments."""
+    try:
         plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
             "call", mode, layout, scale, smooth_k, balance_key(qk_balance), balance_key(qk_rotate), return_lse,
@@ -135,49 +168,45 @@ def int8_attention(
                         k_amax, v_amax, k_mean, sparsity, keep_kv_blocks, return_block_mask)
         if key is not None:
             cache.remember(key, call)
+    return key, call
+
+
+def _check_values(q, k, v, q_amax, k_amax, v_amax, k_mean, given_bal, check_finite: bool) -> None:
+    """The checks that read tensor values: the inputs with ``check_finite``, the static ranges on CPU tensors or with
+    ``check_finite`` (on a GPU reading them synchronizes with it)."""
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} contains NaN or Inf")
-    given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
-    if check_finite or q.device.type == "cpu":  # reading the values synchronizes with a GPU
+    if check_finite or q.device.type == "cpu":
         _check_range_values(q_amax, k_amax, v_amax, k_mean, given_bal)
-    if call.mode is Mode.FP16:
-        qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
-        if sparsity is not None:
-            block_mask = predict_block_mask(qb, kb, sparsity, sm_scale=call.scale, keep_kv_blocks=keep_kv_blocks)
-        if block_mask is not None:
-            out = _sdpa_block_sparse(qb, kb, vb, attn_mask, block_mask, call, layout)
-            lse = (exact_lse(qb, kb, attn_mask, block_mask, call.scale),) if return_lse else ()
-            return _results(out, *lse, *((block_mask,) if return_block_mask else ()))
-        if return_lse:
-            out, lse = sdpa_with_lse(qb, kb, vb, attn_mask, call.scale)
-            return (out if layout == "BHSD" else out.transpose(1, 2)), lse
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=call.scale, enable_gqa=call.gqa)
-        return out if layout == "BHSD" else out.transpose(1, 2)
-    if call.empty:  # no batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)
-        B, H, Sq = to_bhsd(q, layout).shape[:3]
-        Sk = to_bhsd(k, layout).shape[2]
-        out = output_like(q, zero=True)
-        lse = (torch.full((B, H, Sq), float("-inf"), device=q.device),) if return_lse else ()
-        mask = torch.ones((B, H, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)), dtype=torch.bool, device=q.device)
-        return _results(out, *lse, *((mask,) if return_block_mask else ()))
-    if key is not None and call.backend is Backend.TRITON and not _dispatch_mode():
-        # plain eager tensors: straight to the launch plan of this signature (the custom op's dispatch layers do
-        # nothing here but cost host time)
-        from .attention import triton_attention
 
-        return triton_attention(q, k, v, layout=layout, pv=call.pv, sm_scale=call.scale, smooth_k=smooth_k,
-                                qk_balance=qk_balance, qk_rotate=qk_rotate, attn_mask=attn_mask, block_mask=block_mask,
-                                q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean, sparsity=sparsity,
-                                keep_kv_blocks=keep_kv_blocks, return_lse=return_lse,
-                                return_block_mask=return_block_mask, key=key)
-    out, lse, mask = dispatch(
-        q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, given_bal, keep_kv_blocks, layout,
-        call.pv.value, call.scale, smooth_k, qk_balance is True, qk_rotate, sparsity, call.backend.value,
-        bool(return_lse), bool(return_block_mask),
-    )
-    return _results(out, *((lse,) if return_lse else ()), *((mask,) if return_block_mask else ()))
+
+def _exact(q, k, v, call: "_Call", layout, attn_mask, block_mask, sparsity, keep_kv_blocks, return_lse: bool,
+           return_block_mask: bool):
+    """Mode ``fp16``: SDPA (block-sparse as an element mask), with the exact log-sum-exp if asked for."""
+    qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
+    if sparsity is not None:
+        block_mask = predict_block_mask(qb, kb, sparsity, sm_scale=call.scale, keep_kv_blocks=keep_kv_blocks)
+    if block_mask is not None:
+        out = _sdpa_block_sparse(qb, kb, vb, attn_mask, block_mask, call, layout)
+        lse = (exact_lse(qb, kb, attn_mask, block_mask, call.scale),) if return_lse else ()
+        return _results(out, *lse, *((block_mask,) if return_block_mask else ()))
+    if return_lse:
+        out, lse = sdpa_with_lse(qb, kb, vb, attn_mask, call.scale)
+        return (out if layout == "BHSD" else out.transpose(1, 2)), lse
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=call.scale, enable_gqa=call.gqa)
+    return out if layout == "BHSD" else out.transpose(1, 2)
+
+
+def _empty(q, k, layout, return_lse: bool, return_block_mask: bool):
+    """No batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)."""
+    B, H, Sq = to_bhsd(q, layout).shape[:3]
+    Sk = to_bhsd(k, layout).shape[2]
+    out = output_like(q, zero=True)
+    lse = (torch.full((B, H, Sq), float("-inf"), device=q.device),) if return_lse else ()
+    mask = torch.ones((B, H, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)), dtype=torch.bool, device=q.device)
+    return _results(out, *lse, *((mask,) if return_block_mask else ()))
 
 
 def _results(out: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
