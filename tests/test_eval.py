@@ -417,7 +417,7 @@ def test_sparse_schedule_reports_skipped_blocks_per_step(tmp_path, monkeypatch, 
     variants report none skipped and the tables gain no column for them."""
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
     from diffusion_int8 import PrecisionSchedule, Rule, evaluate
-    from diffusion_int8.cli.eval import _print_summary
+    from diffusion_int8.cli.summaries import print_report
     from diffusion_int8.embedded import load_pipeline
     from diffusion_int8.eval.run import write_report
 
@@ -432,7 +432,7 @@ def test_sparse_schedule_reports_skipped_blocks_per_step(tmp_path, monkeypatch, 
     assert [x > 0 for x in sparse["per_step"]] == [n <= 0.5 for n in noise] and any(n > 0.5 for n in noise)
     assert sparse["overall"] == pytest.approx(sum(sparse["per_step"]) / 4)  # every step has the same pairs
     write_report(report, tmp_path)
-    _print_summary(report, tmp_path)
+    print_report(report, tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["variants"]["schedule:half"]["sparsity"] == sparse and "blocks" not in data["baseline"]["speed"]
     md = (tmp_path / "report.md").read_text()
