@@ -17,7 +17,9 @@ Schedules serialize to JSON (``save`` / ``load``); ``load`` checks every field, 
 with a ``ValueError`` naming the file and the field, not during generation. Files of schema 1 (before sparsity
 levels) still load, as dense schedules. ``PrecisionSchedule.from_calibration`` derives the rules from measured
 errors: at each calibrated step (and, optionally, layer) the cheapest mode whose error stays under a budget,
-and with a ``sparsity_budget`` the sparsest calibrated level whose error stays under that.
+and with a ``sparsity_budget`` the sparsest calibrated level whose error stays under that, either dropped per step
+or, where the calibration measured carrying (``refresh_every``) and it computes fewer blocks, one level whose
+skipped blocks are carried with a refresh every ``refresh_every`` steps.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from . import jsonfile
 from .kernels import Mode
 from .kernels.sparsity import check_tau
 
-SCHEMA_VERSION = 3
-READABLE_SCHEMAS = (1, 2, 3)  # 1: no sparsity levels (no default_tau, no rule tau); 2: no balance_layers
+SCHEMA_VERSION = 4
+# 1: no sparsity levels (no default_tau, no rule tau); 2: no balance_layers; 3: no refresh_every
+READABLE_SCHEMAS = (1, 2, 3, 4)
 _FIELDS = ("schema_version", "kind", "name", "default", "default_tau", "num_train_timesteps", "rules",
-           "balance_layers")  # to_dict's
+           "balance_layers", "refresh_every")  # to_dict's
+_SINCE = {"default_tau": 2, "balance_layers": 3, "refresh_every": 4}  # fields newer than schema 1
 
 
 def _is_number(x) -> bool:
@@ -99,7 +103,9 @@ class PrecisionSchedule:
     """An ordered list of rules, a default mode and a default sparsity level (None: dense). Callable as
     ``schedule(timestep) -> Mode``. ``balance_layers``: the modules whose Q and K a calibration found to carry
     outlier channels of their own, where the processor's default ``qk_balance`` balances Q·Kᵀ (and nowhere
-    else); None where not known (the processor then looks at each module's first call)."""
+    else); None where not known (the processor then looks at each module's first call). ``refresh_every``: the
+    blocks the schedule's one sparsity level skips are carried across steps, computed every ``refresh_every``-th
+    sparse step (``plugin.carry.BlockCarry``); None drops them."""
 
     rules: tuple[Rule, ...] = ()
     default: Mode = Mode.INT8
@@ -107,6 +113,7 @@ class PrecisionSchedule:
     name: str = field(default="custom", compare=False)
     default_tau: float | None = None
     balance_layers: tuple[str, ...] | None = None
+    refresh_every: int | None = None
     _memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
@@ -122,9 +129,24 @@ class PrecisionSchedule:
         ntt = self.num_train_timesteps
         if ntt is not None and not (_is_number(ntt) and ntt > 0):
             raise ValueError(f"num_train_timesteps must be null or a number > 0 (the timesteps' scale), got {ntt!r}")
+        every = self.refresh_every
+        if every is not None:
+            if isinstance(every, bool) or not isinstance(every, int) or every < 2:
+                raise ValueError(f"refresh_every must be null or an integer >= 2 (the skipped blocks are computed "
+                                 f"every that many sparse steps), got {every!r}")
+            if self.carried_tau() is None:
+                raise ValueError("refresh_every carries the blocks of one sparsity level: the schedule's rules and "
+                                 f"default must set one level below 1 (or none, dense), got "
+                                 f"{sorted({t for t in (self.default_tau, *(r.tau for r in self.rules)) if t is not None})}")
 
     def __hash__(self):
-        return hash((self.rules, self.default, self.default_tau, self.num_train_timesteps, self.balance_layers))
+        return hash((self.rules, self.default, self.default_tau, self.num_train_timesteps, self.balance_layers,
+                     self.refresh_every))
+
+    def carried_tau(self) -> float | None:
+        """The one sparsity level below 1 that the rules and the default set (dense steps aside), else None."""
+        levels = {t for t in (self.default_tau, *(r.tau for r in self.rules)) if t is not None and t < 1}
+        return levels.pop() if len(levels) == 1 else None
 
     @property
     def sparse(self) -> bool:
@@ -166,6 +188,10 @@ class PrecisionSchedule:
                 predicted blocks against all blocks, same metric): the smallest calibrated ``tau``
                 (``calibrate(..., sparsity_levels=...)``) within it, else dense. The two errors add up roughly,
                 so the attention's error is about ``budget + sparsity_budget`` where both are spent. None: dense.
+                Where the calibration also measured carrying (``calibrate(..., refresh_every=...)``), each
+                calibrated refresh interval is weighed too: the smallest level whose carried error stays within
+                the budget at every sparse step, and the interval whose steps compute the fewest blocks (a
+                refresh computes all of them) is taken over dropping if it computes fewer than dropping does.
 
         Each calibrated step covers the noise levels half-way to its neighbours, so the schedule applies
         to any number of steps. Modes are tried in the order ``int8``, ``int8_fp16v``, ``fp16``; sparsity
@@ -208,10 +234,15 @@ class PrecisionSchedule:
 
         rules = []
         groups = [(n, [i]) for i, n in enumerate(names)] if per_layer else [("*", list(range(len(names))))]
+        all_modes = {t: choose({m: float(e.max(0).values[t]) for m, e in errs.items()}) for t in range(len(noise))}
+        carried = _carried_choice(calibration, sparsity_budget, metric, all_modes, sparse_errs) if levels else None
         for pattern, idx in groups:
             modes = {t: choose({m: float(e[idx, t].max()) for m, e in errs.items()}) for t in range(len(noise))}
-            taus = {t: choose_tau({tau: float(e[idx, t].max()) for tau, e in sparse_errs.items()}, modes[t])
-                    for t in range(len(noise))}
+            if carried is None:
+                taus = {t: choose_tau({tau: float(e[idx, t].max()) for tau, e in sparse_errs.items()}, modes[t])
+                        for t in range(len(noise))}
+            else:  # one level, carried, wherever the step runs INT8
+                taus = {t: None if modes[t] is Mode.FP16 else carried[0] for t in range(len(noise))}
             # merge neighbouring steps that chose the same mode and level into one noise interval
             run_start = None
             for j, t in enumerate(order):
@@ -222,8 +253,11 @@ class PrecisionSchedule:
                     rules.append(Rule(modes[t], interval[run_start][0], interval[t][1], pattern, taus[t]))
                     run_start = None
         sparse = f", sparsity<={sparsity_budget}" if sparsity_budget is not None else ""
+        if carried is not None:
+            sparse += f", carried every {carried[1]}"
         balance = tuple(calibration.balanced_layers()) if calibration.has_channel_ranges() else None
         return cls(rules=tuple(rules), default=Mode.FP16, balance_layers=balance,
+                   refresh_every=None if carried is None else carried[1],
                    num_train_timesteps=calibration.meta.get("num_train_timesteps") or calibration.meta.get("timestep_scale"),
                    name=name or f"calibrated({metric}<={budget}{sparse}{', per layer' if per_layer else ''})")
 
@@ -240,6 +274,7 @@ class PrecisionSchedule:
             "num_train_timesteps": self.num_train_timesteps,
             "rules": [{**asdict(r), "mode": r.mode.value} for r in self.rules],
             "balance_layers": None if self.balance_layers is None else list(self.balance_layers),
+            "refresh_every": self.refresh_every,
         }
 
     @classmethod
@@ -258,7 +293,7 @@ class PrecisionSchedule:
                                         f"this version reads schemas {', '.join(map(str, READABLE_SCHEMAS))}")
         if data.get("kind") != "rules":
             raise bad("kind", f"{data.get('kind')!r}; a schedule file has kind \"rules\"")
-        known = tuple(f for f in _FIELDS if (f != "default_tau" or schema >= 2) and (f != "balance_layers" or schema >= 3))
+        known = tuple(f for f in _FIELDS if schema >= _SINCE.get(f, 1))
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise bad(unknown[0], f"unknown field{f' in schema {schema}' if schema < SCHEMA_VERSION else ''}; the "
@@ -284,12 +319,15 @@ class PrecisionSchedule:
         balance = data.get("balance_layers")
         if balance is not None and not (isinstance(balance, list) and all(isinstance(n, str) for n in balance)):
             raise bad("balance_layers", f"must be a list of module names or null, got {_json_type(balance)}")
+        every = data.get("refresh_every")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 2):
+            raise bad("refresh_every", f"must be null or an integer >= 2, got {every!r}")
         try:
             return cls(rules=rules, default=default, num_train_timesteps=data.get("num_train_timesteps"),
                        name=data.get("name", "custom"), default_tau=default_tau,
-                       balance_layers=None if balance is None else tuple(balance))
-        except ValueError as e:  # the only field left to check
-            raise bad("num_train_timesteps", str(e)) from None
+                       balance_layers=None if balance is None else tuple(balance), refresh_every=every)
+        except ValueError as e:  # what is left to check: the scale, and refresh_every against the levels
+            raise bad("refresh_every" if "refresh_every" in str(e) else "num_train_timesteps", str(e)) from None
 
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
         path = Path(path)
@@ -312,6 +350,33 @@ class PrecisionSchedule:
             raise ValueError(f"{path}: not a schedule: not UTF-8 text (byte {e.start}: {e.reason}); "
                              f"a schedule is the JSON that PrecisionSchedule.save writes") from None
         return cls.from_dict(jsonfile.loads(text, str(path)), source=str(path))
+
+
+def _carried_choice(calibration, budget: float, metric: str, modes: dict, sparse_errs: dict) -> tuple[float, int] | None:
+    """(level, refresh interval) of carried skipped blocks that computes the fewest block pairs over the calibrated
+    steps that run INT8 (``modes``), with its carried error within ``budget`` at each of them for every layer, if it
+    computes fewer than dropping the per-step levels would; else None (drop them)."""
+    steps = [t for t, m in modes.items() if m is not Mode.FP16]
+    if not steps or not calibration.carry_settings():
+        return None
+
+    def cost(kept: torch.Tensor) -> float:  # (L, T) fractions computed: mean over the layers and the INT8 steps
+        return float(kept[:, steps].mean())
+
+    dropped_kept = []
+    for t in steps:
+        tau = next((tau for tau, e in sparse_errs.items() if float(e[:, t].max()) <= budget), None)
+        dropped_kept.append(1.0 if tau is None else float(calibration.kept(tau)[:, t].mean()))
+    best, best_cost = None, sum(dropped_kept) / len(dropped_kept)
+    for tau, every in calibration.carry_settings():
+        err = calibration.carry_error(tau, every, metric)
+        err = 1 - err if metric == "cos" else err
+        if float(err[:, steps].max()) > budget:
+            continue
+        c = cost(calibration.carry_kept(tau, every))
+        if c < best_cost - 1e-9 or (best is not None and abs(c - best_cost) <= 1e-9 and every > best[1]):
+            best, best_cost = (tau, every), c
+    return best
 
 
 _RULE_FIELDS = tuple(f.name for f in fields(Rule))

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from diffusion_int8 import Mode, PrecisionSchedule, enable
+from diffusion_int8 import Int8Config, Mode, PrecisionSchedule, Rule, enable
 from diffusion_int8.calibration import Calibration, Collector, merge
 from diffusion_int8.calibration.file import evaluate_fit, fit_quadratic
 from diffusion_int8.calibration.stats import input_stats, quantile_lastdim
@@ -399,10 +399,10 @@ def test_schedule_from_crafted_calibration():
     assert back == per_layer
 
 
-def run_cli(args, tmp_path, launcher=None, timeout=600):
+def run_cli(args, tmp_path, launcher=None, timeout=600, check=True):
     cmd = (launcher or [sys.executable, "-m"]) + ["diffusion_int8", *args]
     res = subprocess.run(cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0 or not check, res.stdout[-3000:] + res.stderr[-3000:]
     return res
 
 
@@ -776,7 +776,7 @@ def test_sparsity_levels_are_collected_as_directly_computed(monkeypatch):
         assert (st["sparse.rel_l1@0.5"] > 0).any()
     cal = Calibration.from_stats({"model": "tiny-dit", "model_class": "DiTTransformer2DModel",
                                   "num_train_timesteps": 1000}, timesteps, stats)
-    assert cal.sparsity_levels() == [0.5, 0.9] and cal.meta["schema_version"] == 5
+    assert cal.sparsity_levels() == [0.5, 0.9] and cal.meta["schema_version"] == 6
     assert cal.kept(0.5).shape == (2, 2) and bool((cal.sparse_error(0.5) >= 0).all())
     with pytest.raises(ValueError, match=r"level 0.7 was not calibrated; the calibrated sparsity levels are \[0.5, 0.9\]"):
         cal.sparse_error(0.7)
@@ -897,3 +897,116 @@ def compiled_frames(model, x, kw) -> list[int]:
     handle.disable()
     torch._dynamo.reset()
     return frames
+
+
+# -- carried levels ---------------------------------------------------------------------------------------------
+
+def test_carried_levels_are_collected_as_the_carry_computes_them(monkeypatch, tmp_path):
+    """Four steps with a refresh every 2: the refresh steps are exact and compute every block; the step after the
+    first refresh merges its kept blocks with the skipped blocks as the first refresh computed them."""
+    import diffusers as d
+
+    from diffusion_int8.calibration.stats import output_errors, sparse_sdpa_with_lse
+    from diffusion_int8.kernels.merge import merge_forecast
+    from diffusion_int8.kernels.sparsity import predict_block_mask
+
+    torch.manual_seed(0)
+    model = d.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8,
+                                    num_layers=2, sample_size=48, patch_size=2, num_embeds_ada_norm=10).eval()
+    col = Collector(modes=(), sparsity_levels=LEVELS, refresh_every=(2,))
+    seen = []
+
+    def observer(call):
+        seen.append((call.step, call.layer, call.query.clone(), call.key.clone(), call.value.clone(), call.scale,
+                     call.out.clone()))
+        col(call)
+
+    handle = enable(model, mode="fp16", observer=observer)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in (900, 700, 500, 300):
+            model(hidden_states=torch.randn(2, 4, 48, 48, generator=g), timestep=torch.tensor([t, t]),
+                  class_labels=torch.tensor([1, 3]))
+    handle.disable()
+    timesteps, stats = merge([col.record(0)])
+    for layer, st in stats.items():
+        for tau in LEVELS:
+            err, kept = st[f"carry.rel_l1@{tau!r}/2"], st[f"carry.kept@{tau!r}/2"]
+            assert float(err[:, [0, 2]].max()) < 1e-5 and torch.equal(kept[:, [0, 2]], torch.ones(2, 2))
+            assert bool((kept[:, [1, 3]] < 1).all()) or tau == 0.9, kept  # near-uniform attention: 0.9 keeps all
+        calls = {step: (q, k, v, scale, exact) for step, name, q, k, v, scale, exact in seen if name == layer}
+        q0, k0, v0, scale, _ = calls[0]
+        q1, k1, v1, _, exact1 = calls[1]
+        mask = predict_block_mask(q0, k0, 0.5, sm_scale=scale, min_similarity=None)  # fixed at the first step
+        out_k, lse_k = sparse_sdpa_with_lse(q1, k1, v1, mask, scale)
+        out_c, lse_c = sparse_sdpa_with_lse(q0, k0, v0, ~mask, scale)
+        want = output_errors(merge_forecast(out_k, lse_k, out_c, lse_c), exact1)["rel_l1"].mean(0)
+        torch.testing.assert_close(st["carry.rel_l1@0.5/2"][:, 1], want)
+        torch.testing.assert_close(st["carry.kept@0.5/2"][:, 1], mask.float().mean().expand(2))
+    cal = Calibration.from_stats({"model": "tiny-dit", "model_class": "DiTTransformer2DModel",
+                                  "num_train_timesteps": 1000}, timesteps, stats)
+    assert cal.meta["schema_version"] == 6 and cal.carry_settings() == [(0.5, 2), (0.9, 2)]
+    back = Calibration.load(cal.save(tmp_path / "carried.safetensors"))
+    assert back.carry_settings() == cal.carry_settings() and torch.equal(back.carry_kept(0.5, 2), cal.carry_kept(0.5, 2))
+    with pytest.raises(ValueError, match=r"level 0.5 refreshed every 3 steps was not calibrated; the calibrated pairs "
+                                         r"are \[\(0.5, 2\), \(0.9, 2\)\]"):
+        cal.carry_error(0.5, 3)
+    with pytest.raises(ValueError, match="refresh intervals carry the blocks a sparsity level skips"):
+        Collector(refresh_every=(2,))
+    with pytest.raises(ValueError, match="a refresh interval must be an integer >= 2"):
+        Collector(sparsity_levels=LEVELS, refresh_every=(1,))
+
+
+def crafted_carried(carried: dict, noise):
+    """``crafted_sparse`` with levels 0.8 and 0.95 and carried (level, interval) -> (errors, kept), (L, T) each."""
+    errors = {0.8: [[0.09, 0.04, 0.03, 0.10, 0.0]] * 2, 0.95: [[0.03, 0.01, 0.01, 0.06, 0.0]] * 2}
+    cal = crafted_sparse(errors, {0.8: [[0.3] * 5] * 2, 0.95: [[0.6] * 5] * 2}, noise)
+    for i, st in enumerate(cal.layers.values()):
+        for (tau, every), (err, kept) in carried.items():
+            st[f"carry.rel_l1@{tau!r}/{every}"] = torch.tensor(err[i]).repeat(2, 1).float()
+            st[f"carry.kept@{tau!r}/{every}"] = torch.tensor(kept[i]).repeat(2, 1).float()
+    cal.meta["carry"] = [list(pair) for pair in sorted(carried)]
+    return cal
+
+
+def test_a_carried_level_is_chosen_where_it_computes_fewer_blocks():
+    noise = [1.0, 0.75, 0.5, 0.25, 0.0]
+    # dropped (the crafted levels): 0.95, 0.8, 0.8 and dense over the four INT8 steps, computing 0.6, 0.3, 0.3 and
+    # 1 of the blocks (mean 0.55). Carried 0.8 every 2 computes 1, 0.3, 1, 0.3 (mean 0.65: dropping wins), every 4
+    # 1, 0.3, 0.3, 0.3 (0.475: chosen), every 8 less still but over the budget at the fourth step
+    carried = {(0.8, 2): ([[0.0, 0.02, 0.0, 0.02, 0.0]] * 2, [[1, 0.3, 1, 0.3, 1]] * 2),
+               (0.8, 4): ([[0.0, 0.02, 0.03, 0.04, 0.0]] * 2, [[1, 0.3, 0.3, 0.3, 1]] * 2),
+               (0.8, 8): ([[0.0, 0.02, 0.03, 0.09, 0.0]] * 2, [[1, 0.3, 0.3, 0.3, 0.3]] * 2)}  # 0.09: over budget
+    cal = crafted_carried(carried, noise)
+    s = PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05)
+    assert s.refresh_every == 4 and "carried every 4" in s.name
+    assert [s.tau_for(t * 1000) for t in noise] == [0.8] * 4 + [None]  # one level wherever INT8 runs
+    assert PrecisionSchedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    config = Int8Config("int8", schedule=s)
+    assert config.refresh_every == 4 and Int8Config("int8", schedule=s, refresh_every=2).refresh_every == 2
+    # carrying that computes as many blocks as dropping is not chosen
+    dear = crafted_carried({(0.8, 2): carried[(0.8, 2)]}, noise)
+    assert PrecisionSchedule.from_calibration(dear, budget=0.02, sparsity_budget=0.05).refresh_every is None
+    # a schedule's refresh_every needs one level
+    with pytest.raises(ValueError, match="refresh_every carries the blocks of one sparsity level"):
+        PrecisionSchedule(rules=(Rule("int8", min_noise=0.5, tau=0.9), Rule("int8", tau=0.8)), refresh_every=2)
+    bad = dict(s.to_dict(), refresh_every=1)
+    with pytest.raises(ValueError, match="refresh_every: must be null or an integer >= 2"):
+        PrecisionSchedule.from_dict(bad)
+    old = {k: v for k, v in s.to_dict().items() if k != "refresh_every"}
+    assert PrecisionSchedule.from_dict(dict(old, schema_version=3)).refresh_every is None
+    with pytest.raises(ValueError, match="refresh_every: unknown field in schema 3"):
+        PrecisionSchedule.from_dict(dict(s.to_dict(), schema_version=3))
+
+
+def test_calibrate_cli_with_carried_levels(tmp_path):
+    res = run_cli(CLI_ARGS[:3] + ["--class-labels", "red circle", "--steps", "4", "--sparsity-levels", "0.5",
+                                  "--refresh-every", "2,3", "--sparsity-budget", "1", "--out", "cal"], tmp_path)
+    cal = Calibration.load(tmp_path / "cal")
+    assert cal.carry_settings() == [(0.5, 2), (0.5, 3)]
+    assert "carried, refresh every 2" in res.stdout and "carried, refresh every 3" in res.stdout
+    summary = (tmp_path / "cal" / "summary.md").read_text()
+    assert "## Error of each level with its skipped blocks carried" in summary and "| 0.5 | 3 |" in summary
+    res = run_cli(CLI_ARGS[:3] + ["--class-labels", "red circle", "--refresh-every", "2", "--out", "c2"], tmp_path,
+                  check=False)
+    assert res.returncode == 2 and "--refresh-every carries the blocks a sparsity level skips" in res.stderr

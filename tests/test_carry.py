@@ -156,8 +156,8 @@ def test_refresh_every_needs_a_sparsity_level():
         enable(model, "int8", sparsity=0.5, refresh_every=1)
     with pytest.raises(ValueError, match="give sparsity=tau"):
         Int8DiffusionProcessor("int8", sparsity=1.0, refresh_every=2)
-    levels = PrecisionSchedule((Rule("int8", 0.0, 0.5, "*", 0.5),), name="levels")
-    with pytest.raises(ValueError, match="schedule 'levels' sets levels per step"):
+    levels = PrecisionSchedule((Rule("int8", 0.0, 0.5, "*", 0.5), Rule("int8", tau=0.8)), name="levels")
+    with pytest.raises(ValueError, match="schedule 'levels' sets several"):
         enable(model, schedule=levels, refresh_every=2)
     # refused before installing anything
     assert "_diffusion_int8_handle" not in model.__dict__

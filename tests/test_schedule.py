@@ -35,7 +35,7 @@ def test_json_round_trip_and_no_silent_overwrite(tmp_path):
     s = PRESETS["balanced"]
     path = s.save(tmp_path / "s.json")
     assert PrecisionSchedule.load(path) == s
-    assert json.loads(path.read_text())["schema_version"] == 3
+    assert json.loads(path.read_text())["schema_version"] == 4
     with pytest.raises(FileExistsError, match="overwrite=True"):
         s.save(path)
     s.save(path, overwrite=True)
@@ -75,7 +75,7 @@ def _with(**changes) -> str:
 @pytest.mark.parametrize("content, where", [
     ("{not json", "not valid JSON: Expecting property name enclosed in double quotes at line 1, column 2"),
     ("[1, 2]", "a schedule is a JSON object"),
-    (_with(schema_version=4), "schema_version: 4 is not a diffusion-int8 schedule schema"),
+    (_with(schema_version=5), "schema_version: 5 is not a diffusion-int8 schedule schema"),
     (_with(schema_version=True), "schema_version: True is not a diffusion-int8 schedule schema"),
     (_with(kind="table"), "kind: 'table'"),
     (json.dumps({k: v for k, v in VALID.items() if k != "default"}), "default: missing; give the mode"),
@@ -99,7 +99,12 @@ def _with(**changes) -> str:
     (_with(schema_version=2), "balance_layers: unknown field in schema 2"),
     (_with(balance_layers="attn1"), "balance_layers: must be a list of module names or null, got a string"),
     (_with(balance_layers=[1]), "balance_layers: must be a list of module names or null, got a list"),
-    (json.dumps({**{k: v for k, v in VALID.items() if k not in ("default_tau", "balance_layers")}, "schema_version": 1,
+    (_with(schema_version=3), "refresh_every: unknown field in schema 3"),
+    (_with(refresh_every=1), "refresh_every: must be null or an integer >= 2, got 1"),
+    (_with(refresh_every=True), "refresh_every: must be null or an integer >= 2, got True"),
+    (_with(refresh_every=2), "refresh_every: refresh_every carries the blocks of one sparsity level"),
+    (json.dumps({**{k: v for k, v in VALID.items() if k not in ("default_tau", "balance_layers", "refresh_every")},
+                 "schema_version": 1,
                  "rules": [{"mode": "int8", "tau": 0.9}]}), "rules[0].tau: unknown field; a rule's fields are mode, "
                                                           "min_noise, max_noise, layers"),
     (b"\xff\xfe{}", "not UTF-8 text"),
@@ -140,7 +145,7 @@ def test_sparse_schedule_round_trips_and_schema_1_files_still_load_dense(tmp_pat
                           name="sparse")
     path = s.save(tmp_path / "s.json")
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 3 and data["default_tau"] == 0.97 and data["rules"][0]["tau"] == 0.9
+    assert data["schema_version"] == 4 and data["default_tau"] == 0.97 and data["rules"][0]["tau"] == 0.9
     assert PrecisionSchedule.load(path) == s and PrecisionSchedule.load(path).tau_for(700) == 0.9
     # a file written before sparsity levels existed: schema 1, rules without tau
     old = {"schema_version": 1, "kind": "rules", "name": "old", "default": "int8_fp16v", "num_train_timesteps": None,

@@ -14,10 +14,13 @@ from typing import Sequence
 import torch
 
 from ..kernels import Mode
+from ..kernels.config import SPARSE_BLOCK
 from ..kernels.sparsity import check_tau
+from ..plugin.carry import BlockCarry
 from ..plugin.observer import AttentionCall
 from ..plugin.routing import int8_sdpa
-from .stats import QUANTIZED_MODES, input_stats, output_errors, sparse_key, sparse_sdpa
+from .stats import (QUANTIZED_MODES, carry_key, input_stats, output_errors, sparse_key, sparse_sdpa,
+                    sparse_sdpa_with_lse)
 
 MEAN_STATS = ("q_p99", "k_p99", "q_max", "k_max", "k_mean", "q_cmax", "k_cmax")  # averaged over images
 MAX_STATS = ("v_amax",)  # maximum over images
@@ -32,19 +35,26 @@ class Collector:
         sparsity_levels: levels tau in (0, 1) whose error is measured at every call: exact attention over the
             block pairs the processor's predictor keeps at that level, against all pairs, and the fraction of
             pairs kept (calls the processor keeps dense, e.g. with an attention mask, count as exact and whole).
+        refresh_every: refresh intervals whose error is measured at every call and level: the skipped blocks carried
+            across steps as ``plugin.carry.BlockCarry`` carries them (computed every ``every``-th step, forecast in
+            between), in exact attention, against all pairs, and the fraction of pairs computed at each step. Each
+            (layer, level, interval) keeps the skipped blocks' output at two refreshes, as the carry does at run time.
     """
 
-    def __init__(self, percentile: float = 99.0, modes=QUANTIZED_MODES, sparsity_levels: Sequence[float] = ()):
+    def __init__(self, percentile: float = 99.0, modes=QUANTIZED_MODES, sparsity_levels: Sequence[float] = (),
+                 refresh_every: Sequence[int] = ()):
         if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
             raise ValueError(f"percentile must be a number in (0, 100], got {percentile!r}")
         self.percentile = percentile
         self.modes = tuple(Mode.parse(m) for m in modes)
         self.sparsity_levels = tuple(check_sparsity_levels(sparsity_levels))
+        self.refresh_every = tuple(check_refresh_intervals(refresh_every, self.sparsity_levels))
         self.reset()
 
     def reset(self) -> None:
         self.acc: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         self.timesteps: dict[int, float] = {}
+        self.carries: dict[tuple, BlockCarry] = {}  # (layer, level, interval) -> its carried blocks
 
     @torch.no_grad()
     def __call__(self, call: AttentionCall) -> None:
@@ -56,7 +66,10 @@ class Collector:
             errs = output_errors(int8_sdpa(mode, q, k, v, attn_mask, scale=scale), exact)
             found.update({f"err.{mode.value}.{m}": t for m, t in errs.items()})
         for tau in self.sparsity_levels:
-            found.update(self._sparse_stats(call, tau))
+            mask = call.block_mask(tau)
+            found.update(self._sparse_stats(call, tau, mask))
+            for every in self.refresh_every:
+                found.update(self._carry_stats(call, tau, every, mask is not None))
         entry = self.acc.setdefault(layer, {}).setdefault(step, {})
         entry["count"] = entry.get("count", 0) + q.shape[0]
         for key, t in found.items():
@@ -69,10 +82,10 @@ class Collector:
                 entry[key] = entry[key] + t if key in entry else t
 
     @staticmethod
-    def _sparse_stats(call: AttentionCall, tau: float) -> dict[str, torch.Tensor]:
-        """Per (batch, head): the error of block-sparse exact attention at ``tau`` and the fraction of pairs kept."""
+    def _sparse_stats(call: AttentionCall, tau: float, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Per (batch, head): the error of block-sparse exact attention at ``tau`` (the processor's ``mask``, None
+        where it runs dense) and the fraction of pairs kept."""
         q, k, v, scale, exact = call.query, call.key, call.value, call.scale, call.out
-        mask = call.block_mask(tau)
         B, H = q.shape[:2]
         if mask is None:
             errs = {"rel_l1": q.new_zeros(B, H), "cos": q.new_ones(B, H)}
@@ -82,6 +95,26 @@ class Collector:
             kept = mask.float().mean((-1, -2))
         return {sparse_key("sparse.rel_l1", tau): errs["rel_l1"], sparse_key("sparse.cos", tau): errs["cos"],
                 sparse_key("sparse.kept", tau): kept}
+
+    def _carry_stats(self, call: AttentionCall, tau: float, every: int, sparse: bool) -> dict[str, torch.Tensor]:
+        """Per (batch, head): the error of exact attention with the blocks ``tau`` skips carried, refreshed every
+        ``every`` steps, and the fraction of pairs computed at this step (1 at a refresh)."""
+        q, k, v, scale = call.query, call.key, call.value, call.scale
+        B, H = q.shape[:2]
+        if not sparse or call.noise is None:  # a call the processor runs dense
+            errs, kept = {"rel_l1": q.new_zeros(B, H), "cos": q.new_ones(B, H)}, q.new_ones(B, H)
+        else:
+            carry = self.carries.setdefault((call.layer, tau, every), BlockCarry(every))
+
+            def run(block_mask, return_lse):  # exact attention over the given blocks, with its log-sum-exp
+                return sparse_sdpa_with_lse(q, k, v, block_mask, scale)
+
+            out, computed = carry(run, q, k, tau=tau, scale=scale, noise=call.noise, keep_kv_blocks=call.keep_kv_blocks)
+            errs = output_errors(out, call.out)
+            total = B * H * -(-q.shape[2] // SPARSE_BLOCK) * -(-k.shape[2] // SPARSE_BLOCK)
+            kept = q.new_full((B, H), float(computed) / total)
+        return {carry_key(f"carry.{m}", tau, every): errs[m] for m in ("rel_l1", "cos")} | {
+            carry_key("carry.kept", tau, every): kept}
 
     def record(self, index: int) -> dict:
         """This batch's statistics as plain tensors, ``(H, T)`` or ``(H, D, T)`` sums and maxima, then reset.
@@ -99,7 +132,7 @@ class Collector:
             layers[layer] = {key: torch.stack([per_step[s][key] for s in steps], -1) for key in keys}
             layers[layer]["count"] = torch.tensor([per_step[s]["count"] for s in steps], dtype=torch.float64)
         rec = {"index": index, "timesteps": [self.timesteps[s] for s in steps], "layers": layers}
-        self.reset()
+        self.reset()  # the carried blocks too: the next batch is a generation of its own
         return rec
 
 
@@ -141,3 +174,19 @@ def check_sparsity_levels(levels: Sequence[float]) -> list[float]:
     if len(set(out)) != len(out):
         raise ValueError(f"sparsity levels repeat: {out}")
     return out
+
+
+def check_refresh_intervals(intervals: Sequence[int], levels: Sequence[float]) -> list[int]:
+    """Refresh intervals to calibrate, ascending; ``ValueError`` unless each is an integer >= 2, none repeats, and
+    there are sparsity levels whose skipped blocks they carry."""
+    out = []
+    for every in intervals:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 2:
+            raise ValueError(f"a refresh interval must be an integer >= 2 (the skipped blocks are computed every that "
+                             f"many steps), got {every!r}")
+        out.append(every)
+    if len(set(out)) != len(out):
+        raise ValueError(f"refresh intervals repeat: {sorted(out)}")
+    if out and not levels:
+        raise ValueError("refresh intervals carry the blocks a sparsity level skips: give sparsity levels too")
+    return sorted(out)

@@ -16,6 +16,10 @@ Since schema 3 a file may also hold, per calibrated sparsity level tau (metadata
 of block-sparse attention at that level and the fraction of block pairs it computes: ``sparse.rel_l1@{tau}``,
 ``sparse.cos@{tau}`` and ``sparse.kept@{tau}`` (H, T).
 
+Since schema 6 it may also hold, per calibrated (level tau, refresh interval K) pair (metadata ``carry``), the error
+of carrying the blocks tau skips with a refresh every K steps and the fraction of block pairs computed at each
+step: ``carry.rel_l1@{tau}/{K}``, ``carry.cos@{tau}/{K}`` and ``carry.kept@{tau}/{K}`` (H, T).
+
 Since schema 4 it holds the per-channel maxima of |Q| and of |K - mean| (``q_cmax``, ``k_cmax`` (H, D, T)), from
 which ``ranges(..., balance=True)`` makes a static Q·Kᵀ balance.
 
@@ -41,12 +45,12 @@ from ..kernels import Mode, StaticRanges
 from ..kernels.config import MAX_HEAD_DIM
 from ..plugin.models import attention_modules, head_dim_of
 from ..schedule import noise_level
-from .stats import SPARSE_STATS, sparse_key, sparse_stat
+from .stats import CARRY_STATS, SPARSE_STATS, carry_key, carry_stat, sparse_key, sparse_stat
 
-SCHEMA_VERSION = 5
-# 4: the checksum covers the tensors alone; 3: nor channel maxima; 2: nor sparsity levels, nor a checksum;
-# 1: nor Q/K maxima nor K's mean
-READABLE_SCHEMAS = (1, 2, 3, 4, 5)
+SCHEMA_VERSION = 6
+# 5: no carried levels; 4: the checksum covers the tensors alone; 3: nor channel maxima; 2: nor sparsity levels,
+# nor a checksum; 1: nor Q/K maxima nor K's mean
+READABLE_SCHEMAS = (1, 2, 3, 4, 5, 6)
 FILE_NAME = "calibration.safetensors"
 _META_KEY = "diffusion_int8"
 _SHA_KEY = "diffusion_int8.sha256"
@@ -157,7 +161,9 @@ class Calibration:
                 st[f"fit.{short}"] = fit_quadratic(noise, st[stat]).float()
             layers[name] = st
         levels = sorted({found[1] for st in stats.values() for found in map(sparse_stat, st) if found})
+        carried = sorted({found[1:] for st in stats.values() for found in map(carry_stat, st) if found})
         meta = {**meta, "schema_version": SCHEMA_VERSION, "steps": len(timesteps), "sparsity_levels": levels,
+                "carry": [list(pair) for pair in carried],
                 "layers": {n: {"heads": int(s["q_p99"].shape[0]), "head_dim": int(s["v_amax"].shape[1])}
                            for n, s in layers.items()}}
         return cls(meta, ts.float(), noise.float(), layers)
@@ -404,6 +410,26 @@ class Calibration:
         """(L, T) the fraction of (query block, key block) pairs the predictor keeps at ``tau``, averaged over heads."""
         return self._sparse("sparse.kept", tau)
 
+    def carry_settings(self) -> list[tuple[float, int]]:
+        """The calibrated (level, refresh interval) pairs of carried skipped blocks; empty before schema 6 or
+        without any."""
+        return [(float(t), int(k)) for t, k in self.meta.get("carry", [])]
+
+    def carry_error(self, tau: float, every: int, metric: str = "rel_l1") -> torch.Tensor:
+        """(L, T) the error of exact attention with the blocks ``tau`` skips carried, refreshed every ``every``
+        steps (``rel_l1`` or ``cos``), against dense exact attention, averaged over heads."""
+        return self._carried(f"carry.{metric}", tau, every)
+
+    def carry_kept(self, tau: float, every: int) -> torch.Tensor:
+        """(L, T) the fraction of block pairs computed at each step when carrying (1 at a refresh)."""
+        return self._carried("carry.kept", tau, every)
+
+    def _carried(self, what: str, tau: float, every: int) -> torch.Tensor:
+        if (float(tau), int(every)) not in self.carry_settings():
+            raise ValueError(f"level {tau} refreshed every {every} steps was not calibrated; the calibrated pairs are "
+                             f"{self.carry_settings() or 'none (calibrate with refresh_every=...)'}")
+        return torch.stack([st[carry_key(what, tau, every)].mean(0) for st in self.layers.values()])
+
     def _sparse(self, what: str, tau: float) -> torch.Tensor:
         if float(tau) not in self.sparsity_levels():
             raise ValueError(f"level {tau} was not calibrated; the calibrated sparsity levels are "
@@ -550,6 +576,14 @@ def _check_structure(path: Path, meta: dict, tensors: dict[str, torch.Tensor], l
                                              for t in levels) and len(set(levels)) == len(levels)):
         raise ValueError(f"{path}: metadata field sparsity_levels must be a list of distinct levels in (0, 1), "
                          f"got {levels!r}")
+    carried = meta.get("carry", [])
+    if schema < 6 and carried:
+        raise ValueError(f"{path}: metadata field carry: schema {schema} files have no carried levels")
+    if not (isinstance(carried, list) and all(
+            isinstance(p, list) and len(p) == 2 and p[0] in levels and _positive_int(p[1]) and p[1] >= 2
+            for p in carried) and len({tuple(p) for p in carried}) == len(carried)):
+        raise ValueError(f"{path}: metadata field carry must be a list of distinct [level, refresh interval] pairs, "
+                         f"each level one of sparsity_levels {levels} and each interval an integer >= 2, got {carried!r}")
     for name, st in layers.items():
         info = declared[name]
         if not (isinstance(info, dict) and _positive_int(info.get("heads")) and _positive_int(info.get("head_dim"))):
@@ -559,6 +593,8 @@ def _check_structure(path: Path, meta: dict, tensors: dict[str, torch.Tensor], l
         shapes = _expected_shapes(schema, H, D, T)
         for tau in levels:
             shapes.update({sparse_key(what, tau): (H, T) for what in SPARSE_STATS})
+        for tau, every in carried:
+            shapes.update({carry_key(what, tau, every): (H, T) for what in CARRY_STATS})
         for stat, t in st.items():
             want = shapes.get(stat, (H, T) if _error_stat(stat) else None)
             if want is None:

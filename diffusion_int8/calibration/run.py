@@ -27,7 +27,8 @@ OUTPUTS = (FILE_NAME, "schedule.json", "summary.md", "summary.json", "ranges.png
 
 def calibrate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequence[int | str] | None = None,
               steps: int = 20, batch_size: int = 8, seed: int = 0, guidance_scale: float | None = None,
-              percentile: float = 99.0, sparsity_levels: Sequence[float] = (), model: str | None = None,
+              percentile: float = 99.0, sparsity_levels: Sequence[float] = (), refresh_every: Sequence[int] = (),
+              model: str | None = None,
               shards: pipelines.Shards | None = None, progress: bool = True) -> Calibration | None:
     """Run ``pipe`` with exact (fp16) attention over the prompts or class labels and record, per attention
     layer, head and denoising step, the ranges of Q, K and V and the error INT8 would cause there.
@@ -45,6 +46,10 @@ def calibrate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Seque
         sparsity_levels: block-sparse levels tau in (0, 1) to measure at every attention call: the error of exact
             attention over the block pairs the predictor keeps at tau, against all pairs, and the fraction kept
             (``PrecisionSchedule.from_calibration(..., sparsity_budget=...)`` picks among them).
+        refresh_every: refresh intervals (integers >= 2) at which to measure, for each level, the error of carrying
+            the skipped blocks across steps instead of dropping them, and the blocks computed per step
+            (``from_calibration`` weighs them against dropping). Each (layer, level, interval) keeps two of the
+            skipped blocks' outputs while a batch runs, as the carry does at run time.
         model: the model's name recorded in the metadata (default: the pipeline's ``name_or_path``).
         shards: the process's share of the batches under ``accelerate launch`` (``pipelines.Shards``); by
             default one is made for the denoiser's device (a single process outside a launcher).
@@ -58,11 +63,12 @@ def calibrate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Seque
 
     Raises:
         ValueError: class labels the pipeline does not know, neither prompts nor labels for a pipeline
-            without default labels, sparsity levels outside (0, 1), a percentile outside (0, 100], or steps,
+            without default labels, sparsity levels outside (0, 1), refresh intervals below 2 or without levels,
+            a percentile outside (0, 100], or steps,
             batch size, seed or guidance scale out of range (``pipelines.check_run``); all before any work.
     """
     pipelines.check_run(steps, batch_size, seed, guidance_scale)
-    collector = Collector(percentile=percentile, sparsity_levels=sparsity_levels)
+    collector = Collector(percentile=percentile, sparsity_levels=sparsity_levels, refresh_every=refresh_every)
     items = pipelines.resolve_items(pipe, prompts, class_labels)
     shards = shards or pipelines.Shards(str(pipelines.denoiser(pipe).device))
     denoiser = pipelines.denoiser(pipe)

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import Mode
-from ..kernels.api import expand_block_mask
+from ..kernels.api import exact_lse, expand_block_mask
+from ..kernels.config import SPARSE_BLOCK
 from ..compare import cosine, rel_l1
 
 
@@ -59,15 +60,23 @@ def output_errors(out: torch.Tensor, exact: torch.Tensor) -> dict[str, torch.Ten
 def sparse_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
                 scale: float | None) -> torch.Tensor:
     """Exact attention (SDPA, BHSD, any float dtype) over the (query block, key block) pairs ``block_mask`` keeps,
-    bool broadcastable to (B, H, nQB, nKB): what a block-sparse kernel computes, without its quantization (the
-    predictor keeps at least one key block per query block, so no row is left without keys). One batch element
-    at a time: the expanded mask is (H, Sq, Sk)."""
+    bool broadcastable to (B, H, nQB, nKB): what a block-sparse kernel computes, without its quantization. Rows
+    left without keys give 0, as the kernels' do (the predictor keeps at least one key block per query block; a
+    carried mask's complement may keep none). One batch element at a time: the expanded mask is (H, Sq, Sk)."""
     B, H, Sq, _ = q.shape
     mask = block_mask.expand(B, H, -1, -1)
     out = [F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], scale=scale, enable_gqa=k.shape[1] != H,
                                           attn_mask=expand_block_mask(mask[b:b + 1], Sq, k.shape[2]))
            for b in range(B)]
-    return torch.cat(out)
+    empty = ~mask.any(-1, keepdim=True).repeat_interleave(SPARSE_BLOCK, dim=-2)[..., :Sq, :]
+    return torch.cat(out).masked_fill(empty, 0.0)
+
+
+def sparse_sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
+                         scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sparse_sdpa`` and each row's exact log-sum-exp over its kept blocks, float32 (B, H, Sq), -inf for a row
+    without keys: what ``plugin.carry.BlockCarry`` merges, in exact attention of any float dtype."""
+    return sparse_sdpa(q, k, v, block_mask, scale), exact_lse(q, k, block_mask=block_mask, scale=scale)
 
 
 def sparse_stat(stat: str) -> tuple[str, float] | None:
@@ -87,4 +96,24 @@ def sparse_key(what: str, tau: float) -> str:
 
 
 SPARSE_STATS = ("sparse.rel_l1", "sparse.cos", "sparse.kept")  # per level: its error and the pairs it computes
+# per (level, refresh interval): the error of carrying the skipped blocks (plugin.carry.BlockCarry) and the pairs
+# computed at each step
+CARRY_STATS = ("carry.rel_l1", "carry.cos", "carry.kept")
+
+
+def carry_key(what: str, tau: float, every: int) -> str:
+    """The statistic's name for level ``tau`` carried with a refresh every ``every`` steps: ``carry.rel_l1@0.9/3``."""
+    return f"{what}@{float(tau)!r}/{int(every)}"
+
+
+def carry_stat(stat: str) -> tuple[str, float, int] | None:
+    """``carry.{rel_l1|cos|kept}@{tau}/{every}`` as (what, tau, every); None for any other name."""
+    name, _, setting = stat.partition("@")
+    tau, _, every = setting.partition("/")
+    if name not in CARRY_STATS or not tau or not every.isdigit():
+        return None
+    try:
+        return name, float(tau), int(every)
+    except ValueError:
+        return None
 QUANTIZED_MODES = (Mode.INT8, Mode.INT8_FP16V)

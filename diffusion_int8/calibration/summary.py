@@ -35,8 +35,16 @@ def summarize(cal: Calibration, schedule=None, top: int = 8) -> dict:
             "per_step_max_rel_l1": [float(x) for x in e.amax(0)],
             "skipped": float(skipped.mean()), "per_step_skipped": [float(x) for x in skipped.mean(0)],
         }
+    carried = {}
+    for tau, every in cal.carry_settings():
+        e, skipped = cal.carry_error(tau, every), 1 - cal.carry_kept(tau, every)
+        carried[f"{tau}/{every}"] = {
+            "tau": tau, "refresh_every": every, "mean_rel_l1": float(e.mean()), "max_rel_l1": float(e.max()),
+            "per_step_max_rel_l1": [float(x) for x in e.amax(0)],
+            "skipped": float(skipped.mean()), "per_step_skipped": [float(x) for x in skipped.mean(0)],
+        }
     out = {"model": cal.meta.get("model"), "model_class": cal.meta.get("model_class"), "steps": len(noise),
-           "noise": noise, "layers": len(names), "errors": per_mode, "sparsity": sparsity,
+           "noise": noise, "layers": len(names), "errors": per_mode, "sparsity": sparsity, "carried": carried,
            "ranges_vs_sigma": cal.fit_report(),
            # layers whose Q or K carries outlier channels of its own (None: no channel maxima, before schema 4)
            "qk_balance_layers": cal.balanced_layers() if cal.has_channel_ranges() else None}
@@ -46,6 +54,7 @@ def summarize(cal: Calibration, schedule=None, top: int = 8) -> dict:
                            "per_step": [schedule.mode_for(float(t), layer, scale).value for t in cal.timesteps]}
         if getattr(schedule, "sparse", False):
             out["schedule"]["tau_per_step"] = [schedule.tau_for(float(t), layer, scale) for t in cal.timesteps]
+            out["schedule"]["refresh_every"] = getattr(schedule, "refresh_every", None)
     return out
 
 
@@ -66,6 +75,14 @@ def write_markdown(summary: dict, path: Path) -> None:
                   "| tau | blocks skipped | mean rel L1 | worst layer·step |", "|---|---|---|---|"]
         for tau, e in summary["sparsity"].items():
             lines.append(f"| {tau} | {e['skipped']:.1%} | {e['mean_rel_l1']:.4f} | {e['max_rel_l1']:.4f} |")
+    if summary.get("carried"):
+        lines += ["", "## Error of each level with its skipped blocks carried", "",
+                  "The skipped blocks computed every K-th step and forecast in between (`refresh_every=K`): the blocks "
+                  "skipped over the steps (none at a refresh) and the error against all pairs.", "",
+                  "| tau | refresh every | blocks skipped | mean rel L1 | worst layer·step |", "|---|---|---|---|---|"]
+        for e in summary["carried"].values():
+            lines.append(f"| {e['tau']} | {e['refresh_every']} | {e['skipped']:.1%} | {e['mean_rel_l1']:.4f} | "
+                         f"{e['max_rel_l1']:.4f} |")
     lines += ["", "## How ranges move with sigma", "",
               "R² of a model where ranges scale in proportion to sigma (range = c·σ) against the stored quadratic fit, "
               "median over (layer, head); `max/min` is the median ratio of a head's largest to smallest range over the schedule.",

@@ -23,7 +23,8 @@ from ..schedule import PrecisionSchedule
 from .common import add_model_args, check_model, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, command, output_set
 from .summaries import print_calibration
-from .usage import UsageError, percentile as percentile_arg, positive_float, sparsity_levels as levels_arg
+from .usage import (UsageError, percentile as percentile_arg, positive_float, refresh_intervals,
+                    sparsity_levels as levels_arg)
 
 DEFAULT_BUDGET = 0.02
 DEFAULT_SPARSITY_BUDGET = 0.05
@@ -33,8 +34,11 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
                       class_labels: list[str] | None = None, steps: int = 20, batch_size: int = 8, seed: int = 0,
                       guidance_scale: float | None = None, device: str | None = None, overwrite: bool = False,
                       percentile: float = 99.0, budget: float = DEFAULT_BUDGET, per_layer: bool = False,
-                      sparsity_levels: list[float] | None = None, sparsity_budget: float | None = None) -> int:
+                      sparsity_levels: list[float] | None = None, sparsity_budget: float | None = None,
+                      refresh_every: list[int] | None = None) -> int:
     """The command with its arguments as keywords. Returns the exit status."""
+    if refresh_every and not sparsity_levels:
+        raise UsageError("--refresh-every carries the blocks a sparsity level skips: give --sparsity-levels too")
     if sparsity_budget is not None and not sparsity_levels:
         raise UsageError("--sparsity-budget needs --sparsity-levels: the levels to measure and choose from")
     if sparsity_levels and sparsity_budget is None:
@@ -51,6 +55,7 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
     t0 = time.time()
     cal = calibrate(pipe, **item_kwargs(items), steps=steps, batch_size=batch_size, seed=seed,
                     guidance_scale=guidance_scale, percentile=percentile, sparsity_levels=sparsity_levels or (),
+                    refresh_every=refresh_every or (),
                     model=pipelines.model_id(model), shards=shards)
     calibrating = time.time() - t0
     if shards.is_main:
@@ -67,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                              steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                              guidance_scale=args.guidance_scale, device=args.device, overwrite=args.overwrite,
                              percentile=args.percentile, budget=args.budget, per_layer=args.per_layer,
-                             sparsity_levels=args.sparsity_levels, sparsity_budget=args.sparsity_budget)
+                             sparsity_levels=args.sparsity_levels, sparsity_budget=args.sparsity_budget,
+                             refresh_every=args.refresh_every)
 
 
 def add_parser(sub) -> None:
@@ -83,6 +89,10 @@ def add_parser(sub) -> None:
                    help="block-sparse levels to measure, comma-separated in (0, 1), e.g. 0.99,0.97,0.95,0.9,0.8: the "
                         "attention mass the predictor keeps per query block; the schedule takes the sparsest within "
                         "--sparsity-budget per step (and layer)")
+    p.add_argument("--refresh-every", type=refresh_intervals, default=None, metavar="K,...",
+                   help="with --sparsity-levels: also measure carrying each level's skipped blocks, computed every K-th "
+                        "step and forecast in between, e.g. 2,3,4; the schedule carries one level at one interval "
+                        "where that computes fewer blocks within --sparsity-budget than dropping them")
     p.add_argument("--sparsity-budget", type=positive_float, default=None,
                    help="largest relative L1 attention error block sparsity may add, on top of --budget's "
                         f"(default with --sparsity-levels: {DEFAULT_SPARSITY_BUDGET})")

@@ -23,9 +23,14 @@ def print_calibration(summary: dict, schedule, out: Path, calibrating: float, wr
         print(f"  tau {tau:9s} skips {e['skipped']:.1%} of the blocks, rel L1 mean {e['mean_rel_l1']:.4f}, "
               f"worst {e['max_rel_l1']:.4f}")
     print(f"  schedule {schedule.name}: {' '.join(summary['schedule']['per_step'])}")
+    for e in summary.get("carried", {}).values():
+        print(f"  tau {e['tau']:<9g} carried, refresh every {e['refresh_every']}: skips {e['skipped']:.1%} of the "
+              f"blocks, rel L1 mean {e['mean_rel_l1']:.4f}, worst {e['max_rel_l1']:.4f}")
     if "tau_per_step" in summary["schedule"]:
+        every = summary["schedule"].get("refresh_every")
         print("  levels per step: " + " ".join("dense" if t is None else f"{t:g}"
-                                                for t in summary["schedule"]["tau_per_step"]))
+                                                for t in summary["schedule"]["tau_per_step"])
+              + (f" (skipped blocks carried, refresh every {every} steps)" if every else ""))
 
 
 def print_report(report: dict, out: Path) -> None:

@@ -195,3 +195,17 @@ def sparsity_levels(text: str) -> list[float]:
     if len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"levels repeat in {text!r}")
     return sorted(values)
+
+
+def refresh_intervals(text: str) -> list[int]:
+    """argparse ``type=``: comma-separated refresh intervals, integers >= 2, e.g. ``2,3,4``; ascending, distinct."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 2:
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 2 (a refresh every that many steps), "
+                                             f"got {part!r} in {text!r}")
+        values.append(int(part))
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"intervals repeat in {text!r}")
+    return sorted(values)

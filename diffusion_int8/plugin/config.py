@@ -43,7 +43,9 @@ class Int8Config:
             stay dense; in joint text+image attention the text tokens' key blocks are always kept.
         refresh_every: with ``sparsity``, carry the skipped blocks instead of dropping them (``carry.BlockCarry``):
             every ``refresh_every``-th denoising step computes them too, the steps between forecast them from
-            the last two such steps; the mask is predicted once per generation. Eager pipelines only.
+            the last two such steps; the mask is predicted once per generation. Eager pipelines only. A schedule
+            with one level carries its blocks at its own ``refresh_every`` (a calibrated one chooses it) unless
+            this is given.
         qk_balance: ``int8_attention``'s Q·Kᵀ channel balance, against outlier channels that Q or K carries
             alone. None (the default) balances where a module needs it: with a calibration, by its static balance;
             with a schedule from a calibration, in the modules its ``balance_layers`` name; else by the module's
@@ -84,6 +86,8 @@ class Int8Config:
         put("calibration", calibration)
         put("speed_gate", _gate(self.speed_gate))
         put("sparsity", _sparsity(self.sparsity, schedule))
+        if self.refresh_every is None and isinstance(schedule, PrecisionSchedule):
+            put("refresh_every", schedule.refresh_every)
         _check_carry(self.refresh_every, self.sparsity, schedule)
         if self.qk_balance is not None and not isinstance(self.qk_balance, bool):
             raise TypeError(f"qk_balance must be None (where the module needs it), True or False, got {self.qk_balance!r}")
@@ -133,14 +137,17 @@ def _sparsity(sparsity, schedule) -> float | None:
 
 
 def _check_carry(refresh_every, sparsity: float | None, schedule=None) -> None:
-    """``refresh_every`` (None: nothing carried) needs a constant ``sparsity`` below 1 (``carry.BlockCarry`` checks
-    the interval itself)."""
+    """``refresh_every`` (None: nothing carried) needs a constant ``sparsity`` below 1, or a schedule of one level
+    (``carry.BlockCarry`` checks the interval itself)."""
     if refresh_every is None:
         return
     if isinstance(schedule, PrecisionSchedule) and schedule.sparse:
-        raise ValueError(f"refresh_every={refresh_every!r} carries the blocks of one constant sparsity level, and "
-                         f"schedule {schedule.name!r} sets levels per step: give sparsity=tau with mode= or a "
-                         f"schedule without levels")
+        if schedule.carried_tau() is None:
+            raise ValueError(f"refresh_every={refresh_every!r} carries the blocks of one sparsity level, and "
+                             f"schedule {schedule.name!r} sets several: give sparsity=tau with mode= or a schedule "
+                             f"with one level")
+        BlockCarry(refresh_every)
+        return
     if sparsity is None or sparsity >= 1:
         raise ValueError(f"refresh_every={refresh_every!r} carries the blocks a sparsity level skips: give "
                          f"sparsity=tau (a constant level below 1) too, got sparsity={sparsity!r}")

@@ -13,20 +13,24 @@ class AttentionCall:
     """One attention call of a routed module, as the processor is about to run it.
 
     ``layer``: the module's name (``enable`` names them as ``named_modules`` does); ``step``: the denoiser call
-    this one belongs to, from 0 since the generation began, and ``timestep`` what the denoiser was given (None
-    before the first). ``query``, ``key``, ``value``: (B, H, S, D) as the kernel sees them, after the model's norms
-    and RoPE; ``attn_mask`` and ``scale`` as SDPA gets them; ``out``: SDPA's exact output (B, H, Sq, D).
+    this one belongs to, from 0 since the generation began, ``timestep`` what the denoiser was given and ``noise``
+    its noise level in [0, 1] (``schedule.noise_level``; both None before the first). ``query``, ``key``,
+    ``value``: (B, H, S, D) as the kernel sees them, after the model's norms and RoPE; ``attn_mask`` and ``scale``
+    as SDPA gets them; ``out``: SDPA's exact output (B, H, Sq, D); ``keep_kv_blocks``: (nKB,) bool, the key blocks
+    a block-sparse call always keeps (text tokens in joint attention), or None.
     """
 
     layer: str | None
     step: int
     timestep: float | None
+    noise: float | None
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
     attn_mask: torch.Tensor | None
     scale: float | None
     out: torch.Tensor
+    keep_kv_blocks: torch.Tensor | None
     _predict: Callable = field(repr=False, compare=False)
 
     def block_mask(self, tau: float) -> torch.Tensor | None:

@@ -267,8 +267,10 @@ class Int8DiffusionProcessor(DispatcherCalls):
         if self.observer is not None:
             exact = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-            self.observer(AttentionCall(self.name, self.state.step, self.state.timestep, query, key, value, attn_mask,
-                                        scale, exact, self.block_mask_for))
+            noise = None if self.state.timestep is None else noise_level(self.state.timestep, None,
+                                                                         self.state.timestep_scale)
+            self.observer(AttentionCall(self.name, self.state.step, self.state.timestep, noise, query, key, value,
+                                        attn_mask, scale, exact, self._text_blocks(query, key), self.block_mask_for))
         # the counts are kept in eager mode only: torch.compile guards on an int it reads, so counting inside a
         # compiled graph would recompile it at every call
         counting = not torch.compiler.is_compiling()
