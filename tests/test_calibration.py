@@ -906,7 +906,11 @@ def test_carried_levels_are_collected_as_the_carry_computes_them(monkeypatch, tm
     first refresh merges its kept blocks with the skipped blocks as the first refresh computed them."""
     import diffusers as d
 
-    from diffusion_int8.calibration.stats import output_errors, sparse_sdpa_with_lse
+    from diffusion_int8.calibration.stats import output_errors, sparse_sdpa, split_attention
+    from diffusion_int8.kernels.api import exact_lse
+
+    def sparse_sdpa_with_lse(q, k, v, mask, scale):  # an independent computation: SDPA with the element mask
+        return sparse_sdpa(q, k, v, mask, scale), exact_lse(q, k, block_mask=mask, scale=scale)
     from diffusion_int8.kernels.merge import merge_forecast
     from diffusion_int8.kernels.sparsity import predict_block_mask
 
@@ -941,6 +945,9 @@ def test_carried_levels_are_collected_as_the_carry_computes_them(monkeypatch, tm
         out_k, lse_k = sparse_sdpa_with_lse(q1, k1, v1, mask, scale)
         out_c, lse_c = sparse_sdpa_with_lse(q0, k0, v0, ~mask, scale)
         want = output_errors(merge_forecast(out_k, lse_k, out_c, lse_c), exact1)["rel_l1"].mean(0)
+        for got, ref in zip(split_attention(q0, k0, v0, mask, scale), (*sparse_sdpa_with_lse(q0, k0, v0, mask, scale),
+                                                                      out_c, lse_c)):
+            torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(st["carry.rel_l1@0.5/2"][:, 1], want)
         torch.testing.assert_close(st["carry.kept@0.5/2"][:, 1], mask.float().mean().expand(2))
     cal = Calibration.from_stats({"model": "tiny-dit", "model_class": "DiTTransformer2DModel",

@@ -19,8 +19,7 @@ from ..kernels.sparsity import check_tau
 from ..plugin.carry import BlockCarry
 from ..plugin.observer import AttentionCall
 from ..plugin.routing import int8_sdpa
-from .stats import (QUANTIZED_MODES, carry_key, input_stats, output_errors, sparse_key, sparse_sdpa,
-                    sparse_sdpa_with_lse)
+from .stats import QUANTIZED_MODES, carry_key, input_stats, output_errors, sparse_key, sparse_sdpa, split_attention
 
 MEAN_STATS = ("q_p99", "k_p99", "q_max", "k_max", "k_mean", "q_cmax", "k_cmax")  # averaged over images
 MAX_STATS = ("v_amax",)  # maximum over images
@@ -68,8 +67,9 @@ class Collector:
         for tau in self.sparsity_levels:
             mask = call.block_mask(tau)
             found.update(self._sparse_stats(call, tau, mask))
+            split = {}  # the carried mask's two sides, computed once for every interval
             for every in self.refresh_every:
-                found.update(self._carry_stats(call, tau, every, mask is not None))
+                found.update(self._carry_stats(call, tau, every, mask is not None, split))
         entry = self.acc.setdefault(layer, {}).setdefault(step, {})
         entry["count"] = entry.get("count", 0) + q.shape[0]
         for key, t in found.items():
@@ -96,9 +96,12 @@ class Collector:
         return {sparse_key("sparse.rel_l1", tau): errs["rel_l1"], sparse_key("sparse.cos", tau): errs["cos"],
                 sparse_key("sparse.kept", tau): kept}
 
-    def _carry_stats(self, call: AttentionCall, tau: float, every: int, sparse: bool) -> dict[str, torch.Tensor]:
+    def _carry_stats(self, call: AttentionCall, tau: float, every: int, sparse: bool,
+                     split: dict) -> dict[str, torch.Tensor]:
         """Per (batch, head): the error of exact attention with the blocks ``tau`` skips carried, refreshed every
-        ``every`` steps, and the fraction of pairs computed at this step (1 at a refresh)."""
+        ``every`` steps, and the fraction of pairs computed at this step (1 at a refresh). ``split``: this call's
+        ``split_attention`` over the carried mask, shared by the intervals (their masks are the same: predicted
+        from the generation's first step at ``tau``)."""
         q, k, v, scale = call.query, call.key, call.value, call.scale
         B, H = q.shape[:2]
         if not sparse or call.noise is None:  # a call the processor runs dense
@@ -106,8 +109,11 @@ class Collector:
         else:
             carry = self.carries.setdefault((call.layer, tau, every), BlockCarry(every))
 
-            def run(block_mask, return_lse):  # exact attention over the given blocks, with its log-sum-exp
-                return sparse_sdpa_with_lse(q, k, v, block_mask, scale)
+            def run(block_mask, return_lse):  # exact attention over the mask's blocks or its complement's
+                if "mask" not in split:
+                    split["mask"], split["sides"] = block_mask, split_attention(q, k, v, block_mask, scale)
+                out_k, lse_k, out_c, lse_c = split["sides"]
+                return (out_k, lse_k) if torch.equal(block_mask, split["mask"]) else (out_c, lse_c)
 
             out, computed = carry(run, q, k, tau=tau, scale=scale, noise=call.noise, keep_kv_blocks=call.keep_kv_blocks)
             errs = output_errors(out, call.out)

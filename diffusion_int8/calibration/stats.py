@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import Mode
-from ..kernels.api import exact_lse, expand_block_mask
+from ..kernels.api import expand_block_mask
 from ..kernels.config import SPARSE_BLOCK
 from ..compare import cosine, rel_l1
 
@@ -72,12 +72,6 @@ def sparse_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: t
     return torch.cat(out).masked_fill(empty, 0.0)
 
 
-def sparse_sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
-                         scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sparse_sdpa`` and each row's exact log-sum-exp over its kept blocks, float32 (B, H, Sq), -inf for a row
-    without keys: what ``plugin.carry.BlockCarry`` merges, in exact attention of any float dtype."""
-    return sparse_sdpa(q, k, v, block_mask, scale), exact_lse(q, k, block_mask=block_mask, scale=scale)
-
 
 def sparse_stat(stat: str) -> tuple[str, float] | None:
     """``sparse.{rel_l1|cos|kept}@{tau}`` as (what, tau); None for any other name."""
@@ -117,3 +111,30 @@ def carry_stat(stat: str) -> tuple[str, float, int] | None:
     except ValueError:
         return None
 QUANTIZED_MODES = (Mode.INT8, Mode.INT8_FP16V)
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
+                    scale: float | None) -> tuple[torch.Tensor, ...]:
+    """Exact attention (BHSD, any float dtype) split into the (query block, key block) pairs ``block_mask`` keeps and
+    the rest, from one float32 pass over the scores per batch element: ``(out_kept, lse_kept, out_rest, lse_rest)``,
+    outputs in ``q``'s dtype (B, H, Sq, D), log-sum-exps float32 (B, H, Sq); a row without keys on a side gives 0
+    and -inf there. Merged through their log-sum-exps the two sides are dense attention: what
+    ``plugin.carry.BlockCarry`` computes at a refresh, here without quantization."""
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    mask = block_mask.expand(B, H, -1, -1)
+    parts = [[], [], [], []]
+    for b in range(B):
+        kb = k[b].repeat_interleave(H // k.shape[1], 0).float()
+        vb = v[b].repeat_interleave(H // v.shape[1], 0).float()
+        s = (q[b].float() @ kb.transpose(-1, -2)) * scale  # (H, Sq, Sk)
+        top = s.amax(-1, keepdim=True)
+        e = torch.exp(s - top)
+        keep = expand_block_mask(mask[b], Sq, Sk)
+        for i, side in enumerate((e * keep, e * ~keep)):
+            total = side.sum(-1, keepdim=True)
+            out = (side @ vb) / total.clamp_min(torch.finfo(torch.float32).tiny)
+            parts[2 * i].append(out.masked_fill(total == 0, 0.0).to(q.dtype))
+            parts[2 * i + 1].append((top + total.log()).squeeze(-1))
+    return tuple(torch.stack(p) for p in parts)
