@@ -638,3 +638,50 @@ def test_models_run_the_triton_kernel(family, monkeypatch):
             handle.disable()
     int8_error = rel_l2(outs["emulation"], stock)
     assert int8_error > 1e-4 and rel_l2(outs["triton"], outs["emulation"]) < 0.1 * int8_error
+
+
+def test_valid_prefix_of_key_masks():
+    from diffusion_int8.kernels.key_mask import valid_prefix
+
+    pad = torch.ones(2, 300, dtype=torch.bool)
+    pad[:, 250:] = False
+    assert valid_prefix(pad[:, None, None, :], 2, 4, 300) == 250  # (B, 1, 1, Sk)
+    assert valid_prefix(pad[:1, None, :], 2, 4, 300) == 250  # (1, 1, Sk), broadcast over the batch
+    assert valid_prefix(pad, 2, 4, 300) is None  # 2-D: (Sq, Sk) to SDPA, not a key mask
+    additive = torch.zeros(2, 1, 1, 300).masked_fill(~pad[:, None, None, :], float("-inf"))
+    assert valid_prefix(additive, 2, 4, 300) == 250
+    assert valid_prefix(additive * 0.5 + 1.0, 2, 4, 300) is None  # a bias, not a mask
+    hole = pad.clone()
+    hole[0, 10] = False
+    assert valid_prefix(hole[:, None, None, :], 2, 4, 300) is None  # a masked key before kept ones
+    ragged = pad.clone()
+    ragged[1, 240:] = False
+    assert valid_prefix(ragged[:, None, None, :], 2, 4, 300) is None  # the batch rows keep different keys
+    assert valid_prefix(torch.ones(2, 1, 300, 300, dtype=torch.bool), 2, 4, 300) is None  # not a key mask
+
+
+def test_a_padded_key_mask_runs_block_sparse_over_its_kept_keys(monkeypatch):
+    """A key mask that keeps the first n keys (text padding at the end) no longer makes a sparse call dense: the call
+    runs block-sparse over those n keys without the mask, the same computation, reading the mask once per mask."""
+    from diffusion_int8 import int8_attention
+    from diffusion_int8.inputs import local_qkv
+    from diffusion_int8.kernels import key_mask
+    from diffusion_int8.plugin import state as state_module
+
+    reads = []
+    monkeypatch.setattr(state_module, "valid_prefix", lambda *a: reads.append(1) or key_mask.valid_prefix(*a))
+    q, k, v = local_qkv(1, 2, 640, 640, 32, seed=0)
+    pad = torch.ones(1, 640, dtype=torch.bool)
+    pad[:, 570:] = False
+    proc = Int8DiffusionProcessor("int8", sparsity=0.5, speed_gate=False)
+    proc.state.trace = []
+    outs = [proc._attention(q, k, v, pad[:, None, None, :]) for _ in range(3)]  # a new view of the mask each call
+    want = int8_attention(q, k[:, :, :570], v[:, :, :570], mode="int8", sparsity=0.5)
+    assert all(torch.equal(o, want) for o in outs) and len(reads) == 1
+    kept, total = proc.state.block_totals()[-1]
+    assert kept < total  # blocks were skipped
+    # a mask with a hole keeps the call dense, under its mask
+    hole = pad.clone()
+    hole[0, 3] = False
+    dense = proc._attention(q, k, v, hole[:, None, None, :])
+    assert torch.equal(dense, int8_attention(q, k, v, mode="int8", attn_mask=hole[:, None, None, :]))

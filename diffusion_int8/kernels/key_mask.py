@@ -41,6 +41,28 @@ def as_key_mask(attn_mask: torch.Tensor | None, B: int, H: int) -> torch.Tensor 
     return m[:, :, 0, :]
 
 
+def valid_prefix(attn_mask: torch.Tensor, B: int, H: int, Sk: int) -> int | None:
+    """The number of keys ``n`` where ``attn_mask`` keeps exactly keys 0..n-1 of every batch and head (padding at
+    the end of the keys: text padding after the text), so attention over the first ``n`` keys without the mask is
+    the same computation; None for any other mask (not a key mask, a float mask other than 0 and -inf, or kept
+    keys that differ between rows or do not start at 0). It reads the mask: one host synchronization on a GPU."""
+    key = as_key_mask(attn_mask, B, H)
+    if key is None or key.shape[-1] != Sk:
+        return None
+    if key.dtype == torch.bool:
+        kept = key
+    else:
+        if not bool(((key == 0) | (key == float("-inf"))).all()):
+            return None
+        kept = key == 0
+    kept = kept.reshape(-1, Sk)
+    prefix = kept.int().cumprod(-1).sum(-1)  # each row's leading run of kept keys
+    first = prefix[:1]
+    ok = (prefix == first).all() & (kept.sum(-1) == prefix).all()  # every row the same run, nothing kept after it
+    n, ok = (int(x) for x in torch.stack([first[0], ok.int()]).tolist())
+    return n if ok else None
+
+
 class KeyMaskPlan(NamedTuple):
     """A key mask in the kernels' form. A list row is ``b · stride_b + h · stride_h``.
 

@@ -282,6 +282,15 @@ class Int8DiffusionProcessor(DispatcherCalls):
             return exact if exact is not None else F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)
+        tau = self.current_tau()
+        full_keys = key.shape[2]
+        if attn_mask is not None and _sparse(tau, key, None) and counting and not (
+                query.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # a key mask that keeps the first n keys (text padding at the end): attention over those keys without
+            # the mask is the same computation, and it can run block-sparse (one read of the mask per denoiser call)
+            n = self.state.valid_prefix(attn_mask, query.shape[0], query.shape[1], full_keys)
+            if n:
+                key, value, attn_mask = key[:, :, :n], value[:, :, :n], None
         if self.gate is not None and not self.gate.pays(mode, query, key, attn_mask):
             return self._gated(query, key, value, attn_mask, scale, enable_gqa, exact, counting, blocks)
         ranges = self._static_ranges(query.device)
@@ -294,20 +303,20 @@ class Int8DiffusionProcessor(DispatcherCalls):
         if counting:
             self.state.int8_calls += 1
             self._outcomes[0] += 1
-        tau = self.current_tau()
         if not _sparse(tau, key, attn_mask):
             tau = None
         if tau is not None and self.carry is not None and self._carry_ready():
             run = functools.partial(int8_core, mode, query, key, value, None, scale, ranges,
                                     qk_balance=balance, qk_rotate=self.qk_rotate)
-            out, kept = self.carry(run, query, key, tau=tau, scale=scale, keep_kv_blocks=self._text_blocks(query, key),
+            out, kept = self.carry(run, query, key, tau=tau, scale=scale,
+                                   keep_kv_blocks=self._text_blocks(query, key, full_keys),
                                    noise=noise_level(self.state.timestep, None, self.state.timestep_scale))
             if blocks:
                 self.state.count_blocks(kept, block_pairs(query, key))
             return out
         res = int8_core(mode, query, key, value, attn_mask, scale, ranges, qk_balance=balance,
                         qk_rotate=self.qk_rotate, sparsity=tau,
-                        keep_kv_blocks=None if tau is None else self._text_blocks(query, key),
+                        keep_kv_blocks=None if tau is None else self._text_blocks(query, key, full_keys),
                         return_block_mask=blocks and tau is not None)
         out, block_mask = res if isinstance(res, tuple) else (res, None)
         if blocks:
@@ -350,18 +359,20 @@ class Int8DiffusionProcessor(DispatcherCalls):
             return None
         return predict_block_mask(query, key, tau, sm_scale=scale, keep_kv_blocks=self._text_blocks(query, key))
 
-    def _text_blocks(self, query, key) -> torch.Tensor | None:
-        """(nKB,) bool: the key blocks holding text tokens in joint text+image attention, else None."""
+    def _text_blocks(self, query, key, full_keys: int | None = None) -> torch.Tensor | None:
+        """(nKB,) bool: the key blocks holding text tokens in joint text+image attention, else None. ``full_keys``:
+        the keys of the call before its padded tail was cut off (``valid_prefix``), where the text was placed."""
         n_text, where = self._text
         sq, sk = query.shape[2], key.shape[2]
-        if not 0 < n_text < sk or sq != sk:  # no text, cross-attention (keys are all text) or not joint
+        full = full_keys or sk
+        if not 0 < n_text < full or sq != full:  # no text, cross-attention (keys are all text) or not joint
             return None
-        cache_key = (sk, n_text, where, key.device)
+        cache_key = (sk, full, n_text, where, key.device)
         keep = self._keep.get(cache_key)
         if keep is None:
             block = torch.arange(cdiv(sk, SPARSE_BLOCK), device=key.device)
             first = block < cdiv(n_text, SPARSE_BLOCK)
-            last = block >= (sk - n_text) // SPARSE_BLOCK
+            last = block >= (full - n_text) // SPARSE_BLOCK
             keep = first if where == "first" else last if where == "last" else first | last
             if len(self._keep) < 64:
                 self._keep[cache_key] = keep

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from ..kernels.config import SPARSE_BLOCK
+from ..kernels.key_mask import valid_prefix
 from ..kernels.layout import cdiv
 
 
@@ -31,13 +33,29 @@ class Int8State:
     gated_calls: int = 0  # calls the schedule gave an INT8 mode and the speed gate sent to SDPA
     # step -> [pairs computed (a device tensor where a mask was predicted: no host sync per call), all pairs]
     block_counts: dict = field(default_factory=dict)
+    # the last key mask whose valid prefix was read, with what it was read for, and the prefix: the same mask
+    # reaches every attention module of a denoiser call, so it is read once per call of the denoiser
+    _prefix: tuple = field(default=(None, None, None), repr=False, compare=False)
 
     def reset(self) -> None:
         self.timestep, self.step, self.timestep_scale = None, -1, None
         self.int8_calls = self.gated_calls = 0
         self.block_counts.clear()
+        self._prefix = (None, None, None)
         if self.trace is not None:
             self.trace.clear()
+
+    def valid_prefix(self, attn_mask: torch.Tensor, B: int, H: int, Sk: int) -> int | None:
+        """``kernels.key_mask.valid_prefix`` of ``attn_mask``, read once per mask (a view of the mask, such as the
+        dispatcher's (B, 1, 1, Sk) of a (B, Sk) one, counts as the mask)."""
+        base = attn_mask if attn_mask._base is None else attn_mask._base
+        what = (attn_mask.shape, attn_mask.stride(), attn_mask.storage_offset(), B, H, Sk)
+        ref, seen, n = self._prefix
+        if ref is not None and ref() is base and seen == what:
+            return n
+        n = valid_prefix(attn_mask, B, H, Sk)
+        self._prefix = (weakref.ref(base), what, n)
+        return n
 
     def count_blocks(self, kept, total: int) -> None:
         """Add one attention call's computed pairs (an int or a 0-d device tensor) and all its pairs to this step."""
