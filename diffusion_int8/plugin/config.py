@@ -39,8 +39,9 @@ class Int8Config:
         sparsity: a constant sparsity level tau in (0, 1] for every INT8 call: the call predicts which key blocks
             hold ``tau`` of each query block's pooled attention mass and the kernel skips the rest (1 or None:
             dense). A schedule with levels of its own (``PrecisionSchedule.sparse``) sets them instead, and giving
-            both is an error. Calls that run SDPA, calls with an ``attn_mask`` and calls of at most one key block
-            stay dense; in joint text+image attention the text tokens' key blocks are always kept.
+            both is an error. Calls that run SDPA, calls with an ``attn_mask`` (but a key mask that keeps the
+            first n keys, as text padding does: the call runs sparse over those keys) and calls of at most one key
+            block stay dense; in joint text+image attention the text tokens' key blocks are always kept.
         refresh_every: with ``sparsity``, carry the skipped blocks instead of dropping them (``carry.BlockCarry``):
             every ``refresh_every``-th denoising step computes them too, the steps between forecast them from
             the last two such steps; the mask is predicted once per generation. Eager pipelines only. A schedule
