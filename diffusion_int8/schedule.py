@@ -234,8 +234,10 @@ class PrecisionSchedule:
 
         rules = []
         groups = [(n, [i]) for i, n in enumerate(names)] if per_layer else [("*", list(range(len(names))))]
-        all_modes = {t: choose({m: float(e.max(0).values[t]) for m, e in errs.items()}) for t in range(len(noise))}
-        carried = _carried_choice(calibration, sparsity_budget, metric, all_modes, sparse_errs) if levels else None
+        # the steps where some layer runs INT8 (carried blocks are checked at every one of them)
+        int8_steps = [t for t in range(len(noise))
+                      if any(choose({m: float(e[i, t]) for m, e in errs.items()}) is not Mode.FP16 for i in range(len(names)))]
+        carried = _carried_choice(calibration, sparsity_budget, metric, int8_steps, sparse_errs) if levels else None
         for pattern, idx in groups:
             modes = {t: choose({m: float(e[idx, t].max()) for m, e in errs.items()}) for t in range(len(noise))}
             if carried is None:
@@ -352,12 +354,13 @@ class PrecisionSchedule:
         return cls.from_dict(jsonfile.loads(text, str(path)), source=str(path))
 
 
-def _carried_choice(calibration, budget: float, metric: str, modes: dict, sparse_errs: dict) -> tuple[float, int] | None:
+def _carried_choice(calibration, budget: float, metric: str, steps: list[int], sparse_errs: dict) -> tuple[float, int] | None:
     """(level, refresh interval) of carried skipped blocks that computes the fewest block pairs over the calibrated
-    steps that run INT8 (``modes``), with its carried error within ``budget`` at each of them for every layer, if it
-    computes fewer than dropping the per-step levels would; else None (drop them)."""
-    steps = [t for t, m in modes.items() if m is not Mode.FP16]
-    if not steps or not calibration.carry_settings():
+    ``steps`` that run INT8, with its carried error within ``budget`` at each of them for every layer, if it
+    computes fewer than dropping the per-step levels would; else None (drop them). Only where those steps are the
+    first ones of the trajectory (0, 1, ...): the calibration carried from step 0 at every step, and at run time
+    the carry sees the INT8 steps alone, so any other run of steps would refresh on other steps than measured."""
+    if not steps or steps != list(range(len(steps))) or not calibration.carry_settings():
         return None
 
     def cost(kept: torch.Tensor) -> float:  # (L, T) fractions computed: mean over the layers and the INT8 steps

@@ -1017,3 +1017,33 @@ def test_calibrate_cli_with_carried_levels(tmp_path):
     res = run_cli(CLI_ARGS[:3] + ["--class-labels", "red circle", "--refresh-every", "2", "--out", "c2"], tmp_path,
                   check=False)
     assert res.returncode == 2 and "--refresh-every carries the blocks a sparsity level skips" in res.stderr
+
+
+def test_split_attention_in_blocks_of_rows_equals_one_pass(monkeypatch):
+    from diffusion_int8.calibration import stats
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 300, 16, generator=g) for _ in range(3))
+    mask = torch.rand(2, 2, 3, 3, generator=g) > 0.4
+    whole = stats.split_attention(q, k, v, mask, 0.25)
+    monkeypatch.setattr(stats, "SPLIT_SCORES", 128 * 2 * 300)  # one query block at a time
+    for a, b in zip(stats.split_attention(q, k, v, mask, 0.25), whole):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_carrying_is_chosen_only_from_the_first_step_on():
+    """The calibration carries from step 0; a schedule whose first steps run fp16 would carry from a later step at
+    run time, refreshing on other steps than measured: no carrying then."""
+    noise = [1.0, 0.75, 0.5, 0.25, 0.0]
+    carried = {(0.8, 4): ([[0.0, 0.02, 0.03, 0.04, 0.0]] * 2, [[1, 0.3, 0.3, 0.3, 1]] * 2)}
+    cal = crafted_carried(carried, noise)
+    for st in cal.layers.values():  # int8's error too large at the first step: fp16 there
+        for key in ("err.int8.rel_l1", "err.int8_fp16v.rel_l1"):
+            st[key][:, 0] = 0.5
+    s = PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05)
+    assert s.mode_for(1000.0) is Mode.FP16 and s.refresh_every is None
+    # and a config's interval taken from a schedule follows the schedule it is replaced with
+    carrying = PrecisionSchedule.from_calibration(crafted_carried(carried, noise), budget=0.02, sparsity_budget=0.05)
+    config = Int8Config("int8", schedule=carrying)
+    assert config.refresh_every == 4 and config.replace(schedule=None).refresh_every is None
+    assert config.replace(schedule=s).refresh_every is None

@@ -685,3 +685,31 @@ def test_a_padded_key_mask_runs_block_sparse_over_its_kept_keys(monkeypatch):
     hole[0, 3] = False
     dense = proc._attention(q, k, v, hole[:, None, None, :])
     assert torch.equal(dense, int8_attention(q, k, v, mode="int8", attn_mask=hole[:, None, None, :]))
+
+
+def test_processors_pickle_and_observers_take_one_call():
+    import pickle
+
+    model, x = build("dit")
+    handle = enable(model, "int8", speed_gate=False)
+    proc = next(iter(attention_modules(model).values())).processor
+    back = pickle.loads(pickle.dumps(proc))
+    assert type(back) is type(proc) and back.name == proc.name and back.mode is proc.mode
+    handle.disable()
+    model, x = build("dit")
+    with pytest.raises(TypeError, match="an observer receives one diffusion_int8.AttentionCall"):
+        enable(model, "fp16", observer=lambda proc, q, k, v, mask, scale, out: None)
+
+
+def test_an_observer_sees_a_padded_key_mask_cut_as_the_sparse_call_runs_it():
+    from diffusion_int8.inputs import local_qkv
+
+    seen = []
+    proc = Int8DiffusionProcessor("fp16", observer=seen.append)
+    q, k, v = local_qkv(1, 2, 300, 300, 32, seed=0)
+    pad = torch.ones(1, 1, 1, 300, dtype=torch.bool)
+    pad[..., 260:] = False
+    out = proc._attention(q, k, v, pad)
+    call = seen[0]
+    assert call.key.shape[2] == 260 and call.attn_mask is None and torch.equal(call.out, out)
+    assert torch.equal(call.value, v[:, :, :260])

@@ -113,28 +113,36 @@ def carry_stat(stat: str) -> tuple[str, float, int] | None:
 QUANTIZED_MODES = (Mode.INT8, Mode.INT8_FP16V)
 
 
+SPLIT_SCORES = 1 << 24  # scores split_attention makes at a time
+
+
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
                     scale: float | None) -> tuple[torch.Tensor, ...]:
     """Exact attention (BHSD, any float dtype) split into the (query block, key block) pairs ``block_mask`` keeps and
     the rest, from one float32 pass over the scores per batch element: ``(out_kept, lse_kept, out_rest, lse_rest)``,
     outputs in ``q``'s dtype (B, H, Sq, D), log-sum-exps float32 (B, H, Sq); a row without keys on a side gives 0
     and -inf there. Merged through their log-sum-exps the two sides are dense attention: what
-    ``plugin.carry.BlockCarry`` computes at a refresh, here without quantization."""
+    ``plugin.carry.BlockCarry`` computes at a refresh, here without quantization. The scores are made a block of
+    query rows at a time (about ``SPLIT_SCORES``), so memory stays bounded at video lengths."""
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     mask = block_mask.expand(B, H, -1, -1)
-    parts = [[], [], [], []]
+    rows = max(SPARSE_BLOCK, SPLIT_SCORES // max(H * Sk, 1) // SPARSE_BLOCK * SPARSE_BLOCK)  # whole query blocks
+    out_k, out_c = torch.empty_like(q), torch.empty_like(q)
+    lse_k = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    lse_c = torch.empty_like(lse_k)
     for b in range(B):
         kb = k[b].repeat_interleave(H // k.shape[1], 0).float()
         vb = v[b].repeat_interleave(H // v.shape[1], 0).float()
-        s = (q[b].float() @ kb.transpose(-1, -2)) * scale  # (H, Sq, Sk)
-        top = s.amax(-1, keepdim=True)
-        e = torch.exp(s - top)
-        keep = expand_block_mask(mask[b], Sq, Sk)
-        for i, side in enumerate((e * keep, e * ~keep)):
-            total = side.sum(-1, keepdim=True)
-            out = (side @ vb) / total.clamp_min(torch.finfo(torch.float32).tiny)
-            parts[2 * i].append(out.masked_fill(total == 0, 0.0).to(q.dtype))
-            parts[2 * i + 1].append((top + total.log()).squeeze(-1))
-    return tuple(torch.stack(p) for p in parts)
+        for r in range(0, Sq, rows):
+            s = (q[b, :, r:r + rows].float() @ kb.transpose(-1, -2)) * scale  # (H, rows, Sk)
+            top = s.amax(-1, keepdim=True)
+            e = torch.exp(s - top)
+            keep = expand_block_mask(mask[b, :, r // SPARSE_BLOCK:], s.shape[1], Sk)
+            for out, lse, side in ((out_k, lse_k, e * keep), (out_c, lse_c, e.masked_fill_(keep, 0.0))):
+                total = side.sum(-1, keepdim=True)
+                o = (side @ vb) / total.clamp_min(torch.finfo(torch.float32).tiny)
+                out[b, :, r:r + rows] = o.masked_fill(total == 0, 0.0)
+                lse[b, :, r:r + rows] = (top + total.log()).squeeze(-1)
+    return out_k, lse_k, out_c, lse_c

@@ -31,12 +31,13 @@ from ..embedded import PROMPTS
 from ..embedded.shapes import CLASSES
 from ..embedded.variants import NAMES, describe
 from ..eval.run import OUTPUTS as EVAL_OUTPUTS, evaluate, write_report
+from ..kernels import kernel_info
 from ..schedule import PrecisionSchedule
 from .calibrate import DEFAULT_BUDGET
 from .common import add_run_args, check_model, check_weights, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, command, output_set
 from .summaries import print_calibration, print_report
-from .usage import device_arg, positive_float
+from .usage import UsageError, device_arg, positive_float
 
 OUTPUTS = ("calibration", "prompts.txt") + EVAL_OUTPUTS
 DEMO_BUDGET = 0.015
@@ -69,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     check_weights(args.lpips_weights, args.fid_weights)
     check_model(args.model)
     shards = pipelines.Shards(args.device)
+    if shards.world > 1:
+        raise UsageError("demo runs in one process: run it without accelerate launch (calibrate and eval share their "
+                         "prompts among the processes of a launch)")
     labels, steps = sizes(args, shards.device.type == "cpu")
     items = read_items(None, labels, args.model)
     gpu_speed = None
@@ -85,14 +89,17 @@ def run(args: argparse.Namespace) -> int:
     with output_set(args.out, OUTPUTS, args.overwrite) as tmp:
         budget = f"budget {args.budget}" + (f" (calibrate's default is {DEFAULT_BUDGET}; see demo --help)"
                                             if args.budget == DEMO_BUDGET else "")
-        print(f"[1/2] calibrate → {args.out / 'calibration'}, {budget}")
+        print(f"[1/2] calibrate {type(pipelines.denoiser(pipe)).__name__} on {shards.device}, "
+              f"{len(items[next(iter(items))])} images × {steps} steps → {args.out / 'calibration'}, {budget}")
         t0 = time.time()
         cal = calibrate(pipe, **items, **run_args)
         calibrating = time.time() - t0
         schedule = PrecisionSchedule.from_calibration(cal, args.budget)
         summary = write_outputs(cal, schedule, tmp / "calibration", args.budget)
         print_calibration(summary, schedule, args.out / "calibration", calibrating, time.time() - t0 - calibrating)
-        print(f"[2/2] eval → {args.out}")
+        backend = kernel_info(shards.device, "int8")["backend"]
+        print(f"[2/2] eval → {args.out}: INT8 kernel {backend}"
+              + ("" if shards.device.type == "cuda" else " (no GPU: the INT8 modes run the kernel's PyTorch emulation)"))
         # eval reads the files just written, as the eval command would
         report = evaluate(pipe, **items, **run_args, modes=["int8", "int8_fp16v"],
                           schedule=PrecisionSchedule.load(tmp / "calibration" / "schedule.json"),

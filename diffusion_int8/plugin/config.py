@@ -68,6 +68,7 @@ class Int8Config:
     refresh_every: int | None = None
     qk_balance: bool | None = None
     qk_rotate: bool = False
+    _refresh_from_schedule: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def __post_init__(self):
         put = functools.partial(object.__setattr__, self)
@@ -87,8 +88,9 @@ class Int8Config:
         put("calibration", calibration)
         put("speed_gate", _gate(self.speed_gate))
         put("sparsity", _sparsity(self.sparsity, schedule))
-        if self.refresh_every is None and isinstance(schedule, PrecisionSchedule):
+        if self.refresh_every is None and isinstance(schedule, PrecisionSchedule) and schedule.refresh_every:
             put("refresh_every", schedule.refresh_every)
+            put("_refresh_from_schedule", True)
         _check_carry(self.refresh_every, self.sparsity, schedule)
         if self.qk_balance is not None and not isinstance(self.qk_balance, bool):
             raise TypeError(f"qk_balance must be None (where the module needs it), True or False, got {self.qk_balance!r}")
@@ -111,6 +113,8 @@ class Int8Config:
         return cls(mode_or_config, **options)
 
     def replace(self, **changes) -> "Int8Config":
+        if self._refresh_from_schedule and "refresh_every" not in changes:
+            changes["refresh_every"] = None  # the schedule's interval: taken again from the schedule the copy has
         return dataclasses.replace(self, **changes)
 
 

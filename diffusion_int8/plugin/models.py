@@ -203,8 +203,8 @@ _DECLARING: dict[tuple, type] = {}
 
 def declaring_subclass(base: type, sig: inspect.Signature) -> type:
     """The subclass of ``base`` whose ``__call__`` (``base.__call__``'s code) declares ``sig`` (a bound method's,
-    without self), made once per signature; it has ``base``'s name, module and qualified name (pickles resolve
-    ``base`` and make it again)."""
+    without self), made once per signature; it has ``base``'s name, module and qualified name (``base`` pickles
+    name ``base`` and make the subclass again)."""
     key = (base, *((p.name, p.kind) for p in sig.parameters.values()))
     cls = _DECLARING.get(key)
     if cls is None:

@@ -11,6 +11,7 @@ the dispatcher's calls and context parallelism (``context_parallel.DispatcherCal
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import warnings
 import weakref
@@ -54,7 +55,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
     """
 
     def __new__(cls, *args, inner: Any = None, **kwargs):
-        if cls is not Int8DiffusionProcessor:  # a declaring subclass already (copies, pickles)
+        if cls is not Int8DiffusionProcessor:  # a declaring subclass already
             return super().__new__(cls)
         sig = stock_signature(type(inner)) if inner is not None else any_stock_signature()
         return super().__new__(declaring_subclass(Int8DiffusionProcessor, sig))
@@ -74,7 +75,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
         if calibration is not None and name not in calibration.layers:
             raise ValueError(f"the calibration has no layer {name!r}: pass the module's name (enable() does)")
         self.balance = BalanceChoice(config.qk_balance, calibration, config.schedule, name)
-        self.observer = observer
+        self.observer = _checked_observer(observer)
         self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_infer = False
         self._routed_calls: dict[type, Callable] = {}  # stock processor type -> its routed __call__
@@ -134,11 +135,19 @@ class Int8DiffusionProcessor(DispatcherCalls):
         with self._lock:
             return self._call(attn, hidden_states, *args, **kwargs)
 
+    # what a copy or a pickle leaves out and makes anew: the lock, and caches of stock processors and shapes
+    _TRANSIENT = ("_lock", "_inferred", "_stock_shapes", "_routed_calls")
+
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+        return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _lock=threading.RLock())
+        self.__dict__.update(state, _lock=threading.RLock(), _inferred=weakref.WeakKeyDictionary(),
+                             _stock_shapes=weakref.WeakKeyDictionary(), _routed_calls={})
+
+    def __reduce__(self):
+        # the declaring subclass is made at run time, per signature: a pickle names the base and makes it again
+        return _restore, (self.__getstate__(),)
 
     def _call(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
         inner = self.inner
@@ -269,8 +278,16 @@ class Int8DiffusionProcessor(DispatcherCalls):
                                                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
             noise = None if self.state.timestep is None else noise_level(self.state.timestep, None,
                                                                          self.state.timestep_scale)
-            self.observer(AttentionCall(self.name, self.state.step, self.state.timestep, noise, query, key, value,
-                                        attn_mask, scale, exact, self._text_blocks(query, key), self.block_mask_for))
+            # a key mask that keeps the first n keys is shown cut, as a sparse call runs it (the same computation)
+            seen = (key, value, attn_mask)
+            if attn_mask is not None and not torch.compiler.is_compiling():
+                n = self.state.valid_prefix(attn_mask, query.shape[0], query.shape[1], key.shape[2])
+                if n:
+                    seen = (key[:, :, :n], value[:, :, :n], None)
+            predict = functools.partial(self.block_mask_for, full_keys=key.shape[2])
+            self.observer(AttentionCall(self.name, self.state.step, self.state.timestep, noise, query, *seen[:2],
+                                        seen[2], scale, exact, self._text_blocks(query, seen[0], key.shape[2]),
+                                        predict))
         # the counts are kept in eager mode only: torch.compile guards on an int it reads, so counting inside a
         # compiled graph would recompile it at every call
         counting = not torch.compiler.is_compiling()
@@ -351,13 +368,15 @@ class Int8DiffusionProcessor(DispatcherCalls):
                           RuntimeWarning, stacklevel=4)
         return False
 
-    def block_mask_for(self, query, key, attn_mask, scale, tau: float | None) -> torch.Tensor | None:
+    def block_mask_for(self, query, key, attn_mask, scale, tau: float | None,
+                       full_keys: int | None = None) -> torch.Tensor | None:
         """The block mask this processor's INT8 calls (BHSD inputs) predict at level ``tau`` (bool (B, H, nQB,
         nKB); standalone, as the calibration measures it), or None where the call runs dense: no level or 1, an
-        ``attn_mask``, or one key block."""
+        ``attn_mask``, or one key block. ``full_keys``: see ``_text_blocks``."""
         if not _sparse(tau, key, attn_mask):
             return None
-        return predict_block_mask(query, key, tau, sm_scale=scale, keep_kv_blocks=self._text_blocks(query, key))
+        return predict_block_mask(query, key, tau, sm_scale=scale,
+                                  keep_kv_blocks=self._text_blocks(query, key, full_keys))
 
     def _text_blocks(self, query, key, full_keys: int | None = None) -> torch.Tensor | None:
         """(nKB,) bool: the key blocks holding text tokens in joint text+image attention, else None. ``full_keys``:
@@ -377,6 +396,33 @@ class Int8DiffusionProcessor(DispatcherCalls):
             if len(self._keep) < 64:
                 self._keep[cache_key] = keep
         return keep
+
+def _checked_observer(observer):
+    """``observer`` if it can be called with one ``AttentionCall``; a clear ``TypeError`` otherwise (observers were
+    once called with the processor and six tensors)."""
+    if observer is None:
+        return None
+    if not callable(observer):
+        raise TypeError(f"observer must be callable with one AttentionCall, got {type(observer).__name__}")
+    try:
+        inspect.signature(observer).bind(None)
+    except TypeError:
+        raise TypeError(f"observer {observer!r} cannot be called with one argument: an observer receives one "
+                        f"diffusion_int8.AttentionCall (layer, step, timestep, noise, query, key, value, attn_mask, "
+                        f"scale, out, keep_kv_blocks, block_mask(tau))") from None
+    except ValueError:  # a callable without an inspectable signature (a builtin): taken as it is
+        pass
+    return observer
+
+
+def _restore(state: dict) -> Int8DiffusionProcessor:
+    """An unpickled processor: the declaring subclass of its stock processor's signature, with ``state``."""
+    inner = state.get("inner")
+    sig = stock_signature(type(inner)) if inner is not None else any_stock_signature()
+    proc = object.__new__(declaring_subclass(Int8DiffusionProcessor, sig))
+    proc.__setstate__(state)
+    return proc
+
 
 def _sparse(tau: float | None, key, attn_mask) -> bool:
     """Whether an INT8 call (BHSD ``key``) runs block-sparse at level ``tau``: a level below 1, no ``attn_mask`` and

@@ -45,11 +45,18 @@ class Int8State:
         if self.trace is not None:
             self.trace.clear()
 
+    def __getstate__(self):  # the cached mask read is a weak reference: not copied
+        return {k: v for k, v in self.__dict__.items() if k != "_prefix"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _prefix=(None, None, None))
+
     def valid_prefix(self, attn_mask: torch.Tensor, B: int, H: int, Sk: int) -> int | None:
         """``kernels.key_mask.valid_prefix`` of ``attn_mask``, read once per mask (a view of the mask, such as the
         dispatcher's (B, 1, 1, Sk) of a (B, Sk) one, counts as the mask)."""
         base = attn_mask if attn_mask._base is None else attn_mask._base
-        what = (attn_mask.shape, attn_mask.stride(), attn_mask.storage_offset(), B, H, Sk)
+        what = (attn_mask.shape, attn_mask.stride(), attn_mask.storage_offset(), attn_mask.dtype, base._version, B, H,
+                Sk)  # the version: a mask refilled in place is read again
         ref, seen, n = self._prefix
         if ref is not None and ref() is base and seen == what:
             return n
