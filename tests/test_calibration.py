@@ -721,9 +721,10 @@ def test_library_calibrate_gives_the_cli_file(tmp_path, monkeypatch):
 LEVELS = (0.5, 0.9)
 
 
-def collect_long_dit(monkeypatch, seen=None):
-    """The tiny DiT at 576 tokens (five 128-token blocks) through two timesteps, collecting sparsity levels too;
-    random weights give keys with little in common within a block, so the predictor runs without its guard."""
+def collect_long_dit(monkeypatch, seen=None, timesteps=(900, 300), collector=None):
+    """The tiny DiT at 576 tokens (five 128-token blocks) through ``timesteps``, collecting sparsity levels too
+    (with ``collector``, default ``Collector(sparsity_levels=LEVELS)``); random weights give keys with little in
+    common within a block, so the predictor runs without its guard."""
     import functools
 
     import diffusers as d
@@ -735,7 +736,7 @@ def collect_long_dit(monkeypatch, seen=None):
     torch.manual_seed(0)
     model = d.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8,
                                     num_layers=2, sample_size=48, patch_size=2, num_embeds_ada_norm=10).eval()
-    col = Collector(sparsity_levels=LEVELS)
+    col = collector or Collector(sparsity_levels=LEVELS)
 
     def observer(call):
         if seen is not None:
@@ -746,7 +747,7 @@ def collect_long_dit(monkeypatch, seen=None):
     handle = enable(model, mode="fp16", observer=observer)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for t in (900, 300):
+        for t in timesteps:
             model(hidden_states=torch.randn(2, 4, 48, 48, generator=g), timestep=torch.tensor([t, t]),
                   class_labels=torch.tensor([1, 3]))
     handle.disable()
@@ -904,35 +905,18 @@ def compiled_frames(model, x, kw) -> list[int]:
 def test_carried_levels_are_collected_as_the_carry_computes_them(monkeypatch, tmp_path):
     """Four steps with a refresh every 2: the refresh steps are exact and compute every block; the step after the
     first refresh merges its kept blocks with the skipped blocks as the first refresh computed them."""
-    import diffusers as d
-
     from diffusion_int8.calibration.stats import output_errors, sparse_sdpa, split_attention
     from diffusion_int8.kernels.api import exact_lse
-
-    def sparse_sdpa_with_lse(q, k, v, mask, scale):  # an independent computation: SDPA with the element mask
-        return sparse_sdpa(q, k, v, mask, scale), exact_lse(q, k, block_mask=mask, scale=scale)
     from diffusion_int8.kernels.merge import merge_forecast
     from diffusion_int8.kernels.sparsity import predict_block_mask
 
-    torch.manual_seed(0)
-    model = d.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8,
-                                    num_layers=2, sample_size=48, patch_size=2, num_embeds_ada_norm=10).eval()
-    col = Collector(modes=(), sparsity_levels=LEVELS, refresh_every=(2,))
+    def sparse_sdpa_with_lse(q, k, v, mask, scale):  # an independent computation: SDPA with the element mask
+        return sparse_sdpa(q, k, v, mask, scale), exact_lse(q, k, block_mask=mask, scale=scale)
+
     seen = []
-
-    def observer(call):
-        seen.append((call.step, call.layer, call.query.clone(), call.key.clone(), call.value.clone(), call.scale,
-                     call.out.clone()))
-        col(call)
-
-    handle = enable(model, mode="fp16", observer=observer)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for t in (900, 700, 500, 300):
-            model(hidden_states=torch.randn(2, 4, 48, 48, generator=g), timestep=torch.tensor([t, t]),
-                  class_labels=torch.tensor([1, 3]))
-    handle.disable()
-    timesteps, stats = merge([col.record(0)])
+    _, record = collect_long_dit(monkeypatch, seen, timesteps=(900, 700, 500, 300),
+                                 collector=Collector(modes=(), sparsity_levels=LEVELS, refresh_every=(2,)))
+    timesteps, stats = merge([record])
     for layer, st in stats.items():
         for tau in LEVELS:
             err, kept = st[f"carry.rel_l1@{tau!r}/2"], st[f"carry.kept@{tau!r}/2"]

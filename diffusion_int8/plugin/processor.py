@@ -299,9 +299,8 @@ class Int8DiffusionProcessor(DispatcherCalls):
             return exact if exact is not None else F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)
-        tau = self.current_tau()
         full_keys = key.shape[2]
-        if attn_mask is not None and _sparse(tau, key, None) and counting and not (
+        if attn_mask is not None and counting and _sparse(self.current_tau(), key, None) and not (
                 query.is_cuda and torch.cuda.is_current_stream_capturing()):
             # a key mask that keeps the first n keys (text padding at the end): attention over those keys without
             # the mask is the same computation, and it can run block-sparse (one read of the mask per denoiser call)
@@ -320,6 +319,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
         if counting:
             self.state.int8_calls += 1
             self._outcomes[0] += 1
+        tau = self.current_tau()
         if not _sparse(tau, key, attn_mask):
             tau = None
         if tau is not None and self.carry is not None and self._carry_ready():
