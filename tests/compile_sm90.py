@@ -82,21 +82,25 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
     return n
 
 
-def attention_variant(D, pv, mask, dt="fp16", sparse=False):
-    """The portable kernel; ``mask`` 0 none, 1 bool, 2 additive, 3 a key mask's bias and tile lists."""
+def attention_variant(D, pv, mask, dt="fp16", sparse=False, split=False):
+    """The portable kernel; ``mask`` 0 none, 1 bool, 2 additive, 3 a key mask's bias and tile lists; ``split``: a
+    block mask's skipped blocks written apart (``sparse`` too)."""
     ptrs = dict(Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V=_PV_PTR[pv] or "*" + dt, VS="*fp32",
                 MASK_PTR={0: "*fp32", 1: "*u8", 2: "*" + dt, 3: "*fp32"}[mask], KB_CNT="*i32", KB_CLEAN="*i32",
-                KB_IDX="*i32", O="*" + dt, LSE="*fp32")
+                KB_IDX="*i32", O="*" + dt, LSE="*fp32", OS="*" + dt, LSES="*fp32")
     cfg = tile_config(D, pv)
     compile_kernel(A._attn_fwd_kernel, ptrs, set(), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=pv.code, MASK=mask,
-        V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups, SPARSE=sparse, ABLATE=0, RETURN_LSE=False),
+        V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups, SPARSE=sparse, ABLATE=0, RETURN_LSE=False,
+        SPLIT=split),
         divisible=("SQ_PAD", "SK_PAD", "N_FULL"))
 
 
 def sparse_variants() -> int:
     """The block lists and the standalone predictor's pooling, and the prediction from pooled sums."""
-    compile_kernel(A._block_list_kernel, dict(MASK="*u8", CNT="*i32", IDX="*i32"), set(), dict(NKB_P2=256))
+    for split in (False, True):
+        compile_kernel(A._block_list_kernel, dict(MASK="*u8", CNT="*i32", IDX="*i32"), set(),
+                       dict(NKB_P2=256, SPLIT=split))
     for is_bool, mask in ((True, "*u8"), (False, "*bf16")):  # a key mask's bias and kinds, then its tile lists
         compile_kernel(A._key_bias_kernel, dict(MASK=mask, BIAS="*fp32", KIND="*i32"), set(),
                        dict(IS_BOOL=is_bool, BLOCK_N=128))
@@ -115,7 +119,7 @@ def sparse_variants() -> int:
     for forecast, dt in ((False, "fp16"), (True, "bf16")):
         compile_kernel(Mg._merge_kernel, dict(A=f"*{dt}", LA="*fp32", B=f"*{dt}", LB="*fp32", P=f"*{dt}", LP="*fp32",
                                               O=f"*{dt}"), {"step"}, dict(FORECAST=forecast, BLOCK_S=64, DP=128))
-    return 12
+    return 13
 
 
 def hopper_variant(pv, dt="fp16", lists=0, lse=False):
@@ -141,7 +145,7 @@ def hopper_variant(pv, dt="fp16", lists=0, lse=False):
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(q_desc=desc("i8", [plan.block_m, dp], gl.int8), k_desc=desc("i8", [block_n, dp], gl.int8),
                v_desc=v_desc, QS="*fp32", KS="*fp32", VS="*fp32", KB_CNT="*i32", KB_CLEAN="*i32", KB_IDX="*i32",
-               BIAS="*fp32", O="*" + dt, LSE="*fp32")
+               BIAS="*fp32", O="*" + dt, LSE="*fp32", OS="*" + dt, LSES="*fp32")
     sig.update({n: "constexpr" for n in constexprs})
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=TARGET, options=dict(num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION, **options))
@@ -158,13 +162,15 @@ def main(everything: bool) -> int:
                  (64, 1, True, False, "fp16", True), (128, 0, True, False, "bf16", True)]
         attn = [(40, PV.FP16, 0), (36, PV.FP16, 1), (64, PV.FP8, 1, "bf16"), (72, PV.INT8, 2), (128, PV.FP8, 0), (256, PV.INT8, 0),
                 (64, PV.FP8, 0, "fp16", True), (128, PV.FP16, 1, "bf16", True), (40, PV.INT8, 0, "fp16", True),
-                (64, PV.FP16, 3), (128, PV.FP8, 3, "bf16"), (72, PV.INT8, 3)]
+                (64, PV.FP16, 3), (128, PV.FP8, 3, "bf16"), (72, PV.INT8, 3),
+                (64, PV.FP8, 0, "bf16", True, True), (128, PV.FP16, 0, "fp16", True, True)]
     n_quant = sum(quantize_variant(*args) for args in quant)
     for args in attn:
         attention_variant(*args)
     n_sparse = sparse_variants()
     hopper = [(PV.FP8,), (PV.FP16,), (PV.FP16, "bf16"), (PV.FP8, "fp16", 1), (PV.FP16, "fp16", 1),
-              (PV.FP8, "bf16", 1, True), (PV.FP16, "fp16", 0, True), (PV.FP8, "bf16", 2), (PV.FP16, "bf16", 2, True)]
+              (PV.FP8, "bf16", 1, True), (PV.FP16, "fp16", 0, True), (PV.FP8, "bf16", 2), (PV.FP16, "bf16", 2, True),
+              (PV.FP8, "bf16", 3), (PV.FP8, "fp16", 3, True)]
     for args in hopper:
         hopper_variant(*args)
     print(f"compiled {n_quant + len(attn) + n_sparse + len(hopper)} kernels for {TARGET} with Triton {triton.__version__}")

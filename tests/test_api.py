@@ -72,35 +72,40 @@ def test_opcheck_cpu(kdev):
     mask = torch.rand(1, 1, 40, 72, device=kdev) > 0.3
     mask[..., 0] = True
     # (q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, balance, keep_kv_blocks, layout, pv, sm_scale,
-    #  smooth_k, qk_balance, qk_rotate, sparsity, backend, return_lse, return_block_mask)
+    #  smooth_k, qk_balance, qk_rotate, sparsity, backend, return_lse, return_skipped, return_block_mask)
     args = (q, k, v, mask, None, None, None, None, None, None, None, "BHSD", "fp8", 0.125, True, True, False, None,
-            backend, False, False)
+            backend, False, False, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     blocks = torch.tensor([True, False], device=kdev).view(1, 2, 1, 1)  # head 1 skips its one block: zeros
     args = (q, k, v, None, blocks, None, None, None, None, None, None, "BHSD", "fp16", 0.125, True, False, True, None,
-            backend, True, False)
+            backend, True, False, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     # a BHSD view of (B, S, H, D) memory: the fake output's strides are the real one's
     strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
     args = (*strided, None, None, None, None, None, None, None, None, "BHSD", "fp8", 0.125, True, False, False, None,
-            backend, False, False)
+            backend, False, False, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     # every static input given: no statistics pass
     static = (q.float().abs().amax((2, 3)), torch.full((1, 2), 3.0, device=kdev), v.float().abs().amax(2),
               k.float().mean(2))
     args = (q, k, v, None, None, *static, None, None, "BHSD", "fp8", 0.125, True, True, False, None, backend, True,
-            False)
+            False, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     # and a given Q·Kᵀ balance with them
     balance = torch.tensor([0.5, 1.0, 2.0, 4.0], device=kdev).repeat(16)
     args = (q, k, v, None, None, *static, balance, None, "BHSD", "int8", 0.125, True, False, False, None, backend,
-            False, False)
+            False, False, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
     # the mask predicted in the call, with an always-kept block, returned with the log-sum-exp
     q, k, v = local_qkv(1, 2, 300, 400, 64, device=kdev)
     keep = torch.tensor([False, False, True, False], device=kdev)
     args = (q, k, v, None, None, None, None, None, None, None, keep, "BHSD", "fp8", 0.125, True, False, False, 0.8,
-            backend, True, True)
+            backend, True, False, True)
+    torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
+    # a block mask's skipped blocks returned apart from the dense result
+    blocks = torch.tensor([[True, False, True, False], [False, True, True, True]], device=kdev).view(1, 2, 1, 4)
+    args = (q, k, v, None, blocks.expand(1, 2, 3, 4), None, None, None, None, None, None, "BHSD", "fp8", 0.125, True,
+            False, False, None, backend, False, True, False)
     torch.library.opcheck(torch.ops.diffusion_int8.quantized_attention.default, args)
 
 

@@ -11,7 +11,7 @@ from diffusion_int8.kernels.api import expand_block_mask
 from diffusion_int8.kernels.config import PV, SPARSE_BLOCK
 from diffusion_int8.kernels.sparsity import predict_block_mask
 from diffusion_int8.inputs import local_qkv, realistic_qkv
-from test_attention import check, run_kernel
+from test_attention import BOUNDS, check, cos_l1, run_kernel
 
 
 def _blocks(n: int) -> int:
@@ -105,6 +105,91 @@ def test_block_lists(kdev):
     assert torch.equal(counts.cpu(), flat.sum(-1).int())
     for row, c in zip(range(flat.shape[0]), counts.cpu().tolist()):
         assert idx[row, :c].cpu().tolist() == flat[row].nonzero().flatten().tolist()
+
+
+def test_split_block_lists(kdev):
+    from diffusion_int8.kernels.attention import block_lists
+
+    mask = _random_mask(2, 3, 700, 1500, 0.4, kdev, seed=6)
+    mask[1, 0, 2] = True  # a row keeping every block, and (from _random_mask) one keeping none
+    counts, idx = block_lists(mask, 2, 3, 700, 1500, split=True)
+    flat = mask.reshape(-1, mask.shape[-1]).cpu()
+    assert torch.equal(counts.cpu(), (~flat).sum(-1).int())
+    for row in range(flat.shape[0]):
+        skipped, kept = (~flat[row]).nonzero().flatten().tolist(), flat[row].nonzero().flatten().tolist()
+        assert idx[row].cpu().tolist() == skipped + kept
+
+
+def _poisoned_split(q, k, v, kw):
+    """``run_kernel`` with ``return_skipped``: the output NaN-poisoned, and the memory the skipped blocks' results
+    are allocated in too (freed NaN blocks of their sizes, which the allocator hands out again)."""
+    from diffusion_int8.kernels.attention import triton_attention
+
+    B, H, Sq = R.to_bhsd(q, kw["layout"]).shape[:3]
+    poison = [torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device),
+              torch.full((B, H, Sq), float("nan"), device=q.device)]
+    del poison
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    res = triton_attention(q, k, v, out=out, sm_scale=q.shape[-1] ** -0.5, return_skipped=True, **kw)
+    assert res[0] is out
+    return res
+
+
+@pytest.mark.parametrize("pv", list(PV))
+@pytest.mark.parametrize("D", [64, 128])
+def test_one_launch_returns_the_dense_result_and_the_skipped_blocks_apart(kdev, pv, D):
+    """``return_skipped``: the skipped blocks' output and log-sum-exp are the complement's call's (the same tiles
+    in the same order: the sparse check against the emulation), and the output is the dense call's, up to P's
+    rounding in another order of the blocks; rows keeping every block give 0 and -inf, rows keeping none the dense
+    result twice."""
+    n = 1 if kdev == "cpu" else 8
+    for B, H, Sq, Sk, layout in [(1, 2, 300 * n, 333 * n, "BHSD"), (2, 2, 129 * n, 257 * n, "BSHD")]:
+        q, k, v = realistic_qkv(B, H, Sq, Sk, D, layout=layout, device=kdev, seed=D + Sq)
+        mask = _random_mask(B, H, Sq, Sk, 0.5, kdev, seed=Sk)  # its query block 0 of head 0 keeps nothing
+        mask[0, 1, 0] = True  # one that keeps every block
+        out, skipped, skipped_lse = _poisoned_split(q, k, v, dict(layout=layout, pv=pv, block_mask=mask))
+        rest = dict(layout=layout, pv=pv, block_mask=~mask)
+        emu_rest, emu_rest_lse = R.emulate_attention(q, k, v, return_lse=True, **rest)
+        check(skipped, emu_rest, _sparse_ref(q, k, v, ~mask, layout), pv, q.dtype, call=(q, k, v, rest))
+        finite = torch.isfinite(emu_rest_lse)
+        assert torch.equal(finite, torch.isfinite(skipped_lse))
+        torch.testing.assert_close(skipped_lse[finite], emu_rest_lse[finite], atol=2e-3, rtol=1e-4)
+        kept_all = mask[0, 1, 0].all()
+        assert kept_all and torch.isinf(skipped_lse[0, 1, :SPARSE_BLOCK]).all()
+        ref = R.attention_ref(q, k, v, layout=layout)
+        dense = run_kernel(q, k, v, layout=layout, pv=pv)
+        if pv is PV.FP16:  # 16-bit P: the order of the blocks changes float32 sums only
+            check(out, dense, ref, pv, q.dtype)
+        else:  # the same format's error, its rounding moved (row by row it goes either way): the dense call's
+            (cos, l1), (_, dense_l1) = cos_l1(out, ref), cos_l1(dense, ref)
+            assert cos >= BOUNDS[pv][0] and l1 <= min(BOUNDS[pv][1], 1.2 * dense_l1), (cos, l1, dense_l1)
+            err, dense_err = ((t.double() - ref).abs().max() for t in (out, dense))
+            assert err <= 2 * dense_err, (err, dense_err)
+        # the query block that keeps nothing skips everything: its skipped result is the dense one
+        rows = slice(0, min(SPARSE_BLOCK, Sq))
+        o, s_ = (R.to_bhsd(t, layout)[0, 0, rows] for t in (out, skipped))
+        torch.testing.assert_close(s_.float(), o.float(), atol=0, rtol=0)
+
+
+def test_skipped_blocks_through_the_public_op_and_mode_fp16():
+    q, k, v = realistic_qkv(1, 2, 300, 260, 64, layout="BSHD")
+    mask = _random_mask(1, 2, 300, 260, 0.5, "cpu", seed=2)
+    out, skipped, lse = int8_attention(q, k, v, mode="fp16", layout="BSHD", block_mask=mask, return_skipped=True)
+    assert torch.equal(out, int8_attention(q, k, v, mode="fp16", layout="BSHD"))  # exact: the dense call
+    rest, rest_lse = int8_attention(q, k, v, mode="fp16", layout="BSHD", block_mask=~mask, return_lse=True)
+    assert torch.equal(skipped, rest) and torch.equal(lse, rest_lse)
+    out, dense_lse, skipped, lse = int8_attention(q, k, v, mode="int8", layout="BSHD", block_mask=mask,
+                                                  return_lse=True, return_skipped=True)
+    check(skipped, R.emulate_attention(q, k, v, layout="BSHD", pv=PV.FP8, block_mask=~mask), _sparse_ref(
+        q, k, v, ~mask, "BSHD"), PV.FP8, q.dtype, call=(q, k, v, dict(layout="BSHD", pv=PV.FP8, block_mask=~mask)))
+    assert lse.shape == dense_lse.shape == (1, 2, 300) and torch.isfinite(dense_lse).all()
+    # the dense log-sum-exp is the merge of the two parts'
+    _, kept_lse = int8_attention(q, k, v, mode="int8", layout="BSHD", block_mask=mask, return_lse=True)
+    torch.testing.assert_close(dense_lse, torch.logaddexp(kept_lse, lse), atol=0.02, rtol=0)
+    with pytest.raises(ValueError, match="return_skipped needs a block_mask"):
+        int8_attention(q, k, v, mode="int8", layout="BSHD", return_skipped=True)
+    with pytest.raises(TypeError, match="return_skipped must be True or False"):
+        int8_attention(q, k, v, mode="int8", layout="BSHD", block_mask=mask, return_skipped=1)
 
 
 def test_public_op_and_mode_fp16():

@@ -43,6 +43,7 @@ def int8_attention(
     keep_kv_blocks: torch.Tensor | None = None,
     check_finite: bool = False,
     return_lse: bool = False,
+    return_skipped: bool = False,
     return_block_mask: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention with Q·Kᵀ on INT8 tensor cores.
@@ -109,6 +110,11 @@ def int8_attention(
             partial results with. Every kernel writes it in its epilogue; adding the smoothing back reads K and Q
             once more. Mode ``fp16`` computes it exactly (flash attention's on
             a GPU, else a float32 Q·Kᵀ).
+        return_skipped: with ``block_mask``: compute every block (the output is the dense call's, up to the order
+            of the float32 sums) and also return the attention over the blocks the mask skips: its output and
+            log-sum-exp, as ``block_mask=~block_mask, return_lse=True`` would give them (rows whose every block
+            is kept: 0 and -inf). The INT8 kernels visit the skipped blocks first and write their result on the
+            way, in the one launch: what a refresh of carried blocks (``plugin.carry``) needs.
         return_block_mask: with ``sparsity``, also return the mask it predicted: bool (B, Hq, nQB, nKB), True =
             computed (e.g. to count the skipped blocks).
 
@@ -117,19 +123,21 @@ def int8_attention(
         view of (B, S, H, D) memory gets (B, S, H, D) memory, as SDPA's output does); with ``return_lse``, the
         pair (output, log-sum-exp) where the log-sum-exp is float32 (B, Hq, Sq) in natural-log units, -inf for a
         row without keys (in either layout, as ``torch.nn.functional.scaled_dot_product_attention``'s kernels
-        give it); with ``return_block_mask``, the predicted mask after those.
+        give it); with ``return_skipped``, the skipped blocks' output and log-sum-exp after those; with
+        ``return_block_mask``, the predicted mask last.
     """
     # 1. Validate, once per call signature: a signature seen before skips every check and choice (the hot path)
     key, call = _checked_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate,
-                              q_amax, k_amax, v_amax, k_mean, sparsity, keep_kv_blocks, return_lse, return_block_mask)
+                              q_amax, k_amax, v_amax, k_mean, sparsity, keep_kv_blocks, return_lse, return_skipped,
+                              return_block_mask)
     given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
     _check_values(q, k, v, q_amax, k_amax, v_amax, k_mean, given_bal, check_finite)
     # 2. Plan: exact attention, an empty call, or the INT8 kernels on the backend and P·V format the checks chose
     if call.mode is Mode.FP16:
         return _exact(q, k, v, call, layout, attn_mask, block_mask, sparsity, keep_kv_blocks, return_lse,
-                      return_block_mask)
+                      return_skipped, return_block_mask)
     if call.empty:
-        return _empty(q, k, layout, return_lse, return_block_mask)
+        return _empty(q, k, layout, return_lse, return_skipped, return_block_mask)
     # 3. Run: plain eager tensors go straight to the launch plan of their signature (the custom op's dispatch
     # layers do nothing there but cost host time); anything that may be tracing goes through the op
     if key is not None and call.backend is Backend.TRITON and not _dispatch_mode():
@@ -138,25 +146,27 @@ def int8_attention(
         return triton_attention(q, k, v, layout=layout, pv=call.pv, sm_scale=call.scale, smooth_k=smooth_k,
                                 qk_balance=qk_balance, qk_rotate=qk_rotate, attn_mask=attn_mask, block_mask=block_mask,
                                 q_amax=q_amax, k_amax=k_amax, v_amax=v_amax, k_mean=k_mean, sparsity=sparsity,
-                                keep_kv_blocks=keep_kv_blocks, return_lse=return_lse,
+                                keep_kv_blocks=keep_kv_blocks, return_lse=return_lse, return_skipped=return_skipped,
                                 return_block_mask=return_block_mask, key=key)
-    out, lse, mask = dispatch(
+    out, lse, skipped_out, skipped_lse, mask = dispatch(
         q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, given_bal, keep_kv_blocks, layout,
         call.pv.value, call.scale, smooth_k, qk_balance is True, qk_rotate, sparsity, call.backend.value,
-        bool(return_lse), bool(return_block_mask),
+        bool(return_lse), bool(return_skipped), bool(return_block_mask),
     )
-    return _results(out, *((lse,) if return_lse else ()), *((mask,) if return_block_mask else ()))
+    return _results(out, *((lse,) if return_lse else ()), *((skipped_out, skipped_lse) if return_skipped else ()),
+                    *((mask,) if return_block_mask else ()))
 
 
 def _checked_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax, k_amax,
-                  v_amax, k_mean, sparsity, keep_kv_blocks, return_lse, return_block_mask) -> tuple[tuple | None, "_Call"]:
+                  v_amax, k_mean, sparsity, keep_kv_blocks, return_lse, return_skipped,
+                  return_block_mask) -> tuple[tuple | None, "_Call"]:
     """The call's signature (None where it has none: traced, or not plain tensors) and what its checks decided,
     from the cache where the signature was seen; raises on bad arguments."""
     try:
         plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
             "call", mode, layout, scale, smooth_k, balance_key(qk_balance), balance_key(qk_rotate), return_lse,
-            balance_key(sparsity), balance_key(return_block_mask), os.environ.get(ENV_BACKEND),
+            balance_key(return_skipped), balance_key(sparsity), balance_key(return_block_mask), os.environ.get(ENV_BACKEND),
             os.environ.get(ENV_PV8), signature(q), signature(k), signature(v), signature(attn_mask),
             signature(block_mask), signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean),
             signature(keep_kv_blocks))
@@ -165,7 +175,7 @@ def _checked_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k,
         key, call = None, None
     if call is None:
         call = _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax,
-                        k_amax, v_amax, k_mean, sparsity, keep_kv_blocks, return_block_mask)
+                        k_amax, v_amax, k_mean, sparsity, keep_kv_blocks, return_skipped, return_block_mask)
         if key is not None:
             cache.remember(key, call)
     return key, call
@@ -183,9 +193,13 @@ def _check_values(q, k, v, q_amax, k_amax, v_amax, k_mean, given_bal, check_fini
 
 
 def _exact(q, k, v, call: "_Call", layout, attn_mask, block_mask, sparsity, keep_kv_blocks, return_lse: bool,
-           return_block_mask: bool):
+           return_skipped: bool, return_block_mask: bool):
     """Mode ``fp16``: SDPA (block-sparse as an element mask), with the exact log-sum-exp if asked for."""
     qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
+    if return_skipped:  # every block, and the skipped ones' attention as a call of their own gives it
+        skipped = _exact(q, k, v, call, layout, attn_mask, ~block_mask, None, None, True, False, False)
+        dense = _exact(q, k, v, call, layout, attn_mask, None, None, None, return_lse, False, False)
+        return _results(*(dense if return_lse else (dense,)), *skipped)
     if sparsity is not None:
         block_mask = predict_block_mask(qb, kb, sparsity, sm_scale=call.scale, keep_kv_blocks=keep_kv_blocks)
     if block_mask is not None:
@@ -199,18 +213,20 @@ def _exact(q, k, v, call: "_Call", layout, attn_mask, block_mask, sparsity, keep
     return out if layout == "BHSD" else out.transpose(1, 2)
 
 
-def _empty(q, k, layout, return_lse: bool, return_block_mask: bool):
+def _empty(q, k, layout, return_lse: bool, return_skipped: bool, return_block_mask: bool):
     """No batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)."""
     B, H, Sq = to_bhsd(q, layout).shape[:3]
     Sk = to_bhsd(k, layout).shape[2]
     out = output_like(q, zero=True)
     lse = (torch.full((B, H, Sq), float("-inf"), device=q.device),) if return_lse else ()
     mask = torch.ones((B, H, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)), dtype=torch.bool, device=q.device)
-    return _results(out, *lse, *((mask,) if return_block_mask else ()))
+    skipped = (output_like(q, zero=True), torch.full((B, H, Sq), float("-inf"), device=q.device))
+    return _results(out, *lse, *(skipped if return_skipped else ()), *((mask,) if return_block_mask else ()))
 
 
 def _results(out: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """The output alone, or with the log-sum-exp and/or the block mask asked for, in that order."""
+    """The output alone, or with what was asked for: log-sum-exp, skipped blocks' output and log-sum-exp, block
+    mask, in that order."""
     return (out, *extra) if extra else out
 
 
@@ -226,11 +242,16 @@ class _Call(NamedTuple):
 
 
 def _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax, k_amax,
-             v_amax, k_mean, sparsity, keep_kv_blocks, return_block_mask) -> _Call:
+             v_amax, k_mean, sparsity, keep_kv_blocks, return_skipped, return_block_mask) -> _Call:
     """Check a call and choose its backend and P·V format (raises on bad arguments)."""
     mode, scale, gqa, empty = _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance,
                                           qk_rotate, q_amax, k_amax, v_amax, k_mean)
     _check_sparsity(q, k, layout, attn_mask, block_mask, sparsity, keep_kv_blocks, return_block_mask)
+    if not isinstance(return_skipped, bool):
+        raise TypeError(f"return_skipped must be True or False, got {type(return_skipped).__name__}")
+    if return_skipped and block_mask is None:
+        raise ValueError("return_skipped needs a block_mask (the blocks it skips are returned apart); with sparsity=, "
+                         "predict the mask first (kernels.sparsity.predict_block_mask) and give it as block_mask")
     if mode is Mode.FP16:
         return _Call(mode, scale, gqa, empty, None, None)
     return _Call(mode, scale, gqa, empty, select_backend(q.device), pv_for_mode(mode, q.device))

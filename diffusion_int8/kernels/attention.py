@@ -150,14 +150,14 @@ def _attn_block(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q8, QS, K8, KS, V, VS, MASK_PTR, KB_CNT, KB_CLEAN, KB_IDX, O, LSE,
+    Q8, QS, K8, KS, V, VS, MASK_PTR, KB_CNT, KB_CLEAN, KB_IDX, O, LSE, OS, LSES,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_os, stride_od,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_FULL, NQB, NKB,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
     PV: tl.constexpr, MASK: tl.constexpr, V_ALIGN8: tl.constexpr, K_GROUPS: tl.constexpr, SPARSE: tl.constexpr,
-    ABLATE: tl.constexpr, RETURN_LSE: tl.constexpr,
+    ABLATE: tl.constexpr, RETURN_LSE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(DP >= 32)
@@ -203,38 +203,21 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
     if SPARSE:
         # the key blocks this query block keeps, ascending (``_block_list_kernel``): the tiles of the others are
-        # never loaded. The sequence's tail block, when kept, is the list's last: its tiles run after the loop.
+        # never loaded. SPLIT: every key block, the mask's skipped ones first (``_split_list_kernel``); the
+        # attention over those is written out (OS, LSES) before the kept ones join the same accumulator.
         row = off_bh.to(tl.int64) * NQB + start_m * BLOCK_M // _SPARSE_BLOCK
-        n_kept = tl.load(KB_CNT + row)
         idx_ptr = KB_IDX + row * NKB
-        last = tl.load(idx_ptr + tl.maximum(n_kept - 1, 0))
-        has_tail = (n_kept > 0) & (SK % _SPARSE_BLOCK != 0) & (last == NKB - 1)
-        kb_next = tl.load(idx_ptr)
-        for i in range(n_kept - has_tail.to(tl.int32)):
-            kb = kb_next
-            kb_next = tl.load(idx_ptr + tl.minimum(i + 1, NKB - 1))  # a step ahead: its latency hides
-            for t in tl.static_range(_SPARSE_BLOCK // BLOCK_N):
-                start_n = kb * _SPARSE_BLOCK + t * BLOCK_N
-                acc, m_i, l_i = _attn_block(
-                    acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
-                    ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
-                    SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
-                )
-        if has_tail:  # its whole tiles as the dense loop runs them, then the partial one
-            for t in tl.static_range(_SPARSE_BLOCK // BLOCK_N):
-                start_n = last * _SPARSE_BLOCK + t * BLOCK_N
-                if start_n + BLOCK_N <= SK:
-                    acc, m_i, l_i = _attn_block(
-                        acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
-                        ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
-                        SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
-                    )
-                elif start_n < SK:
-                    acc, m_i, l_i = _attn_block(
-                        acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
-                        ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
-                        SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
-                    )
+        n_first = tl.load(KB_CNT + row)
+        acc, m_i, l_i = _attn_listed(
+            acc, m_i, l_i, idx_ptr, n_first, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
+            SQ, SK, D, NKB, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE)
+        if SPLIT:
+            _store_rows(acc, m_i, l_i, OS, LSES, VS, off_kv, b, h, off_bh, offs_m, offs_d, SQ, D,
+                        stride_ob, stride_oh, stride_os, stride_od, DP, PV, P_SHIFT, True)
+            acc, m_i, l_i = _attn_listed(
+                acc, m_i, l_i, idx_ptr + n_first, NKB - n_first, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m,
+                offs_n, offs_d, SQ, SK, D, NKB, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT,
+                K_GROUPS, ABLATE)
     elif MASK == 3:
         # a key mask (``key_mask_plan``): this row's clean tiles unmasked, then its partial ones with the key bias
         # (MASK_PTR); tiles whose every key is masked are not listed. stride_mb/stride_mh: the list row's strides.
@@ -288,7 +271,56 @@ def _attn_fwd_kernel(
                 SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
             )
 
-    # -- normalize; rows with every key masked give 0 --
+    _store_rows(acc, m_i, l_i, O, LSE, VS, off_kv, b, h, off_bh, offs_m, offs_d, SQ, D,
+                stride_ob, stride_oh, stride_os, stride_od, DP, PV, P_SHIFT, RETURN_LSE)
+
+
+@triton.jit
+def _attn_listed(
+    acc, m_i, l_i, idx_ptr, n, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
+    SQ, SK, D, NKB, stride_vs, stride_mn, v_tok,
+    BLOCK_N: tl.constexpr, DP: tl.constexpr, PV: tl.constexpr, MASK: tl.constexpr, P_SHIFT: tl.constexpr,
+    K_GROUPS: tl.constexpr, ABLATE: tl.constexpr,
+):
+    """The ``n`` key blocks listed ascending at ``idx_ptr``, into the running state. The sequence's tail block,
+    when listed, is the list's last: its tiles run after the loop, the partial one masked."""
+    last = tl.load(idx_ptr + tl.maximum(n - 1, 0), mask=n > 0, other=0)
+    has_tail = (n > 0) & (SK % _SPARSE_BLOCK != 0) & (last == NKB - 1)
+    kb_next = tl.load(idx_ptr, mask=n > 0, other=0)
+    for i in range(n - has_tail.to(tl.int32)):
+        kb = kb_next
+        kb_next = tl.load(idx_ptr + tl.minimum(i + 1, n - 1))  # a step ahead: its latency hides
+        for t in tl.static_range(_SPARSE_BLOCK // BLOCK_N):
+            start_n = kb * _SPARSE_BLOCK + t * BLOCK_N
+            acc, m_i, l_i = _attn_block(
+                acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
+                ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
+                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
+            )
+    if has_tail:  # its whole tiles as the dense loop runs them, then the partial one
+        for t in tl.static_range(_SPARSE_BLOCK // BLOCK_N):
+            start_n = last * _SPARSE_BLOCK + t * BLOCK_N
+            if start_n + BLOCK_N <= SK:
+                acc, m_i, l_i = _attn_block(
+                    acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
+                    ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
+                    SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
+                )
+            elif start_n < SK:
+                acc, m_i, l_i = _attn_block(
+                    acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
+                    ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
+                    SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
+                )
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_rows(acc, m_i, l_i, O, LSE, VS, off_kv, b, h, off_bh, offs_m, offs_d, SQ, D,
+                stride_ob, stride_oh, stride_os, stride_od, DP: tl.constexpr, PV: tl.constexpr,
+                P_SHIFT: tl.constexpr, WITH_LSE: tl.constexpr):
+    """Normalize the running state and store the rows (rows without keys give 0); ``WITH_LSE``: their log-sum-exp
+    too (natural log; l carries P's 2^P_SHIFT, and m is -inf exactly where l is 0)."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * rdiv(1.0, l_safe)[:, None]
     if PV != 0:
@@ -296,33 +328,46 @@ def _attn_fwd_kernel(
     o_ptrs = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
               + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
-    if RETURN_LSE:  # natural log; l carries P's 2^P_SHIFT, and m is -inf exactly where l is 0
+    if WITH_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe) - P_SHIFT) * _LN2)
         tl.store(LSE + off_bh.to(tl.int64) * SQ + offs_m, lse, mask=offs_m < SQ)
 
 
 @triton.jit
-def _block_list_kernel(MASK, stride_b, stride_h, stride_q, stride_k, CNT, IDX, H, NQB, NKB, NKB_P2: tl.constexpr):
-    """Per (batch, head, query block): how many key blocks the bool block mask keeps, and which, ascending."""
+def _block_list_kernel(MASK, stride_b, stride_h, stride_q, stride_k, CNT, IDX, H, NQB, NKB, NKB_P2: tl.constexpr,
+                       SPLIT: tl.constexpr):
+    """Per (batch, head, query block): how many key blocks the bool block mask keeps, and which, ascending.
+    ``SPLIT``: every key block, those the mask skips first, then those it keeps (each part ascending), and how many
+    it skips."""
     row = tl.program_id(0)
     bh = row // NQB
     offs = tl.arange(0, NKB_P2)
     ptrs = (MASK + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
             + (row % NQB).to(tl.int64) * stride_q + offs * stride_k)
     keep = (tl.load(ptrs, mask=offs < NKB, other=0) != 0).to(tl.int32)
-    pool.store_block_list(keep, offs, CNT, IDX, row.to(tl.int64), NKB)
+    if SPLIT:
+        rest = ((offs < NKB) & (keep == 0)).to(tl.int32)
+        n_rest = tl.sum(rest, 0)
+        row_ptr = IDX + row.to(tl.int64) * NKB
+        tl.store(row_ptr + tl.cumsum(rest, 0) - 1, offs, mask=rest != 0)
+        tl.store(row_ptr + n_rest + tl.cumsum(keep, 0) - 1, offs, mask=keep != 0)
+        tl.store(CNT + row, n_rest)
+    else:
+        pool.store_block_list(keep, offs, CNT, IDX, row.to(tl.int64), NKB)
 
 
-def block_lists(block_mask: torch.Tensor, B: int, H: int, Sq: int, Sk: int, runner: Runner = EAGER):
+def block_lists(block_mask: torch.Tensor, B: int, H: int, Sq: int, Sk: int, runner: Runner = EAGER,
+                split: bool = False):
     """The kernels' form of a block mask broadcastable to (B, H, NQB, NKB) (NQB, NKB: ``SPARSE_BLOCK`` blocks of
     Sq and Sk): counts (B·H·NQB,) int32 and the kept key blocks' indices (B·H·NQB, NKB) int32, ascending, first
-    ``count`` of each row valid. One launch, no host synchronization."""
+    ``count`` of each row valid. ``split``: each row lists every key block, the skipped ones first, and its count
+    is of those. One launch, no host synchronization."""
     nqb, nkb = cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK)
     mask = block_mask.expand(B, H, nqb, nkb).view(torch.uint8)
     counts = runner.empty((B * H * nqb,), torch.int32, block_mask.device)
     idx = runner.empty((B * H * nqb, nkb), torch.int32, block_mask.device)
     runner.launch(_block_list_kernel, (B * H * nqb,), (
-        mask, *mask.stride(), counts, idx, H, nqb, nkb, triton.next_power_of_2(nkb),
+        mask, *mask.stride(), counts, idx, H, nqb, nkb, triton.next_power_of_2(nkb), split,
     ), {})
     return counts, idx
 
@@ -406,6 +451,7 @@ def triton_attention(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     return_block_mask: bool = False,
+    return_skipped: bool = False,
     sm90: bool = True,
     key: tuple | None = None,
     _ablate: int = 0,
@@ -413,8 +459,10 @@ def triton_attention(
     """Quantize and run the fused kernel. Inputs are validated by ``int8_attention``.
 
     Returns ``out`` (allocated if None: ``layout.output_like(q)``), and with ``return_lse``
-    each query row's log-sum-exp (``reference.emulate_attention``'s), with ``return_block_mask`` the mask that
-    ``sparsity`` predicted (after the other outputs). ``sparsity``: the predictor's level tau
+    each query row's log-sum-exp (``reference.emulate_attention``'s), with ``return_skipped`` (and a
+    ``block_mask``: every block is computed) the output and log-sum-exp over the blocks the mask skips, written
+    by the same launch, and with ``return_block_mask`` the mask that ``sparsity`` predicted (after the other
+    outputs). ``sparsity``: the predictor's level tau
     (``sparsity.predict_block_mask``'s, with ``keep_kv_blocks``), from sums the quantization launch makes as it
     reads Q and K, in two more launches before the attention's (``pool.predict``). Three launches
     (statistics, Q/K/V quantization, attention; two when nothing is measured, or when both sequences are
@@ -429,28 +477,31 @@ def triton_attention(
     else:
         given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
         key = ("plan", layout, pv, sm_scale, smooth_k, given_bal is None and qk_balance, qk_rotate, sparsity, return_lse,
-               return_block_mask, sm90, _ablate, *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax,
+               return_block_mask, return_skipped, sm90, _ablate, *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax,
                                                                   v_amax, k_mean, keep_kv_blocks, out, given_bal)))
     if out is None:
         out = output_like(q)
     B, H, Sq = to_bhsd(q, layout).shape[:3]
     Sk = to_bhsd(k, layout).shape[2]
-    lse = mask_out = None
+    lse = mask_out = skipped = None
     if return_lse:
         lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    if return_skipped:
+        skipped = (output_like(q), torch.empty((B, H, Sq), dtype=torch.float32, device=q.device))
     if return_block_mask:
         mask_out = (torch.ones if sparsity is not None and sparsity >= 1 else torch.empty)(
             (B, H, cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK)), dtype=torch.bool, device=q.device)
     if sparsity is not None and sparsity >= 1:  # every block kept: the dense call
         sparsity = None
     inputs = [q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out, lse,
-              qk_balance if isinstance(qk_balance, torch.Tensor) else None, keep_kv_blocks, mask_out]
+              qk_balance if isinstance(qk_balance, torch.Tensor) else None, keep_kv_blocks, mask_out,
+              *(skipped or (None, None))]
 
     def record(runner):
         qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
         blocks = None
         if block_mask is not None:
-            blocks = block_lists(block_mask, B, H, Sq, Sk, runner)
+            blocks = block_lists(block_mask, B, H, Sq, Sk, runner, split=return_skipped)
         pooled = None
         if sparsity is not None:
             pooled = pool.pooled_buffers(B, H, kb.shape[1], Sq, Sk, padded_head_dim(qb.shape[3]), q.device, runner)
@@ -464,19 +515,29 @@ def triton_attention(
             blocks = pool.predict(pooled, B, H, Sq, Sk, sm_scale, sparsity, MIN_SIMILARITY, keep_kv_blocks, mask,
                                   lists=True, runner=runner)
         attend(quantized, vb, to_bhsd(out, layout), pv=pv, attn_mask=attn_mask, blocks=blocks, lse=lse, sm90=sm90,
-               runner=runner, _ablate=_ablate)
+               skipped=None if skipped is None else (to_bhsd(skipped[0], layout), skipped[1]), runner=runner,
+               _ablate=_ablate)
 
     plan_or_run(key, inputs, record)
-    extra = () if mask_out is None else (mask_out,)
-    if lse is None:
-        return (out, *extra) if extra else out
+    if lse is None and skipped is None:
+        return (out, mask_out) if mask_out is not None else out
     # the kernel's log-sum-exp is of the smoothed scores; what smoothing took off each row goes back on. K's mean
     # from the statistics pass (one launch; the emulation's token_mean gives the same bits in a dozen)
     kb = to_bhsd(k, layout)
     if smooth_k and k_mean is None:
         k_mean = tq.kv_stats(kb, None)[0]
     offset = smoothing_offset(to_bhsd(q, layout), kb, sm_scale, smooth_k, k_mean)
-    return out, (lse if offset is None else lse.add_(offset)), *extra
+    results = [out]
+    for lse_out in (lse, None if skipped is None else skipped[1]):
+        if lse_out is not None and offset is not None:
+            lse_out.add_(offset)
+    if lse is not None:
+        results.append(lse)
+    if skipped is not None:
+        results.extend(skipped)
+    if mask_out is not None:
+        results.append(mask_out)
+    return tuple(results)
 
 
 def attend(
@@ -488,6 +549,7 @@ def attend(
     attn_mask: torch.Tensor | None = None,
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
     lse: torch.Tensor | None = None,
+    skipped: tuple[torch.Tensor, torch.Tensor] | None = None,
     sm90: bool = True,
     runner: Runner = EAGER,
     _ablate: int = 0,
@@ -501,6 +563,9 @@ def attend(
     blocks: a block mask as ``block_lists`` gives it (None: dense); attn_mask, where there is none: a key mask
     (``key_mask.as_key_mask``) runs as ``key_mask_plan``'s lists, any other mask element by element (portable kernel).
     lse: where to write each query row's log-sum-exp, float32 (B, H, Sq) contiguous, or None.
+    skipped: with ``blocks`` from ``block_lists(..., split=True)``: where to write the attention over the blocks
+    the mask skips, (output viewed (B, H, Sq, D) with ``ob``'s strides, log-sum-exp like ``lse``); ``ob`` then gets
+    every block.
     ``_ablate``: as ``triton_attention``'s; nonzero runs the portable kernel.
     """
     q8, qs, k8, ks, vk, vs = quantized
@@ -511,10 +576,12 @@ def attend(
         vk, vs = vb, qs  # V read in place; vs unused
     key = as_key_mask(attn_mask, B, H) if blocks is None else None
     keys = None if key is None else key_mask_plan(key, Sk, cfg.block_n, runner)
-    if (sm90 and not _ablate
+    if skipped is not None and (blocks is None or skipped[0].stride() != ob.stride()):
+        raise ValueError("skipped needs split block lists and an output with ob's strides")
+    if (sm90 and not _ablate and (skipped is None or pv is PV.FP8)  # the split lists: the FP8 ping-pong kernel
             and call_kernel(ob, vb, pv, q8.shape[-1], attn_mask is not None and keys is None) is Kernel.SM90_GLUON):
         if hopper.launch(q8, qs, k8, ks, vk, vs, ob, pv=pv, block_n=cfg.block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D,
-                         blocks=blocks, keys=keys, lse=lse, runner=runner):
+                         blocks=blocks, keys=keys, lse=lse, skipped=skipped, runner=runner):
             return
 
     counts, clean, idx = (*blocks[:1], qs, *blocks[1:]) if blocks is not None else (qs, qs, qs)
@@ -534,12 +601,13 @@ def attend(
 
     runner.launch(_attn_fwd_kernel, (triton.cdiv(Sq, cfg.block_m), B * H), (
         q8, qs, k8, ks, vk, vs, mask, counts, clean, idx, ob, lse if lse is not None else qs,
-        *vb.stride(), *mstride, *ob.stride(),
+        *(skipped if skipped is not None else (ob, qs)), *vb.stride(), *mstride, *ob.stride(),
         H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
         cdiv(Sq, SPARSE_BLOCK), n_lists,
-        # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS, SPARSE, ABLATE, RETURN_LSE
+        # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS, SPARSE, ABLATE, RETURN_LSE, SPLIT
         cfg.block_m, cfg.block_n, q8.shape[-1], pv.code, mask_kind,
         pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, blocks is not None, _ablate, lse is not None,
+        skipped is not None,
     ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION))
 
 

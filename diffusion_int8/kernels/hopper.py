@@ -90,9 +90,22 @@ def _key_tiles(KB_CNT, KB_CLEAN, KB_IDX, BIAS, pid_m, off_bh, b, h, stride_lb, s
     (the tail). 1, a block mask (a CTA's 128 rows are one query block): the kept blocks' tiles, less the tail
     block's tiles that start past SK, so the last tile is the masked one as in the dense loop. 2, a key mask
     (``attention.key_mask_plan``; list row b · stride_lb + h · stride_lh): the row's clean tiles unmasked, then its
-    partial ones with the bias. At least one tile: a program whose list is empty runs one stand-in tile and stores
-    zeros."""
-    if LISTS == 2:
+    partial ones with the bias. 3, a block mask split (``attention.block_lists(..., split=True)``): every tile,
+    those of the blocks the mask skips first; then the second value is the tile of the sequence's tail in that
+    order, the fourth the count of skipped blocks and the fifth that of their tiles. At least one tile: a program
+    whose list is empty runs one stand-in tile and stores zeros."""
+    if LISTS == 3:
+        row = off_bh * NQB + pid_m
+        n_skip = gl.load(KB_CNT + row)
+        idx_row = KB_IDX + row.to(gl.int64) * NKB
+        T: gl.constexpr = _SPARSE_BLOCK // BLOCK_N
+        tail_tiles = (SK - (NKB - 1) * _SPARSE_BLOCK + BLOCK_N - 1) // BLOCK_N
+        # each part ascending: the tail block is the last of the part that holds it
+        tail_skipped = ((n_skip > 0) & (gl.load(idx_row + gl.maximum(n_skip - 1, 0)) == NKB - 1)).to(gl.int32)
+        skip_tiles = n_skip * T - tail_skipped * (T - tail_tiles)
+        tail_at = gl.where(tail_skipped != 0, skip_tiles - 1, N_BLOCKS - 1)
+        return N_BLOCKS, tail_at, idx_row, n_skip, skip_tiles, BIAS
+    elif LISTS == 2:
         row = b * stride_lb + h * stride_lh
         n_kept = gl.load(KB_CNT + row)
         return (gl.maximum(n_kept, 1), gl.load(KB_CLEAN + 2 * row), KB_IDX + row.to(gl.int64) * NKB, n_kept,
@@ -115,8 +128,15 @@ def _key_tiles(KB_CNT, KB_CLEAN, KB_IDX, BIAS, pid_m, off_bh, b, h, stride_lb, s
 def _key_pos(j, idx_row, n_kept, n_prefix, BLOCK_N: gl.constexpr, LISTS: gl.constexpr):
     """The first key of the program's j-th key tile: tile j of the sequence, with a block mask the tile of the
     kept blocks (``attention.block_lists``: ``n_kept`` indices at ``idx_row``), with a key mask the j-th listed
-    tile. Past the last listed tile (prefetches that ``pred`` turns off) and for an empty list, a valid position."""
-    if LISTS == 2:  # the list's first n_prefix entries are tiles 0, 1, ...: read only past them
+    tile; split (3: ``n_kept`` skipped blocks, whose tiles are the first ``n_prefix``), the skipped blocks' tiles
+    then the kept ones'. Past the last listed tile (prefetches that ``pred`` turns off) and for an empty list, a
+    valid position; split, only tiles before the last are asked for (the ping-pong kernel's reads)."""
+    if LISTS == 3:
+        T: gl.constexpr = _SPARSE_BLOCK // BLOCK_N
+        kept = (j >= n_prefix).to(gl.int32)
+        local = j - kept * n_prefix
+        return gl.load(idx_row + kept * n_kept + local // T) * _SPARSE_BLOCK + (local % T) * BLOCK_N
+    elif LISTS == 2:  # the list's first n_prefix entries are tiles 0, 1, ...: read only past them
         listed = gl.load(idx_row + gl.minimum(j, gl.maximum(n_kept - 1, 0)), mask=j >= n_prefix, other=0)
         return gl.where(j < n_prefix, j, listed) * (n_kept > 0).to(gl.int32) * BLOCK_N
     elif LISTS == 1:
@@ -231,20 +251,20 @@ def _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od
               n_kept, BLOCK_M: gl.constexpr, DP: gl.constexpr, PV: gl.constexpr, o_layout: gl.constexpr,
               st_layout: gl.constexpr, LISTS: gl.constexpr, RETURN_LSE: gl.constexpr):
     """Normalize rows row0.. (l >= 1 once a listed tile ran), apply V's channel scales, store. With a block or key
-    mask, rows whose list is empty are 0 (their one step ran on a stand-in tile).
+    mask (``LISTS`` 1, 2), rows whose list is empty (``n_kept`` 0) are 0 (their one step ran on a stand-in tile).
     RETURN_LSE: also each row's log-sum-exp of its (smoothed) scores at ``LSE``, float32 (B, H, SQ), natural
     log, as the portable kernel writes it (-inf for rows without keys)."""
     if RETURN_LSE:
         P_SHIFT: gl.constexpr = _P_SHIFT if PV == 1 else 0.0
         lse = (m_i + gl.log2(l_i) - P_SHIFT) * _LN2
-        if LISTS:
+        if LISTS == 1 or LISTS == 2:
             lse = gl.where(gl.full_like(lse, n_kept) > 0, lse, float("-inf"))
         lse_rows = row0 + gl.arange(0, BLOCK_M, layout=l_i.type.layout)
         gl.store(LSE + (b * H + h).to(gl.int64) * SQ + lse_rows, lse, mask=lse_rows < SQ)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = acc * gl.div_rn(gl.full_like(l_o, 1.0), l_o)[:, None]
     out = gl.convert_layout(out, st_layout)
-    if LISTS:
+    if LISTS == 1 or LISTS == 2:
         out = gl.where(gl.full_like(out, n_kept) > 0, out, 0.0)
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
     cols = gl.arange(0, DP, layout=gl.SliceLayout(0, st_layout))
@@ -253,6 +273,16 @@ def _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od
     o_ptrs = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
               + rows[:, None].to(gl.int64) * stride_os + cols[None, :] * stride_od)
     gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(rows[:, None] < SQ) & (cols[None, :] < D))
+
+
+@gluon.jit
+def _stash(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv, SQ, D,
+           BLOCK_M: gl.constexpr, DP: gl.constexpr, o_layout: gl.constexpr, st_layout: gl.constexpr):
+    """The FP8 kernel's state so far written out as ``_epilogue`` writes it (normalized, V's scales, the
+    log-sum-exp); returns acc, which the loop goes on with."""
+    _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv, SQ, D,
+              1, BLOCK_M, DP, 1, o_layout, st_layout, 0, True)
+    return acc
 
 
 @gluon.jit
@@ -291,7 +321,7 @@ def _step(acc, m_i, l_i, ks, j, q_smem, k_bufs, k_bars, v_bufs, v_bars, p_bufs, 
 
 @gluon.jit
 def _attn_fwd_sm90(
-    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_CLEAN, KB_IDX, BIAS, O, LSE,
+    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_CLEAN, KB_IDX, BIAS, O, LSE, OS, LSES,
     stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, NQB, NKB,
     STAGES: gl.constexpr, LISTS: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
@@ -422,7 +452,7 @@ def _pp_step(acc, m_i, l_i, alpha_prev, j, q_smem, k_bufs, k_ready, ks_bufs, v_b
 
 @gluon.jit
 def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn, other_turn,
-                 QS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H, off_kv,
+                 QS, VS, O, LSE, OS, LSES, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H, off_kv,
                  SQ, SK, SQ_PAD, D, N_BLOCKS, n_plain, idx_row, n_kept, n_prefix, bias_row,
                  cid: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr,
                  STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, st_layout: gl.constexpr,
@@ -449,17 +479,53 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_f
     mbarrier.arrive(kv_free.index(0), count=1)
     acc = gl.zeros([BLOCK_M, DP], gl.float32, o_layout)
 
-    # blocks 1 .. n_plain - 1 unmasked; the rest (the tail, or a key mask's partial tiles) masked
-    for j in range(1, n_plain):
-        acc, m_i, l_i, alpha = _pp_step(
-            acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
-            other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, False, s_layout,
-            o_layout, LISTS)
-    for j in range(gl.maximum(n_plain, 1), N_BLOCKS):
-        acc, m_i, l_i, alpha = _pp_step(
-            acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
-            other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, True, s_layout,
-            o_layout, LISTS)
+    if LISTS == 3:
+        # the skipped blocks' tiles, then the kept ones'; n_plain is the tail's tile. Step j adds tile j-1's P·V to
+        # acc: at step n_prefix, the state before the step's softmax is the skipped blocks' alone, written out (OS,
+        # LSES) before the kept blocks join it. That step and the tail's run alone, masked (a mask past SK changes
+        # nothing elsewhere), so the loops around them stay as the dense one (a store inside them spills)
+        a_end = gl.minimum(n_plain, n_prefix)
+        b_end = gl.where(n_plain >= n_prefix, n_plain, N_BLOCKS)
+        for j in range(1, a_end):
+            acc, m_i, l_i, alpha = _pp_step(
+                acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
+                other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, False,
+                s_layout, o_layout, LISTS)
+        for j in range(gl.maximum(a_end, 1), n_prefix):  # the tail's tile, where the skipped blocks hold it
+            acc, m_i, l_i, alpha = _pp_step(
+                acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
+                other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, True,
+                s_layout, o_layout, LISTS)
+        for j in range(gl.maximum(n_prefix, 1), gl.minimum(n_prefix + 1, N_BLOCKS)):  # the skipped blocks written
+            m_was, l_was = m_i, l_i
+            acc, m_i, l_i, alpha = _pp_step(
+                acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
+                other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, True,
+                s_layout, o_layout, LISTS)
+            acc = _stash(acc, l_was, m_was, row0, OS, stride_ob, stride_oh, stride_os, stride_od, VS, LSES, b, h, H,
+                         off_kv, SQ, D, BLOCK_M, DP, o_layout, st_layout)
+        for j in range(n_prefix + 1, b_end):
+            acc, m_i, l_i, alpha = _pp_step(
+                acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
+                other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, False,
+                s_layout, o_layout, LISTS)
+        for j in range(gl.maximum(b_end, n_prefix + 1), N_BLOCKS):  # the tail's tile, where the kept blocks hold it
+            acc, m_i, l_i, alpha = _pp_step(
+                acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
+                other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, True,
+                s_layout, o_layout, LISTS)
+    else:
+        # blocks 1 .. n_plain - 1 unmasked; the rest (the tail, or a key mask's partial tiles) masked
+        for j in range(1, n_plain):
+            acc, m_i, l_i, alpha = _pp_step(
+                acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
+                other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, False,
+                s_layout, o_layout, LISTS)
+        for j in range(gl.maximum(n_plain, 1), N_BLOCKS):
+            acc, m_i, l_i, alpha = _pp_step(
+                acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
+                other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, True,
+                s_layout, o_layout, LISTS)
     # last round: the last block's P·V alone
     last = N_BLOCKS - 1
     _turn_wait(my_turn, cid, N_BLOCKS)
@@ -468,6 +534,10 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_f
     mbarrier.arrive(other_turn, count=1)
     pv = warpgroup_mma_wait(0, deps=[pv_tok])
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
+    if LISTS == 3:
+        if (n_prefix == 0) | (n_prefix == N_BLOCKS):  # no skipped blocks (zeros, -inf), or nothing but them
+            _epilogue(acc, l_i, m_i, row0, OS, stride_ob, stride_oh, stride_os, stride_od, VS, LSES, b, h, H, off_kv,
+                      SQ, D, n_prefix, BLOCK_M, DP, 1, o_layout, o_layout, 1, True)
     _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv, SQ, D,
               n_kept, BLOCK_M, DP, 1, o_layout, st_layout, LISTS, RETURN_LSE)
 
@@ -501,13 +571,14 @@ def _pp_producer(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, ks_buf
 
 @gluon.jit
 def _attn_fwd_sm90_pingpong(
-    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_CLEAN, KB_IDX, BIAS, O, LSE,
+    q_desc, k_desc, v_desc, QS, KS, VS, KB_CNT, KB_CLEAN, KB_IDX, BIAS, O, LSE, OS, LSES,
     stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_BLOCKS, NQB, NKB,
     STAGES: gl.constexpr, LISTS: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """FP8 P·V; 128 query rows per CTA: two consumer warpgroups (the default partition and worker 0) of 64
-    rows each, and a producer warp (worker 1) that loads Q, the K/V ring and each K tile's scale.
+    rows each, and a producer warp (worker 1) that loads Q, the K/V ring and each K tile's scale. With a split block
+    mask (``LISTS`` 3), the skipped blocks' attention goes to OS and LSES on the way.
 
     The consumers issue their wgmmas in turns (mbarriers ``turn0``/``turn1``), so one's softmax runs while
     the tensor cores work for the other; each also keeps the intra-warpgroup overlap. Step j of both
@@ -555,11 +626,11 @@ def _attn_fwd_sm90_pingpong(
 
     gl.warp_specialize([
         (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs0, turn0, turn1,
-                        QS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
+                        QS, VS, O, LSE, OS, LSES, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
                         off_kv, SQ, SK, SQ_PAD, D, N_BLOCKS, n_plain, idx_row, n_kept, n_prefix, bias_row,
                         0, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, LISTS, RETURN_LSE)),
         (_pp_consumer, (q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs1, turn1, turn0,
-                        QS, VS, O, LSE, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
+                        QS, VS, O, LSE, OS, LSES, stride_ob, stride_oh, stride_os, stride_od, pid_m, off_bh, b, h, H,
                         off_kv, SQ, SK, SQ_PAD, D, N_BLOCKS, n_plain, idx_row, n_kept, n_prefix, bias_row,
                         1, BLOCK_M, BLOCK_N, DP, STAGES, s_layout, o_layout, st_layout, LISTS, RETURN_LSE)),
         (_pp_producer, (q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free,
@@ -625,13 +696,15 @@ compile_failure: str | None = None
 
 
 def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int,
-           blocks=None, keys=None, lse=None, runner: Runner = EAGER) -> bool:
+           blocks=None, keys=None, lse=None, skipped=None, runner: Runner = EAGER) -> bool:
     """Run the sm_90 kernel on quantized Q/K (and V, FP8) from ``quantize.quantize_qkv``.
 
     q8 (B, H, Sq_pad, DP) int8; k8 (B, H_kv, Sk_pad, DP) int8; v: the FP8 Vᵀ (B, H_kv, DP, Sk_pad) or the
     caller's 16-bit V viewed (B, H_kv, Sk, D); ob: the output viewed (B, H, Sq, D); lse: where to write each query
     row's log-sum-exp, float32 (B, H, Sq) contiguous, or None. blocks: a block mask (``attention.block_lists``);
-    keys: a key mask (``attention.key_mask_plan``, made with ``block_n``); not both.
+    keys: a key mask (``attention.key_mask_plan``, made with ``block_n``); not both. skipped: with split block
+    lists (``block_lists(..., split=True)``) and FP8 P·V, where the skipped blocks' attention goes: (output with
+    ``ob``'s strides, log-sum-exp like ``lse``); ``ob`` gets every block.
 
     Returns False, having written nothing, when the kernel cannot be built with this Triton (its Gluon
     compiler rejects it at the first call): then one warning says why, ``compile_failure`` keeps the
@@ -640,7 +713,7 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
     global compile_failure
     try:
         _launch(q8, qs, k8, ks, v, vs, ob, pv=pv, block_n=block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D, blocks=blocks,
-                keys=keys, lse=lse, runner=runner)
+                keys=keys, lse=lse, skipped=skipped, runner=runner)
     except Exception as exc:  # noqa: BLE001 - a compiler error of any kind; the portable kernel computes the same
         compile_failure = (f"the sm_90 Gluon kernel failed to compile with Triton {triton.__version__} "
                            f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})")
@@ -651,7 +724,7 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
 
 
 def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int, Sq: int, Sk: int, D: int,
-            blocks, keys, lse, runner: Runner) -> None:
+            blocks, keys, lse, skipped, runner: Runner) -> None:
     B, _, sq_pad, dp = q8.shape
     sk_pad = k8.shape[2]
     plan = _plan(dp, pv)
@@ -668,12 +741,13 @@ def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: in
     if keys is not None:  # LISTS 2: the key mask's tile lists and bias
         lists, counts, clean, idx, bias, n_list = 2, keys.counts, keys.clean, keys.tiles, keys.bias, keys.tiles.shape[1]
         strides = (keys.stride_b, keys.stride_h)
-    else:  # LISTS 1: a block mask's kept blocks; 0: dense
-        lists, counts, idx = (1, *blocks) if blocks is not None else (0, qs, qs)
+    else:  # LISTS 1: a block mask's kept blocks; 3: all blocks, the skipped ones first; 0: dense
+        lists, counts, idx = (1 if skipped is None else 3, *blocks) if blocks is not None else (0, qs, qs)
         clean, bias, n_list, strides = qs, qs, triton.cdiv(Sk, SPARSE_BLOCK), (0, 0)
+    assert skipped is None or (lists == 3 and pv is PV.FP8)
     runner.launch(fn, grid, (
         q_desc, k_desc, v_desc, qs, ks, vs, counts, clean, idx, bias, ob, lse if lse is not None else qs,
-        *ob.stride(), *strides, H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
+        *(skipped if skipped is not None else (ob, qs)), *ob.stride(), *strides, H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
         triton.cdiv(Sq, SPARSE_BLOCK), n_list,
         plan.stages, lists, lse is not None,  # STAGES, LISTS, RETURN_LSE; num_warps below
     ), dict(num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION, **options))

@@ -5,9 +5,9 @@ add up: the images drift from FP16's as more blocks are skipped (BENCHMARKS.md, 
 changes smoothly from one step to the next, so ``BlockCarry`` computes the skipped blocks now and then and
 forecasts them in between:
 
-- every ``every``-th denoising step (the first included) runs the block mask and its complement as two calls,
-  each returning its rows' log-sum-exp, and merges them: the dense result. It keeps the complement's output
-  and log-sum-exp;
+- every ``every``-th denoising step (the first included) computes every block, the complement's first, and
+  keeps the complement's output and log-sum-exp, which the kernel writes on its way to the dense result: one
+  call (``int8_attention(..., return_skipped=True)``);
 - the steps between run the mask's blocks alone and merge them with the complement's output and log-sum-exp
   forecast from the last two refreshes, linearly in the noise level (a first-order Taylor step; a zeroth-order
   one, the last refresh's, until there are two). The forecast and the merge are one launch
@@ -40,8 +40,8 @@ MAX_CALLS_PER_STEP = 16
 
 @dataclass
 class _Site:
-    """One call site's fixed mask, derived once (its complement, its pair count), and the complement's result at
-    the last two refreshes: (noise level, output, lse)."""
+    """One call site's fixed mask, derived once (its pair count), and the complement's result at the last two
+    refreshes: (noise level, output, lse)."""
 
     mask: torch.Tensor
     shape: tuple
@@ -49,7 +49,6 @@ class _Site:
     before: tuple | None = None
 
     def __post_init__(self):
-        self.rest = ~self.mask
         self.kept = self.mask.sum()  # a 0-d device tensor: no host synchronization
 
 
@@ -104,8 +103,9 @@ class BlockCarry:
         """One attention call.
 
         Args:
-            run: ``run(block_mask=..., return_lse=True) -> (out, lse)``: this call's INT8 attention over the
-                given blocks (``routing.int8_core`` with the call's inputs bound).
+            run: ``run(block_mask=..., return_lse=True) -> (out, lse)``, and ``run(block_mask=...,
+                return_skipped=True) -> (out, skipped_out, skipped_lse)``: this call's INT8 attention
+                (``routing.int8_core`` with the call's inputs bound).
             query, key: the call's BHSD Q (B, H, Sq, D) and K (B, Hkv, Sk, D), for the mask.
             tau: the sparsity level the mask is predicted at (``predict_block_mask``).
             scale: the softmax scale (None: D ** -0.5).
@@ -123,12 +123,12 @@ class BlockCarry:
             mask = predict_block_mask(query, key, tau, sm_scale=scale, keep_kv_blocks=keep_kv_blocks,
                                       min_similarity=None)
             site = gen.sites[index] = _Site(mask, shape)
-        out_k, lse_k = run(block_mask=site.mask, return_lse=True)
         if gen.step % self.every == 0 or site.last is None:
-            # rows whose every block is kept have an empty complement: -inf, and a zero weight in the merge
-            out_c, lse_c = run(block_mask=site.rest, return_lse=True)
+            # rows whose every block is kept have an empty complement: -inf, and a zero weight in later merges
+            out, out_c, lse_c = run(block_mask=site.mask, return_skipped=True)
             site.before, site.last = site.last, (noise, out_c, lse_c)
-            return merge_forecast(out_k, lse_k, out_c, lse_c), site.mask.numel()
+            return out, site.mask.numel()
+        out_k, lse_k = run(block_mask=site.mask, return_lse=True)
         at, out_c, lse_c = site.last
         if site.before is None or site.before[0] == at:  # one refresh so far: its skipped blocks as they were
             return merge_forecast(out_k, lse_k, out_c, lse_c), site.kept

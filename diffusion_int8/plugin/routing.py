@@ -113,10 +113,12 @@ _NO_RANGES = StaticRanges()
 
 
 def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_mask=None, qk_balance=False,
-              qk_rotate=False, sparsity=None, keep_kv_blocks=None, return_lse=False, return_block_mask=False):
-    """``int8_sdpa`` for a call ``kernel_takes`` (the processor has checked it already); with ``return_lse`` and/or
-    ``return_block_mask``, also ``int8_attention``'s log-sum-exp and predicted mask, in that order. ``qk_rotate``,
-    ``sparsity``, ``keep_kv_blocks``: as ``int8_attention``'s (``ranges`` without Q's and K's with the rotation)."""
+              qk_rotate=False, sparsity=None, keep_kv_blocks=None, return_lse=False, return_skipped=False,
+              return_block_mask=False):
+    """``int8_sdpa`` for a call ``kernel_takes`` (the processor has checked it already); with ``return_lse``,
+    ``return_skipped`` and/or ``return_block_mask``, also what ``int8_attention`` returns for them, in its order.
+    ``qk_rotate``, ``sparsity``, ``keep_kv_blocks``: as ``int8_attention``'s (``ranges`` without Q's and K's with the
+    rotation)."""
     dtype = query.dtype
     if dtype not in (torch.float16, torch.bfloat16):  # fp32 models: the kernel computes in fp16
         query, key, value = (t.to(torch.float16) for t in (query, key, value))
@@ -128,7 +130,7 @@ def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_
     out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,
                          qk_balance=qk_balance, qk_rotate=qk_rotate, q_amax=r.q_amax, k_amax=r.k_amax, v_amax=r.v_amax, k_mean=r.k_mean,
                          block_mask=block_mask, sparsity=sparsity, keep_kv_blocks=keep_kv_blocks, return_lse=return_lse,
-                         return_block_mask=return_block_mask)
+                         return_skipped=return_skipped, return_block_mask=return_block_mask)
     return (out[0].to(dtype), *out[1:]) if isinstance(out, tuple) else out.to(dtype)
 
 
