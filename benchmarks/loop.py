@@ -1,7 +1,8 @@
 """Whole denoising loops of video DiTs at real configurations (random weights, no download): the wall time of a
 flow-matching loop with the timestep moving, as a user runs it, stock against INT8 variants.
 
-    python benchmarks/loop.py --out bench_out/loop.json [--models wan,hunyuanvideo] [--steps 50] [--compile]
+    python benchmarks/loop.py --out bench_out/loop.json [--models wan,hunyuanvideo] [--steps 50] [--carried 0.2:2,0.2:3]
+        [--compile]
 
 - **Wan2.1-T2V-1.3B** at 480p × 81 frames: all 30 blocks, 21 × 60 × 104 latents (32,760 tokens), CFG as
   diffusers' ``WanPipeline`` runs it: two denoiser calls a step (prompt, negative prompt), guidance 5.
@@ -11,11 +12,12 @@ flow-matching loop with the timestep moving, as a user runs it, stock against IN
 
 The timesteps come from diffusers' ``FlowMatchEulerDiscreteScheduler`` (shift 3 for Wan, 7 for HunyuanVideo), so
 a schedule or a carried variant sees them move as in the pipelines. Variants: stock; ``int8`` (``enable()``'s
-defaults: the speed gate, the Q·Kᵀ balance where a module needs it); ``int8`` with block sparsity at ``--sparsity``
-whose skipped blocks are carried, refreshed every ``--refresh-every`` steps (0.2 and 2 by default: the setting the
-long shipped model's quality table gives 34.4-36.8 dB for, BENCHMARKS.md "Skipped blocks carried"). Each variant runs a 3-step warm-up loop, then the timed loop (host clock,
-synchronized at both ends). ``--compile`` adds stock and ``int8`` with ``torch.compile(model)`` after ``enable``
-(the warm-up compiles). Ratios compare variants of one run.
+defaults: the speed gate, the Q·Kᵀ balance where a module needs it); ``int8`` with block sparsity whose skipped
+blocks are carried, one variant per ``--carried tau:k`` (sparsity level tau, a refresh every k steps; by default
+0.2:2 and 0.2:3, the settings the long shipped model's quality table gives about 36.8 and 30.2 dB for,
+BENCHMARKS.md "Skipped blocks carried"). Each variant runs a 3-step warm-up loop, then the timed loop (host clock,
+synchronized at both ends). ``--compile`` adds each variant with ``torch.compile(model)`` after ``enable`` (the
+warm-up compiles; a carried variant's bookkeeping runs eagerly between graphs). Ratios compare variants of one run.
 """
 
 from __future__ import annotations
@@ -60,12 +62,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="wan,hunyuanvideo")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--sparsity", type=float, default=0.2)
-    p.add_argument("--refresh-every", type=int, default=2)
+    p.add_argument("--carried", default="0.2:2,0.2:3", help="carried settings, tau:k[,tau:k...] ('' for none)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--compiled-only", action="store_true", help="with --compile, only the compiled rows")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    try:
+        carried = [(float(t), int(k)) for t, k in (c.split(":") for c in args.carried.split(",") if c)]
+    except ValueError:
+        p.error(f"--carried takes tau:k pairs separated by commas (e.g. 0.2:2,0.2:3), got {args.carried!r}")
     builders = models()
     results = {"device": torch.cuda.get_device_name(), "steps": args.steps, "models": {}}
     for name in args.models.split(","):
@@ -74,12 +79,13 @@ def main() -> None:
         x["hidden_states"] = torch.randn(*x["hidden_states"].shape[:2], frames, *x["hidden_states"].shape[3:])
         model, x = model.to("cuda", dtype).eval(), cast(x, dtype)
         negative = {"encoder_hidden_states": torch.randn_like(x["encoder_hidden_states"])} if guidance else None
-        variants = {"stock": None, "int8": diffusion_int8.Int8Config("int8"),
-                    f"int8 sparsity {args.sparsity:g} carried (refresh every {args.refresh_every})":
-                        diffusion_int8.Int8Config("int8", sparsity=args.sparsity, refresh_every=args.refresh_every)}
+        variants = {"stock": None, "int8": diffusion_int8.Int8Config("int8")}
+        for tau, every in carried:
+            variants[f"int8 sparsity {tau:g} carried (refresh every {every})"] = diffusion_int8.Int8Config(
+                "int8", sparsity=tau, refresh_every=every)
         runs = [] if args.compiled_only else [(n, c, False) for n, c in variants.items()]
         if args.compile or args.compiled_only:
-            runs += [("stock, compiled", None, True), ("int8, compiled", variants["int8"], True)]
+            runs += [(f"{n}, compiled", c, True) for n, c in variants.items()]
         rows = {}
         for label, config, compiled in runs:
             handle = diffusion_int8.enable(model, config, record=True) if config is not None else None

@@ -18,8 +18,10 @@ inputs, and against the same call given the predicted mask (``mask given``). The
 is smaller than the rows' noise at long shapes; time its launches alone to measure it.
 
 *Carried* (``--refresh-every k``, ``carry.BlockCarry``): the skipped blocks computed every k-th step and forecast
-in between. A refresh is the mask's call and its complement's, each with its log-sum-exp, merged; a step between
-is the mask's call merged with the complement's forecast from two earlier refreshes. ``per step`` is their mean
+in between. A refresh is one call over every block that writes the skipped blocks' result on the way
+(``return_skipped``); ``refresh as two calls`` times what it replaced, the mask's call and its complement's, each
+with its log-sum-exp, merged. A step between is the mask's call merged with the complement's forecast from two
+earlier refreshes. ``per step`` is their mean
 over k steps, (refresh + (k − 1) · between) / k, over the dense call.
 Ratios compare times of one run: ``÷ dense`` is the sparse call's time over the dense INT8 call's, taken within
 each graph round (the two timed side by side) and given as the median over rounds with their range; ``× cuDNN``
@@ -119,7 +121,8 @@ def main():
                         return int8_attention(q, k, v, mode=mode, block_mask=m, return_lse=True)
 
                     before, last = partial(~mask), partial(~mask)  # two refreshes' complements to forecast from
-                    fns["refresh"] = lambda: merge_forecast(*partial(mask), *partial(~mask))
+                    fns["refresh"] = lambda: int8_attention(q, k, v, mode=mode, block_mask=mask, return_skipped=True)
+                    fns["refresh_two_calls"] = lambda: merge_forecast(*partial(mask), *partial(~mask))
                     fns["between"] = lambda: merge_forecast(*partial(mask), *last, *before, 0.5)
                 # ratios within each round (the variants side by side), then their median and range over rounds
                 per_round = interleaved_rounds(fns, args.reps, args.rounds)
@@ -138,10 +141,13 @@ def main():
                                zip(per_round["refresh"], per_round["between"], per_round["dense"])]
                     row.update(refresh_every=every,
                                refresh_over_dense=paired_ratio(per_round["refresh"], per_round["dense"]),
+                               two_calls_over_dense=paired_ratio(per_round["refresh_two_calls"], per_round["dense"]),
                                between_over_dense=paired_ratio(per_round["between"], per_round["dense"]),
                                carried_over_dense=(median(carried), min(carried), max(carried)))
                     c = row["carried_over_dense"]
-                    print(f"  carried every {every}: refresh ÷ dense {row['refresh_over_dense'][0]:.3f}, between ÷ "
+                    print(f"  carried every {every}: refresh ÷ dense {row['refresh_over_dense'][0]:.3f} "
+                          f"({row['refresh_over_dense'][1]:.3f}–{row['refresh_over_dense'][2]:.3f}; as two calls "
+                          f"{row['two_calls_over_dense'][0]:.3f}), between ÷ "
                           f"dense {row['between_over_dense'][0]:.3f}, per step ÷ dense {c[0]:.3f} "
                           f"({c[1]:.3f}–{c[2]:.3f})", flush=True)
                 rows.append(row)
