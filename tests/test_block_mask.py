@@ -122,14 +122,14 @@ def test_split_block_lists(kdev):
 
 def _poisoned_split(q, k, v, kw):
     """``run_kernel`` with ``return_skipped``: the output NaN-poisoned, and the memory the skipped blocks' results
-    are allocated in too (freed NaN blocks of their sizes, which the allocator hands out again)."""
+    are allocated in too (NaN blocks of their sizes, freed after the output's allocation, which the allocator hands
+    out again)."""
     from diffusion_int8.kernels.attention import triton_attention
 
     B, H, Sq = R.to_bhsd(q, kw["layout"]).shape[:3]
-    poison = [torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device),
-              torch.full((B, H, Sq), float("nan"), device=q.device)]
+    out = torch.full_like(q, float("nan"))
+    poison = [torch.full_like(q, float("nan")), torch.full((B, H, Sq), float("nan"), device=q.device)]
     del poison
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     res = triton_attention(q, k, v, out=out, sm_scale=q.shape[-1] ** -0.5, return_skipped=True, **kw)
     assert res[0] is out
     return res
@@ -141,10 +141,14 @@ def test_one_launch_returns_the_dense_result_and_the_skipped_blocks_apart(kdev, 
     """``return_skipped``: the skipped blocks' output and log-sum-exp are the complement's call's (the same tiles
     in the same order: the sparse check against the emulation), and the output is the dense call's, up to P's
     rounding in another order of the blocks; rows keeping every block give 0 and -inf, rows keeping none the dense
-    result twice."""
+    result twice. GQA, and a BHSD view of (B, S, H, D) memory as diffusers hands it over."""
     n = 1 if kdev == "cpu" else 8
-    for B, H, Sq, Sk, layout in [(1, 2, 300 * n, 333 * n, "BHSD"), (2, 2, 129 * n, 257 * n, "BSHD")]:
-        q, k, v = realistic_qkv(B, H, Sq, Sk, D, layout=layout, device=kdev, seed=D + Sq)
+    for B, H, H_kv, Sq, Sk, layout, view in [(1, 2, 2, 300 * n, 333 * n, "BHSD", False),
+                                             (2, 2, 2, 129 * n, 257 * n, "BSHD", False),
+                                             (1, 4, 2, 200 * n, 270 * n, "BHSD", True)]:
+        q, k, v = realistic_qkv(B, H, Sq, Sk, D, H_kv=H_kv, layout=layout, device=kdev, seed=D + Sq)
+        if view:
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
         mask = _random_mask(B, H, Sq, Sk, 0.5, kdev, seed=Sk)  # its query block 0 of head 0 keeps nothing
         mask[0, 1, 0] = True  # one that keeps every block
         out, skipped, skipped_lse = _poisoned_split(q, k, v, dict(layout=layout, pv=pv, block_mask=mask))
@@ -154,8 +158,8 @@ def test_one_launch_returns_the_dense_result_and_the_skipped_blocks_apart(kdev, 
         finite = torch.isfinite(emu_rest_lse)
         assert torch.equal(finite, torch.isfinite(skipped_lse))
         torch.testing.assert_close(skipped_lse[finite], emu_rest_lse[finite], atol=2e-3, rtol=1e-4)
-        kept_all = mask[0, 1, 0].all()
-        assert kept_all and torch.isinf(skipped_lse[0, 1, :SPARSE_BLOCK]).all()
+        rows = slice(0, min(SPARSE_BLOCK, Sq))
+        assert (skipped_lse[0, 1, rows] == float("-inf")).all() and (R.to_bhsd(skipped, layout)[0, 1, rows] == 0).all()
         ref = R.attention_ref(q, k, v, layout=layout)
         dense = run_kernel(q, k, v, layout=layout, pv=pv)
         if pv is PV.FP16:  # 16-bit P: the order of the blocks changes float32 sums only
@@ -166,18 +170,18 @@ def test_one_launch_returns_the_dense_result_and_the_skipped_blocks_apart(kdev, 
             err, dense_err = ((t.double() - ref).abs().max() for t in (out, dense))
             assert err <= 2 * dense_err, (err, dense_err)
         # the query block that keeps nothing skips everything: its skipped result is the dense one
-        rows = slice(0, min(SPARSE_BLOCK, Sq))
         o, s_ = (R.to_bhsd(t, layout)[0, 0, rows] for t in (out, skipped))
-        torch.testing.assert_close(s_.float(), o.float(), atol=0, rtol=0)
+        assert torch.equal(s_, o)
 
 
-def test_skipped_blocks_through_the_public_op_and_mode_fp16():
-    q, k, v = realistic_qkv(1, 2, 300, 260, 64, layout="BSHD")
-    mask = _random_mask(1, 2, 300, 260, 0.5, "cpu", seed=2)
+def test_skipped_blocks_through_the_public_op_and_mode_fp16(kdev):
+    q, k, v = realistic_qkv(1, 2, 300, 260, 64, layout="BSHD", device=kdev)
+    mask = _random_mask(1, 2, 300, 260, 0.5, kdev, seed=2)
     out, skipped, lse = int8_attention(q, k, v, mode="fp16", layout="BSHD", block_mask=mask, return_skipped=True)
     assert torch.equal(out, int8_attention(q, k, v, mode="fp16", layout="BSHD"))  # exact: the dense call
     rest, rest_lse = int8_attention(q, k, v, mode="fp16", layout="BSHD", block_mask=~mask, return_lse=True)
     assert torch.equal(skipped, rest) and torch.equal(lse, rest_lse)
+    # INT8 (on a GPU, the kernels; on the CPU, the emulation through the op)
     out, dense_lse, skipped, lse = int8_attention(q, k, v, mode="int8", layout="BSHD", block_mask=mask,
                                                   return_lse=True, return_skipped=True)
     check(skipped, R.emulate_attention(q, k, v, layout="BSHD", pv=PV.FP8, block_mask=~mask), _sparse_ref(
@@ -186,6 +190,10 @@ def test_skipped_blocks_through_the_public_op_and_mode_fp16():
     # the dense log-sum-exp is the merge of the two parts'
     _, kept_lse = int8_attention(q, k, v, mode="int8", layout="BSHD", block_mask=mask, return_lse=True)
     torch.testing.assert_close(dense_lse, torch.logaddexp(kept_lse, lse), atol=0.02, rtol=0)
+    # no keys: zeros and -inf for the skipped blocks too
+    empty = int8_attention(q, k[:, :0], v[:, :0], mode="int8", layout="BSHD", block_mask=mask[..., :0],
+                           return_skipped=True)
+    assert (empty[0] == 0).all() and (empty[1] == 0).all() and (empty[2] == float("-inf")).all()
     with pytest.raises(ValueError, match="return_skipped needs a block_mask"):
         int8_attention(q, k, v, mode="int8", layout="BSHD", return_skipped=True)
     with pytest.raises(TypeError, match="return_skipped must be True or False"):

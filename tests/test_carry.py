@@ -92,8 +92,8 @@ def test_refresh_steps_give_the_dense_result_and_the_steps_between_skip():
     for step, noise in enumerate((1.0, 0.9, 0.8, 0.7)):
         out, computed = carry(run_for(q, k, v), q, k, tau=0.5, scale=None, noise=noise)
         assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
-        # a refresh is as close to exact attention as the dense INT8 call (P is quantized per part, so not
-        # bit for bit); between refreshes the inputs are the same, so the forecast is what the refresh computed
+        # a refresh is as close to exact attention as the dense INT8 call (the skipped blocks run first, so P
+        # is rounded against another running max: not bit for bit); between refreshes the inputs are the same, so the forecast is what the refresh computed
         assert (out.double() - reference).abs().max() < 1.1 * dense_err
         if step % 2 == 0:
             assert computed == total
@@ -235,7 +235,7 @@ def test_eval_refuses_bad_sparse_arguments_before_loading(tmp_path, capsys, argv
 @pytest.mark.parametrize("mode", [Mode.INT8, Mode.INT8_FP16V])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_kernels_carry_as_the_emulation_does(monkeypatch, mode, D):
-    """On the GPU's kernels: a refresh (the mask's call and its complement's, merged) and the steps between are as
+    """On the GPU's kernels: a refresh (one call over every block, the skipped ones first) and the steps between are as
     close to exact attention as the dense call, rows whose every block is kept (an empty complement) included, at an
     odd length."""
     monkeypatch.delenv("DIFFUSION_INT8_BACKEND")

@@ -109,11 +109,12 @@ class Collector:
         else:
             carry = self.carries.setdefault((call.layer, tau, every), BlockCarry(every))
 
-            def run(block_mask, return_lse):  # exact attention over the mask's blocks or its complement's
+            def run(block_mask, return_lse=False, return_skipped=False):
+                # exact attention over the carried mask's blocks, or over every block with the skipped ones apart
                 if "mask" not in split:
                     split["mask"], split["sides"] = block_mask, split_attention(q, k, v, block_mask, scale)
                 out_k, lse_k, out_c, lse_c = split["sides"]
-                return (out_k, lse_k) if torch.equal(block_mask, split["mask"]) else (out_c, lse_c)
+                return (call.out, out_c, lse_c) if return_skipped else (out_k, lse_k)
 
             out, computed = carry(run, q, k, tau=tau, scale=scale, noise=call.noise, keep_kv_blocks=call.keep_kv_blocks)
             errs = output_errors(out, call.out)

@@ -110,8 +110,9 @@ def int8_attention(
             partial results with. Every kernel writes it in its epilogue; adding the smoothing back reads K and Q
             once more. Mode ``fp16`` computes it exactly (flash attention's on
             a GPU, else a float32 Q·Kᵀ).
-        return_skipped: with ``block_mask``: compute every block (the output is the dense call's, up to the order
-            of the float32 sums) and also return the attention over the blocks the mask skips: its output and
+        return_skipped: with ``block_mask``: compute every block (the output is the dense call's up to rounding:
+            the blocks run in another order, and with 8-bit P·V, P is rounded against another running max) and
+            also return the attention over the blocks the mask skips: its output and
             log-sum-exp, as ``block_mask=~block_mask, return_lse=True`` would give them (rows whose every block
             is kept: 0 and -inf). The INT8 kernels visit the skipped blocks first and write their result on the
             way, in the one launch: what a refresh of carried blocks (``plugin.carry``) needs.
@@ -166,8 +167,8 @@ def _checked_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k,
         plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
             "call", mode, layout, scale, smooth_k, balance_key(qk_balance), balance_key(qk_rotate), return_lse,
-            balance_key(return_skipped), balance_key(sparsity), balance_key(return_block_mask), os.environ.get(ENV_BACKEND),
-            os.environ.get(ENV_PV8), signature(q), signature(k), signature(v), signature(attn_mask),
+            balance_key(return_skipped), balance_key(sparsity), balance_key(return_block_mask),
+            os.environ.get(ENV_BACKEND), os.environ.get(ENV_PV8), signature(q), signature(k), signature(v), signature(attn_mask),
             signature(block_mask), signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean),
             signature(keep_kv_blocks))
         call = cache.ENTRIES.get(key)
@@ -195,11 +196,11 @@ def _check_values(q, k, v, q_amax, k_amax, v_amax, k_mean, given_bal, check_fini
 def _exact(q, k, v, call: "_Call", layout, attn_mask, block_mask, sparsity, keep_kv_blocks, return_lse: bool,
            return_skipped: bool, return_block_mask: bool):
     """Mode ``fp16``: SDPA (block-sparse as an element mask), with the exact log-sum-exp if asked for."""
-    qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
     if return_skipped:  # every block, and the skipped ones' attention as a call of their own gives it
         skipped = _exact(q, k, v, call, layout, attn_mask, ~block_mask, None, None, True, False, False)
         dense = _exact(q, k, v, call, layout, attn_mask, None, None, None, return_lse, False, False)
         return _results(*(dense if return_lse else (dense,)), *skipped)
+    qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
     if sparsity is not None:
         block_mask = predict_block_mask(qb, kb, sparsity, sm_scale=call.scale, keep_kv_blocks=keep_kv_blocks)
     if block_mask is not None:
@@ -220,8 +221,9 @@ def _empty(q, k, layout, return_lse: bool, return_skipped: bool, return_block_ma
     out = output_like(q, zero=True)
     lse = (torch.full((B, H, Sq), float("-inf"), device=q.device),) if return_lse else ()
     mask = torch.ones((B, H, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)), dtype=torch.bool, device=q.device)
-    skipped = (output_like(q, zero=True), torch.full((B, H, Sq), float("-inf"), device=q.device))
-    return _results(out, *lse, *(skipped if return_skipped else ()), *((mask,) if return_block_mask else ()))
+    skipped = (output_like(q, zero=True), torch.full((B, H, Sq), float("-inf"), device=q.device)) if return_skipped \
+        else ()
+    return _results(out, *lse, *skipped, *((mask,) if return_block_mask else ()))
 
 
 def _results(out: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:

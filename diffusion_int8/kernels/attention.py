@@ -477,8 +477,11 @@ def triton_attention(
     else:
         given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
         key = ("plan", layout, pv, sm_scale, smooth_k, given_bal is None and qk_balance, qk_rotate, sparsity, return_lse,
-               return_block_mask, return_skipped, sm90, _ablate, *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax,
-                                                                  v_amax, k_mean, keep_kv_blocks, out, given_bal)))
+               return_block_mask, return_skipped, sm90, _ablate,
+               *map(signature, (q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, keep_kv_blocks, out,
+                                given_bal)))
+    if return_skipped and (block_mask is None or sparsity is not None):
+        raise ValueError("return_skipped needs a block_mask of the caller's (not sparsity=)")
     if out is None:
         out = output_like(q)
     B, H, Sq = to_bhsd(q, layout).shape[:3]
@@ -487,7 +490,7 @@ def triton_attention(
     if return_lse:
         lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     if return_skipped:
-        skipped = (output_like(q), torch.empty((B, H, Sq), dtype=torch.float32, device=q.device))
+        skipped = (torch.empty_like(out), torch.empty((B, H, Sq), dtype=torch.float32, device=q.device))
     if return_block_mask:
         mask_out = (torch.ones if sparsity is not None and sparsity >= 1 else torch.empty)(
             (B, H, cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK)), dtype=torch.bool, device=q.device)

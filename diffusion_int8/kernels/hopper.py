@@ -276,16 +276,6 @@ def _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od
 
 
 @gluon.jit
-def _stash(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv, SQ, D,
-           BLOCK_M: gl.constexpr, DP: gl.constexpr, o_layout: gl.constexpr, st_layout: gl.constexpr):
-    """The FP8 kernel's state so far written out as ``_epilogue`` writes it (normalized, V's scales, the
-    log-sum-exp); returns acc, which the loop goes on with."""
-    _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv, SQ, D,
-              1, BLOCK_M, DP, 1, o_layout, st_layout, 0, True)
-    return acc
-
-
-@gluon.jit
 def _tile_scale(ks_ptr, j, N_BLOCKS, idx_row, n_kept, n_prefix, BLOCK_N: gl.constexpr, LISTS: gl.constexpr):
     """K tile j's scale (one a tile, stored per key: the tile's first), or tile N_BLOCKS-1's past the last."""
     return gl.load(ks_ptr + _key_pos(gl.minimum(j, N_BLOCKS - 1), idx_row, n_kept, n_prefix, BLOCK_N, LISTS))
@@ -502,8 +492,8 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_f
                 acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
                 other_turn, qs, SK, idx_row, n_kept, n_prefix, bias_row, cid, BLOCK_M, BLOCK_N, DP, STAGES, True,
                 s_layout, o_layout, LISTS)
-            acc = _stash(acc, l_was, m_was, row0, OS, stride_ob, stride_oh, stride_os, stride_od, VS, LSES, b, h, H,
-                         off_kv, SQ, D, BLOCK_M, DP, o_layout, st_layout)
+            _epilogue(acc, l_was, m_was, row0, OS, stride_ob, stride_oh, stride_os, stride_od, VS, LSES, b, h, H,
+                      off_kv, SQ, D, 1, BLOCK_M, DP, 1, o_layout, st_layout, 0, True)
         for j in range(n_prefix + 1, b_end):
             acc, m_i, l_i, alpha = _pp_step(
                 acc, m_i, l_i, alpha, j, q_smem, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_free, p_bufs, my_turn,
@@ -535,7 +525,9 @@ def _pp_consumer(q_bufs, q_bars, k_bufs, k_ready, ks_bufs, v_bufs, v_ready, kv_f
     pv = warpgroup_mma_wait(0, deps=[pv_tok])
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
     if LISTS == 3:
-        if (n_prefix == 0) | (n_prefix == N_BLOCKS):  # no skipped blocks (zeros, -inf), or nothing but them
+        # no skipped blocks (zeros, -inf), or nothing but them; stored from the accumulator's own layout (any
+        # layout stores the same values; this one needs no shared-memory round trip)
+        if (n_prefix == 0) | (n_prefix == N_BLOCKS):
             _epilogue(acc, l_i, m_i, row0, OS, stride_ob, stride_oh, stride_os, stride_od, VS, LSES, b, h, H, off_kv,
                       SQ, D, n_prefix, BLOCK_M, DP, 1, o_layout, o_layout, 1, True)
     _epilogue(acc, l_i, m_i, row0, O, stride_ob, stride_oh, stride_os, stride_od, VS, LSE, b, h, H, off_kv, SQ, D,
@@ -711,6 +703,8 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
     reason and every later call takes the portable kernel.
     """
     global compile_failure
+    if skipped is not None and (blocks is None or keys is not None or pv is not PV.FP8):
+        raise ValueError("skipped goes with split block lists and FP8 P·V (the ping-pong kernel)")
     try:
         _launch(q8, qs, k8, ks, v, vs, ob, pv=pv, block_n=block_n, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, D=D, blocks=blocks,
                 keys=keys, lse=lse, skipped=skipped, runner=runner)
@@ -744,10 +738,9 @@ def _launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: in
     else:  # LISTS 1: a block mask's kept blocks; 3: all blocks, the skipped ones first; 0: dense
         lists, counts, idx = (1 if skipped is None else 3, *blocks) if blocks is not None else (0, qs, qs)
         clean, bias, n_list, strides = qs, qs, triton.cdiv(Sk, SPARSE_BLOCK), (0, 0)
-    assert skipped is None or (lists == 3 and pv is PV.FP8)
     runner.launch(fn, grid, (
         q_desc, k_desc, v_desc, qs, ks, vs, counts, clean, idx, bias, ob, lse if lse is not None else qs,
-        *(skipped if skipped is not None else (ob, qs)), *ob.stride(), *strides, H, H_kv, Sq, Sk, sq_pad, sk_pad, D, triton.cdiv(Sk, block_n),
-        triton.cdiv(Sq, SPARSE_BLOCK), n_list,
+        *(skipped if skipped is not None else (ob, qs)), *ob.stride(), *strides, H, H_kv, Sq, Sk, sq_pad, sk_pad, D,
+        triton.cdiv(Sk, block_n), triton.cdiv(Sq, SPARSE_BLOCK), n_list,
         plan.stages, lists, lse is not None,  # STAGES, LISTS, RETURN_LSE; num_warps below
     ), dict(num_warps=plan.num_warps, enable_fp_fusion=FP_FUSION, **options))

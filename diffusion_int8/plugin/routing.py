@@ -131,7 +131,12 @@ def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_
                          qk_balance=qk_balance, qk_rotate=qk_rotate, q_amax=r.q_amax, k_amax=r.k_amax, v_amax=r.v_amax, k_mean=r.k_mean,
                          block_mask=block_mask, sparsity=sparsity, keep_kv_blocks=keep_kv_blocks, return_lse=return_lse,
                          return_skipped=return_skipped, return_block_mask=return_block_mask)
-    return (out[0].to(dtype), *out[1:]) if isinstance(out, tuple) else out.to(dtype)
+    if not isinstance(out, tuple):
+        return out.to(dtype)
+    out = list(out)
+    for i in (0, 1 + return_lse) if return_skipped else (0,):  # the outputs, in the caller's dtype
+        out[i] = out[i].to(dtype)
+    return tuple(out)
 
 
 def kernel_takes(query, key, attn_mask=None, dropout_p=0.0, is_causal=False) -> bool:
