@@ -198,6 +198,10 @@ def test_skipped_blocks_through_the_public_op_and_mode_fp16(kdev):
         int8_attention(q, k, v, mode="int8", layout="BSHD", return_skipped=True)
     with pytest.raises(TypeError, match="return_skipped must be True or False"):
         int8_attention(q, k, v, mode="int8", layout="BSHD", block_mask=mask, return_skipped=1)
+    from diffusion_int8.kernels.attention import triton_attention
+
+    with pytest.raises(ValueError, match="return_skipped needs a block_mask of the caller's"):  # the kernel's entry
+        triton_attention(q, k, v, layout="BSHD", pv=PV.FP8, sm_scale=0.125, sparsity=0.5, return_skipped=True)
 
 
 def test_public_op_and_mode_fp16():
