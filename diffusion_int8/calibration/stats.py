@@ -72,7 +72,6 @@ def sparse_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: t
     return torch.cat(out).masked_fill(empty, 0.0)
 
 
-
 def sparse_stat(stat: str) -> tuple[str, float] | None:
     """``sparse.{rel_l1|cos|kept}@{tau}`` as (what, tau); None for any other name."""
     name, _, tau = stat.partition("@")
@@ -110,9 +109,9 @@ def carry_stat(stat: str) -> tuple[str, float, int] | None:
         return name, float(tau), int(every)
     except ValueError:
         return None
+
+
 QUANTIZED_MODES = (Mode.INT8, Mode.INT8_FP16V)
-
-
 SPLIT_SCORES = 1 << 24  # scores split_attention makes at a time
 
 

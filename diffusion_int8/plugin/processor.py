@@ -397,6 +397,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
                 self._keep[cache_key] = keep
         return keep
 
+
 def _checked_observer(observer):
     """``observer`` if it can be called with one ``AttentionCall``; a clear ``TypeError`` otherwise (observers were
     once called with the processor and six tensors)."""
