@@ -46,7 +46,7 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
     """The quantization kernel and the statistics pass, or (not ``static``) the one-launch kernel for short
     sequences too; every one with and without the Q·Kᵀ balance where it applies."""
     ptrs = {n: "*fp32" for n in ("QAMAX", "QS", "KMEAN", "KAMAX", "KS", "VRANGE", "VAMAX", "VS", "BAL", "QSUM", "QSQ",
-                                 "KSUM", "KSQ")}
+                                 "KSUM", "KSQ", "OFF")}
     ptrs.update(Q="*" + dt, K="*" + dt, V="*" + dt, Q8="*i8", K8="*i8", V8="*fp8e4nv" if v_fmt == 1 else "*i8", HAD="*i8")
     # contiguous (B, H, S, D) inputs, as most calls give them: unit channel strides
     ones, divisible = ("stride_qd", "stride_kd", "stride_vd"), ("SQ_PAD", "SK_PAD") + (("D",) if D % 16 == 0 else ())
@@ -55,10 +55,11 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
     block = Qz.stats_block(dp)
     n = 0
     for balance in (False, True):  # static: a calibrated balance; else measured
-        compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
+        compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult", "off_scale"}, dict(
             Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=smooth, Q_STATIC=static,
             K_STATIC=static, V_FMT=v_fmt, V_STATIC=static, BALANCE=balance, ROTATE=rotate,
-            Q_TILES=1 if rotate else cfg.block_n // 64, POOL=not balance),  # the predictor's sums in half of them
+            Q_TILES=1 if rotate else cfg.block_n // 64, POOL=not balance,  # the predictor's sums in half of them
+            OFFSET=smooth and balance),  # the smoothing offset (a log-sum-exp asked for) in some
             divisible=divisible, ones=ones)
         stats = dict(Q="*" + dt, K="*" + dt, V="*" + dt, PART="*fp32", DONE="*i32", MOM="*fp32")
         compile_kernel(Qz._stats_kernel, stats, set(), dict(BLOCK=block, DP=dp, HAS_K=smooth or balance,
@@ -66,18 +67,19 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
                        divisible=divisible[2:], ones=ones)
         n += 2
         if not static and rotate:  # the calibrated rotated call: V's range and K's mean given, Q's and K's measured
-            compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult"}, dict(
+            compile_kernel(Qz._quant_qkv_kernel, ptrs, {"scale_mult", "off_scale"}, dict(
                 Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=True, Q_STATIC=False,
-                K_STATIC=False, V_FMT=v_fmt, V_STATIC=True, BALANCE=balance, ROTATE=True, Q_TILES=1, POOL=False),
-                divisible=divisible, ones=ones)
+                K_STATIC=False, V_FMT=v_fmt, V_STATIC=True, BALANCE=balance, ROTATE=True, Q_TILES=1, POOL=False,
+                OFFSET=False), divisible=divisible, ones=ones)
             n += 1
         if not static:
             fused = dict(stats, Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V8=ptrs["V8"], VS="*fp32", HAD="*i8",
-                         DUMMY="*fp32")
+                         DUMMY="*fp32", OFF="*fp32")
             fused.pop("DONE")
-            compile_kernel(Qz._quant_fused_kernel, fused, {"scale_mult"}, dict(
+            compile_kernel(Qz._quant_fused_kernel, fused, {"scale_mult", "off_scale"}, dict(
                 BLOCK=block, Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, HAS_K=smooth or balance,
-                SMOOTH=smooth, V_FMT=v_fmt, BALANCE=balance, ROTATE=rotate), divisible=divisible, ones=ones)
+                SMOOTH=smooth, V_FMT=v_fmt, BALANCE=balance, ROTATE=rotate, OFFSET=smooth and not balance),
+                divisible=divisible, ones=ones)
             n += 1
     return n
 

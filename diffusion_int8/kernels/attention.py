@@ -22,7 +22,6 @@ from .cache import signature
 from .launch import EAGER, Runner, plan_or_run
 from .key_mask import KeyMaskPlan, as_key_mask
 from .layout import cdiv, output_like, padded_len, rows_16b_aligned, to_bhsd
-from .reference import smoothing_offset
 from .sparsity import MIN_SIMILARITY
 from .tl_helpers import columns_to_v8_order, rdiv, round_to_int8, v8_keys_permuted
 
@@ -491,6 +490,10 @@ def triton_attention(
         lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     if return_skipped:
         skipped = (torch.empty_like(out), torch.empty((B, H, Sq), dtype=torch.float32, device=q.device))
+    # a log-sum-exp of the smoothed scores lacks what smoothing took off each row; the quantization launch writes it
+    offset = None
+    if smooth_k and (return_lse or return_skipped):
+        offset = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     if return_block_mask:
         mask_out = (torch.ones if sparsity is not None and sparsity >= 1 else torch.empty)(
             (B, H, cdiv(Sq, SPARSE_BLOCK), cdiv(Sk, SPARSE_BLOCK)), dtype=torch.bool, device=q.device)
@@ -498,7 +501,7 @@ def triton_attention(
         sparsity = None
     inputs = [q, k, v, attn_mask, block_mask, q_amax, k_amax, v_amax, k_mean, out, lse,
               qk_balance if isinstance(qk_balance, torch.Tensor) else None, keep_kv_blocks, mask_out,
-              *(skipped or (None, None))]
+              *(skipped or (None, None)), offset]
 
     def record(runner):
         qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
@@ -510,7 +513,7 @@ def triton_attention(
             pooled = pool.pooled_buffers(B, H, kb.shape[1], Sq, Sk, padded_head_dim(qb.shape[3]), q.device, runner)
         quantized = tq.quantize_qkv(  # K quantized in the tile table's K tiles, which attend() runs
             qb, kb, vb, sm_scale, pv, smooth_k=smooth_k, qk_balance=qk_balance, qk_rotate=qk_rotate, q_amax=q_amax,
-            k_amax=k_amax, v_amax=v_amax, k_mean=k_mean, pooled=pooled, runner=runner,
+            k_amax=k_amax, v_amax=v_amax, k_mean=k_mean, pooled=pooled, offset=offset, runner=runner,
         )
         if sparsity is not None:
             mask = mask_out if mask_out is not None else runner.empty(
@@ -524,12 +527,6 @@ def triton_attention(
     plan_or_run(key, inputs, record)
     if lse is None and skipped is None:
         return (out, mask_out) if mask_out is not None else out
-    # the kernel's log-sum-exp is of the smoothed scores; what smoothing took off each row goes back on. K's mean
-    # from the statistics pass (one launch; the emulation's token_mean gives the same bits in a dozen)
-    kb = to_bhsd(k, layout)
-    if smooth_k and k_mean is None:
-        k_mean = tq.kv_stats(kb, None)[0]
-    offset = smoothing_offset(to_bhsd(q, layout), kb, sm_scale, smooth_k, k_mean)
     results = [out]
     for lse_out in (lse, None if skipped is None else skipped[1]):
         if lse_out is not None and offset is not None:

@@ -127,20 +127,22 @@ def _quant_int8(x, AMAX, GROUPS: tl.constexpr, STATIC: tl.constexpr):
 
 @triton.jit
 def _quant_qkv_kernel(
-    Q, QAMAX, Q8, QS, K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL, HAD, QSUM, QSQ, KSUM, KSQ,
+    Q, QAMAX, Q8, QS, K, KMEAN, KAMAX, K8, KS, V, VRANGE, VAMAX, V8, VS, BAL, HAD, QSUM, QSQ, KSUM, KSQ, OFF,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_qab, stride_qah, stride_kab, stride_kah, stride_vab, stride_vah, stride_vad,
     stride_kmb, stride_kmh, stride_kmd, stride_bb, stride_bh, stride_bd,
-    H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, scale_mult,
+    H, H_KV, SQ, SK, D, SQ_PAD, SK_PAD, NQ, scale_mult, off_scale,
     Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, K_GROUPS: tl.constexpr, DP: tl.constexpr,
     SMOOTH: tl.constexpr, Q_STATIC: tl.constexpr, K_STATIC: tl.constexpr, V_FMT: tl.constexpr,
     V_STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr, Q_TILES: tl.constexpr, POOL: tl.constexpr,
+    OFFSET: tl.constexpr,
 ):
     # One launch for Q, K and V: programs [0, NQ) take Q_TILES blocks of Q_BLOCK tokens of Q, the rest one K tile
     # of K_BLOCK tokens (K_GROUPS scales) and the same tokens of V. POOL: each block's sums for the block-sparse
-    # predictor too (``pool.Pooled``), of Q as loaded and of K as smoothed. (K and V in separate programs, with fewer
+    # predictor too (``pool.Pooled``), of Q as loaded and of K as smoothed. OFFSET: each query row's smoothing offset
+    # too (``reference.smoothing_offset``), from K's mean in KMEAN. (K and V in separate programs, with fewer
     # registers each, were 4-8% slower at 8-bit V: the launch is memory-bound, and a program with both tiles keeps
     # more loads in flight.)
     pid = tl.program_id(0)
@@ -148,9 +150,10 @@ def _quant_qkv_kernel(
         n_s = SQ_PAD // (Q_BLOCK * Q_TILES)
         for t in range(0, Q_TILES):
             _quant_q_block(
-                Q, QAMAX, Q8, QS, BAL, HAD, QSUM, QSQ, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab,
-                stride_qah, stride_bb, stride_bh, stride_bd, pid % n_s * Q_TILES + t, pid // n_s, H, H_KV, SQ, D,
-                SQ_PAD, scale_mult, Q_BLOCK, DP, Q_STATIC, BALANCE, ROTATE, POOL,
+                Q, QAMAX, Q8, QS, BAL, HAD, QSUM, QSQ, KMEAN, OFF, stride_qb, stride_qh, stride_qs, stride_qd,
+                stride_qab, stride_qah, stride_bb, stride_bh, stride_bd, stride_kmb, stride_kmh, stride_kmd,
+                pid % n_s * Q_TILES + t, pid // n_s, H, H_KV, SQ, D, SQ_PAD, scale_mult, off_scale, Q_BLOCK, DP,
+                Q_STATIC, BALANCE, ROTATE, POOL, OFFSET,
             )
     else:
         n_s = SK_PAD // K_BLOCK
@@ -177,12 +180,16 @@ def _load_balance(BAL, stride_bb, stride_bh, stride_bd, b, h_kv, D, DP: tl.const
 
 @triton.jit
 def _quant_q_block(
-    Q, QAMAX, Q8, QS, BAL, HAD, QSUM, QSQ, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab, stride_qah,
-    stride_bb, stride_bh, stride_bd, pid_s, pid_bh, H, H_KV, SQ, D, SQ_PAD, scale_mult,
-    BLOCK: tl.constexpr, DP: tl.constexpr, STATIC: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr,
-    POOL: tl.constexpr,
+    Q, QAMAX, Q8, QS, BAL, HAD, QSUM, QSQ, KMEAN, OFF, stride_qb, stride_qh, stride_qs, stride_qd, stride_qab,
+    stride_qah, stride_bb, stride_bh, stride_bd, stride_kmb, stride_kmh, stride_kmd, pid_s, pid_bh, H, H_KV, SQ, D,
+    SQ_PAD, scale_mult, off_scale, BLOCK: tl.constexpr, DP: tl.constexpr, STATIC: tl.constexpr,
+    BALANCE: tl.constexpr, ROTATE: tl.constexpr, POOL: tl.constexpr, OFFSET: tl.constexpr,
 ):
     x, offs_s, offs_d, _ = _load_tile(Q, stride_qb, stride_qh, stride_qs, stride_qd, pid_s, pid_bh, H, SQ, D, BLOCK, DP)
+    if OFFSET:  # off_scale · q·mean per row (OFF: (B·H, SQ)), of Q as given: balance and rotation leave q·k alone
+        mean = tl.load(KMEAN + (pid_bh // H) * stride_kmb + (pid_bh % H // (H // H_KV)) * stride_kmh
+                       + offs_d * stride_kmd, mask=offs_d < D, other=0.0)
+        tl.store(OFF + pid_bh * SQ + offs_s, tl.sum(x * mean[None, :], 1) * off_scale, mask=offs_s < SQ)
     if POOL:
         pool_tile(x, QSUM, QSQ, pid_bh, SQ_PAD // _SPARSE_BLOCK, pid_s * BLOCK, DP, False)
     if BALANCE:  # Q's channels divided by the (power-of-two) balance of their K/V head's channels: exact
@@ -418,12 +425,13 @@ def _stats_kernel(
 
 @triton.jit
 def _quant_fused_kernel(
-    Q, Q8, QS, K, K8, KS, V, V8, VS, PART, MOM, HAD, DUMMY,
+    Q, Q8, QS, K, K8, KS, V, V8, VS, PART, MOM, HAD, DUMMY, OFF,
     stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
-    H_KV, G, SQ, SK, D, SQ_PAD, SK_PAD, N_CHUNKS, chunk, chunk_q, slot, mom_slot, scale_mult,
+    H_KV, G, SQ, SK, D, SQ_PAD, SK_PAD, N_CHUNKS, chunk, chunk_q, slot, mom_slot, scale_mult, off_scale,
     BLOCK: tl.constexpr, Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, K_GROUPS: tl.constexpr, DP: tl.constexpr,
     HAS_K: tl.constexpr, SMOOTH: tl.constexpr, V_FMT: tl.constexpr, BALANCE: tl.constexpr, ROTATE: tl.constexpr,
+    OFFSET: tl.constexpr,
 ):
     # Short sequences: one program per K/V head measures the statistics (the statistics pass's chunks, one
     # after another, and its finishing step: the same results bit for bit), then quantizes the head's K, V
@@ -454,9 +462,9 @@ def _quant_fused_kernel(
         qh = pid_bh // H_KV * H_KV * G + pid_bh % H_KV * G + g
         for t in range(0, SQ_PAD // Q_BLOCK):
             _quant_q_block(
-                Q, DUMMY, Q8, QS, MOM + 2 * mom_slot, HAD, DUMMY, DUMMY, stride_qb, stride_qh, stride_qs, stride_qd, 0,
-                0, H_KV * DP, DP, 1, t, qh, H_KV * G, H_KV, SQ, D, SQ_PAD, scale_mult, Q_BLOCK, DP, False, BALANCE,
-                ROTATE, False,
+                Q, DUMMY, Q8, QS, MOM + 2 * mom_slot, HAD, DUMMY, DUMMY, MOM, OFF, stride_qb, stride_qh, stride_qs,
+                stride_qd, 0, 0, H_KV * DP, DP, 1, H_KV * DP, DP, 1, t, qh, H_KV * G, H_KV, SQ, D, SQ_PAD, scale_mult,
+                off_scale, Q_BLOCK, DP, False, BALANCE, ROTATE, False, OFFSET,
             )
 
 
@@ -533,6 +541,7 @@ def quantize_qkv(
     v_amax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
     pooled: Pooled | None = None,
+    offset: torch.Tensor | None = None,
     runner: Runner = EAGER,
 ):
     """Triton twin of ``reference.quantize_q``, ``quantize_k`` and ``quantize_v``: Q, K and V in one
@@ -556,7 +565,9 @@ def quantize_qkv(
     ``reference.quantize_v`` gives them (None, None for fp16 P·V), FP8 v8's keys in ``layout.v8_key_order`` where
     ``layout.fp8_v_keys_permuted(DP, block_n)``. ``pooled``: zeroed buffers
     (``pool.pooled_buffers``) that the launch adds the block-sparse predictor's sums of Q and of K (as smoothed) to, as
-    it reads them. ``runner`` allocates and launches (``launch.Runner``).
+    it reads them. ``offset``: float32 (B, H, Sq), contiguous, with ``smooth_k``: where the launch writes each query
+    row's ``reference.smoothing_offset`` (``sm_scale`` · q·mean, float32 sums over Q as given), which a log-sum-exp
+    of the smoothed scores lacks. ``runner`` allocates and launches (``launch.Runner``).
     """
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
@@ -568,6 +579,9 @@ def quantize_qkv(
     dev = q.device
     v_fmt = pv.code
     check_rotation(qk_rotate, q_amax, k_amax)
+    if offset is not None and not (smooth_k and offset.shape == (B, H, Sq) and offset.dtype == torch.float32
+                                   and offset.is_contiguous()):
+        raise ValueError(f"offset must be a contiguous float32 {(B, H, Sq)} tensor, with smooth_k")
     given_bal = qk_balance if isinstance(qk_balance, torch.Tensor) else None
     static = any(t is not None for t in (q_amax, k_amax, v_amax, k_mean, given_bal))
     measure_bal = balance_applies(qk_balance, q_amax, k_amax, k_mean, Sq * (H // H_kv))
@@ -591,12 +605,13 @@ def quantize_qkv(
         moments = runner.empty((3, B, H_kv, dp), torch.float32, dev)
         runner.launch(_quant_fused_kernel, (B * H_kv,), (
             q, q8, qs, k, k8, ks, v, k8 if v8 is None else v8, qs if vs is None else vs, partials, moments,
-            runner.constant(_hadamard_int8(dp, dev)) if qk_rotate else q8, qs,
+            runner.constant(_hadamard_int8(dp, dev)) if qk_rotate else q8, qs, qs if offset is None else offset,
             *q.stride(), *k.stride(), *v.stride(),
             H_kv, H // H_kv, Sq, Sk, D, sq_pad, sk_pad, n_chunks, chunk, chunk_q, partials[0].numel(),
-            moments[0].numel(), q_scale_mult(sm_scale, dp, qk_rotate),
-            # BLOCK, Q_BLOCK, K_BLOCK, K_GROUPS, DP, HAS_K, SMOOTH, V_FMT, BALANCE, ROTATE
+            moments[0].numel(), q_scale_mult(sm_scale, dp, qk_rotate), sm_scale,
+            # BLOCK, Q_BLOCK, K_BLOCK, K_GROUPS, DP, HAS_K, SMOOTH, V_FMT, BALANCE, ROTATE, OFFSET
             block, _ROW_BLOCK, block_n, k_groups, dp, smooth_k or balance, smooth_k, v_fmt, balance, qk_rotate,
+            offset is not None,
         ), dict(enable_fp_fusion=FP_FUSION))
         return Quantized(q8, qs, k8, ks, v8, vs)
 
@@ -623,12 +638,14 @@ def quantize_qkv(
         q, qa, q8, qs, k, kmean, ka, k8, ks,
         v, qs if vmax is None else vmax, va, k8 if v8 is None else v8, qs if vs is None else vs, qs if bal is None else bal,
         runner.constant(_hadamard_int8(dp, dev)) if qk_rotate else q8, *(pooled if pooled is not None else (qs,) * 4),
+        qs if offset is None else offset,
         *q.stride(), *k.stride(), *v.stride(), *qa_strides, *ka_strides, *va_strides, *km_strides,
         *((0, 0, 0) if bal is None else bal.stride()), H, H_kv, Sq, Sk, D, sq_pad, sk_pad, nq,
-        q_scale_mult(sm_scale, dp, qk_rotate),
-        # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC, BALANCE, ROTATE, Q_TILES, POOL
+        q_scale_mult(sm_scale, dp, qk_rotate), sm_scale,
+        # Q_BLOCK, K_BLOCK, K_GROUPS, DP, SMOOTH, Q_STATIC, K_STATIC, V_FMT, V_STATIC, BALANCE, ROTATE, Q_TILES, POOL,
+        # OFFSET
         _ROW_BLOCK, block_n, k_groups, dp, smooth_k, q_amax is not None, k_amax is not None, v_fmt, v_amax is not None,
-        balance, qk_rotate, q_tiles, pooled is not None,
+        balance, qk_rotate, q_tiles, pooled is not None, offset is not None,
     ), dict(enable_fp_fusion=FP_FUSION))
     return Quantized(q8, qs, k8, ks, v8, vs)
 
