@@ -195,6 +195,40 @@ def test_a_pipeline_carries_its_skipped_blocks_and_counts_them():
     assert psnr(carried, dense).item() > psnr(dropped, dense).item()
 
 
+@torch._dynamo.config.patch(recompile_limit=64)
+def test_a_compiled_carried_denoiser_does_not_recompile_as_the_timestep_moves(monkeypatch):
+    # the carry reads the timestep (its noise level) outside the graph: traced, every step's timestep would be a
+    # constant some frame is guarded on, and a generation at new timesteps would compile new frames (the limit is
+    # raised so that they show as frames, not as a fallback to eager)
+    import diffusers as d
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = d.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8,
+                                    num_layers=2, sample_size=48, patch_size=2, num_embeds_ada_norm=10).eval()
+    x = dict(hidden_states=torch.randn(2, 4, 48, 48, generator=torch.Generator().manual_seed(1)),
+             class_labels=torch.tensor([1, 3]))  # 576 tokens: five key blocks
+    calls = []
+    carry = BlockCarry.__call__
+    monkeypatch.setattr(BlockCarry, "__call__", lambda self, *a, **kw: calls.append(1) or carry(self, *a, **kw))
+    handle = enable(model, "int8", sparsity=0.5, refresh_every=2, speed_gate=False)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    frames = []
+    try:
+        with torch.no_grad():
+            for timesteps in (torch.linspace(999, 1, 6), torch.linspace(999, 1, 6), torch.linspace(990, 3, 8)):
+                for t in timesteps:
+                    compiled(**{**x, "timestep": t.expand(2)}, return_dict=False)
+                frames.append(counter.frame_count)
+    finally:
+        handle.disable()
+        torch._dynamo.reset()
+    assert len(calls) == 2 * 20  # every call of both modules carried
+    assert frames[0] == frames[1] == frames[2], frames
+
+
 def test_without_the_timestep_the_blocks_are_dropped_with_one_warning():
     q, k, v = local_qkv(1, 2, 600, 600, 64, seed=6)
     proc = Int8DiffusionProcessor("int8", sparsity=0.5, refresh_every=2, speed_gate=False)

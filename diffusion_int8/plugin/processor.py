@@ -322,15 +322,13 @@ class Int8DiffusionProcessor(DispatcherCalls):
         tau = self.current_tau()
         if not _sparse(tau, key, attn_mask):
             tau = None
-        if tau is not None and self.carry is not None and self._carry_ready():
-            run = functools.partial(int8_core, mode, query, key, value, None, scale, ranges,
-                                    qk_balance=balance, qk_rotate=self.qk_rotate)
-            out, kept = self.carry(run, query, key, tau=tau, scale=scale,
-                                   keep_kv_blocks=self._text_blocks(query, key, full_keys),
-                                   noise=noise_level(self.state.timestep, None, self.state.timestep_scale))
-            if blocks:
-                self.state.count_blocks(kept, block_pairs(query, key))
-            return out
+        if tau is not None and self.carry is not None:
+            res = self._carried(mode, query, key, value, scale, ranges, balance, tau, full_keys)
+            if res is not None:
+                out, kept = res
+                if blocks:
+                    self.state.count_blocks(kept, block_pairs(query, key))
+                return out
         res = int8_core(mode, query, key, value, attn_mask, scale, ranges, qk_balance=balance,
                         qk_rotate=self.qk_rotate, sparsity=tau,
                         keep_kv_blocks=None if tau is None else self._text_blocks(query, key, full_keys),
@@ -355,6 +353,18 @@ class Int8DiffusionProcessor(DispatcherCalls):
     def balance_status(self) -> str:
         """What this module does about the Q·Kᵀ balance, in words (``BalanceChoice.status``)."""
         return self.balance.status()
+
+    @torch.compiler.disable  # reads the timestep, which a compiled graph would be guarded on (a recompile a step)
+    def _carried(self, mode, query, key, value, scale, ranges, balance, tau: float, full_keys: int):
+        """This call with its skipped blocks carried (``BlockCarry``): (output, kept block pairs), or None where
+        the timestep is unknown (the call then runs as one that drops them)."""
+        if not self._carry_ready():
+            return None
+        run = functools.partial(int8_core, mode, query, key, value, None, scale, ranges, qk_balance=balance,
+                                qk_rotate=self.qk_rotate)
+        return self.carry(run, query, key, tau=tau, scale=scale,
+                          keep_kv_blocks=self._text_blocks(query, key, full_keys),
+                          noise=noise_level(self.state.timestep, None, self.state.timestep_scale))
 
     def _carry_ready(self) -> bool:
         """Whether the skipped blocks can be carried: the denoising step is known (else, one warning, and they
