@@ -2,13 +2,19 @@
 flow-matching loop with the timestep moving, as a user runs it, stock against INT8 variants.
 
     python benchmarks/loop.py --out bench_out/loop.json [--models wan,hunyuanvideo] [--steps 50] [--carried 0.2:2,0.2:3]
-        [--compile]
+        [--compile] [--resolution 720p] [--blocks wan=6,hunyuanvideo=1+2]
 
 - **Wan2.1-T2V-1.3B** at 480p × 81 frames: all 30 blocks, 21 × 60 × 104 latents (32,760 tokens), CFG as
   diffusers' ``WanPipeline`` runs it: two denoiser calls a step (prompt, negative prompt), guidance 5.
 - **HunyuanVideo** at 544 × 960 × 61 frames (32,640 video tokens + 256 text, 76 of them padding): 2 of its 20
   double and 4 of its 40 single blocks (every block has the full model's attention shape; the full model's step
   adds the other blocks), guidance-distilled: one call a step.
+
+``--resolution 720p`` runs both at 1280 × 720, the published sparse-attention results' setting: Wan × 81 frames
+(21 × 90 × 160 latents, 75,600 tokens), HunyuanVideo × 129 frames (33 × 90 × 160, 118,800 video tokens).
+``--blocks`` cuts a model to fewer of its blocks (Wan: N of 30; HunyuanVideo: double+single), each block with the
+full model's shapes, to keep the long runs short: the ratio then counts the embeddings and the output layer a little
+more than the full model does.
 
 The timesteps come from diffusers' ``FlowMatchEulerDiscreteScheduler`` (shift 3 for Wan, 7 for HunyuanVideo), so
 a schedule or a carried variant sees them move as in the pipelines. Variants: stock; ``int8`` (``enable()``'s
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 import torch
@@ -31,10 +38,28 @@ from pipeline import cast, models
 
 import diffusion_int8
 
-CONFIGS = {  # model -> (latent frames, guidance scale or None for guidance-distilled, scheduler shift)
-    "wan": (21, 5.0, 3.0),
-    "hunyuanvideo": (16, None, 7.0),
+CONFIGS = {  # model -> (guidance scale or None for guidance-distilled, scheduler shift)
+    "wan": (5.0, 3.0),
+    "hunyuanvideo": (None, 7.0),
 }
+LATENTS = {  # (model, resolution) -> latent (frames, height, width)
+    ("wan", "480p"): (21, 60, 104),
+    ("wan", "720p"): (21, 90, 160),
+    ("hunyuanvideo", "544p"): (16, 68, 120),
+    ("hunyuanvideo", "720p"): (33, 90, 160),
+}
+DEFAULT_RESOLUTION = {"wan": "480p", "hunyuanvideo": "544p"}
+
+
+def cut(model, name: str, blocks: str):
+    """``model`` with only its first blocks: ``N`` of Wan's, ``D+S`` double and single blocks of HunyuanVideo's."""
+    if name == "wan":
+        model.blocks = model.blocks[:int(blocks)]
+    else:
+        double, single = (int(n) for n in blocks.split("+"))
+        model.transformer_blocks = model.transformer_blocks[:double]
+        model.single_transformer_blocks = model.single_transformer_blocks[:single]
+    return model
 
 
 def loop(model, x: dict, negative: dict | None, steps: int, guidance: float | None, shift: float) -> float:
@@ -65,18 +90,33 @@ def main() -> None:
     p.add_argument("--carried", default="0.2:2,0.2:3", help="carried settings, tau:k[,tau:k...] ('' for none)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--compiled-only", action="store_true", help="with --compile, only the compiled rows")
+    p.add_argument("--resolution", choices=("default", "720p"), default="default",
+                   help="default: Wan 480p, HunyuanVideo 544p; 720p: both at 1280 x 720")
+    p.add_argument("--blocks", default="", help="model=blocks[,...]: wan=N (of 30), hunyuanvideo=D+S (of 20+40)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     try:
         carried = [(float(t), int(k)) for t, k in (c.split(":") for c in args.carried.split(",") if c)]
     except ValueError:
         p.error(f"--carried takes tau:k pairs separated by commas (e.g. 0.2:2,0.2:3), got {args.carried!r}")
+    blocks = dict(b.split("=", 1) for b in args.blocks.split(",") if "=" in b)
+    pattern = {"wan": r"\d+", "hunyuanvideo": r"\d+\+\d+"}
+    if len(blocks) != len([b for b in args.blocks.split(",") if b]) or not all(
+            re.fullmatch(pattern.get(n, "$^"), v) for n, v in blocks.items()):
+        p.error(f"--blocks takes wan=N and hunyuanvideo=D+S, got {args.blocks!r}")
     builders = models()
     results = {"device": torch.cuda.get_device_name(), "steps": args.steps, "models": {}}
     for name in args.models.split(","):
-        frames, guidance, shift = CONFIGS[name]
+        guidance, shift = CONFIGS[name]
+        resolution = DEFAULT_RESOLUTION[name] if args.resolution == "default" else args.resolution
+        frames, height, width = LATENTS[name, resolution]
         model, x, dtype, what = builders[name]()
-        x["hidden_states"] = torch.randn(*x["hidden_states"].shape[:2], frames, *x["hidden_states"].shape[3:])
+        if name in blocks:
+            model = cut(model, name, blocks[name])
+            what = (f"{blocks[name]} of 30 blocks" if name == "wan" else
+                    "{} of 20 double + {} of 40 single blocks".format(*blocks[name].split("+")))
+        x["hidden_states"] = torch.randn(*x["hidden_states"].shape[:2], frames, height, width)
+        what += f"; {resolution}, {frames} x {height} x {width} latents"
         model, x = model.to("cuda", dtype).eval(), cast(x, dtype)
         negative = {"encoder_hidden_states": torch.randn_like(x["encoder_hidden_states"])} if guidance else None
         variants = {"stock": None, "int8": diffusion_int8.Int8Config("int8")}
@@ -107,8 +147,8 @@ def main() -> None:
         stock = {False: rows.get("stock", {}).get("seconds"), True: rows.get("stock, compiled", {}).get("seconds")}
         for label, row in rows.items():
             row["speedup"] = stock["compiled" in label] / row["seconds"]
-        results["models"][name] = {"what": what + f"; {frames} latent frames", "guidance": guidance, "rows": rows}
-        print(f"\n{name} ({what}; {frames} latent frames), {args.steps} steps, {torch.cuda.get_device_name()}")
+        results["models"][name] = {"what": what, "resolution": resolution, "guidance": guidance, "rows": rows}
+        print(f"\n{name} ({what}), {args.steps} steps, {torch.cuda.get_device_name()}")
         print("| variant | s | × stock | INT8 / gated calls | blocks skipped |\n|---|---|---|---|---|")
         for label, row in rows.items():
             calls = f"{row['int8_calls']} / {row['gated_calls']}" if "int8_calls" in row else "–"
