@@ -685,6 +685,12 @@ def test_a_padded_key_mask_runs_block_sparse_over_its_kept_keys(monkeypatch):
     hole[0, 3] = False
     dense = proc._attention(q, k, v, hole[:, None, None, :])
     assert torch.equal(dense, int8_attention(q, k, v, mode="int8", attn_mask=hole[:, None, None, :]))
+    # compiled (HunyuanVideo under torch.compile): the mask is read outside the graph, and the call runs sparse
+    torch._dynamo.reset()
+    compiled = torch.compile(proc._attention, backend="eager")
+    assert torch.equal(compiled(q, k, v, pad[:, None, None, :]), want)
+    assert torch.equal(compiled(q, k, v, hole[:, None, None, :]), dense)
+    torch._dynamo.reset()
 
 
 def test_processors_pickle_and_observers_take_one_call():

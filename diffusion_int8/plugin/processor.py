@@ -300,13 +300,8 @@ class Int8DiffusionProcessor(DispatcherCalls):
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)
         full_keys = key.shape[2]
-        if attn_mask is not None and counting and _sparse(self.current_tau(), key, None) and not (
-                query.is_cuda and torch.cuda.is_current_stream_capturing()):
-            # a key mask that keeps the first n keys (text padding at the end): attention over those keys without
-            # the mask is the same computation, and it can run block-sparse (one read of the mask per denoiser call)
-            n = self.state.valid_prefix(attn_mask, query.shape[0], query.shape[1], full_keys)
-            if n:
-                key, value, attn_mask = key[:, :, :n], value[:, :, :n], None
+        if attn_mask is not None and _sparse(self.current_tau(), key, None):
+            key, value, attn_mask = self._key_prefix(query, key, value, attn_mask)
         if self.gate is not None and not self.gate.pays(mode, query, key, attn_mask):
             return self._gated(query, key, value, attn_mask, scale, enable_gqa, exact, counting, blocks)
         ranges = self._static_ranges(query.device)
@@ -353,6 +348,16 @@ class Int8DiffusionProcessor(DispatcherCalls):
     def balance_status(self) -> str:
         """What this module does about the Q·Kᵀ balance, in words (``BalanceChoice.status``)."""
         return self.balance.status()
+
+    @torch.compiler.disable  # reads the mask's values: outside a compiled graph (a graph break where it applies)
+    def _key_prefix(self, query, key, value, attn_mask):
+        """(key, value, attn_mask) of a sparse call, cut to the first n keys without the mask where the mask keeps
+        exactly those (text padding at the end): the same computation, and one that can run block-sparse. The mask
+        is read once per denoiser call (``Int8State.valid_prefix``), never while a CUDA graph is captured."""
+        if query.is_cuda and torch.cuda.is_current_stream_capturing():
+            return key, value, attn_mask
+        n = self.state.valid_prefix(attn_mask, query.shape[0], query.shape[1], key.shape[2])
+        return (key[:, :, :n], value[:, :, :n], None) if n else (key, value, attn_mask)
 
     @torch.compiler.disable  # reads the timestep, which a compiled graph would be guarded on (a recompile a step)
     def _carried(self, mode, query, key, value, scale, ranges, balance, tau: float, full_keys: int):
