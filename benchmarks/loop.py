@@ -51,15 +51,19 @@ LATENTS = {  # (model, resolution) -> latent (frames, height, width)
 DEFAULT_RESOLUTION = {"wan": "480p", "hunyuanvideo": "544p"}
 
 
-def cut(model, name: str, blocks: str):
-    """``model`` with only its first blocks: ``N`` of Wan's, ``D+S`` double and single blocks of HunyuanVideo's."""
+def cut(model, name: str, blocks: str) -> str:
+    """Keep only ``model``'s first blocks, ``N`` of Wan's or ``D+S`` double and single blocks of HunyuanVideo's (at
+    least one of each, at most as many as it has), and say which it kept."""
+    lists = ("blocks",) if name == "wan" else ("transformer_blocks", "single_transformer_blocks")
+    counts = [int(n) for n in blocks.split("+")]
+    for attr, n in zip(lists, counts):
+        if not 1 <= n <= len(getattr(model, attr)):
+            raise SystemExit(f"--blocks {name}={blocks}: {attr} takes 1 to {len(getattr(model, attr))}")
+    for attr, n in zip(lists, counts):
+        setattr(model, attr, getattr(model, attr)[:n])
     if name == "wan":
-        model.blocks = model.blocks[:int(blocks)]
-    else:
-        double, single = (int(n) for n in blocks.split("+"))
-        model.transformer_blocks = model.transformer_blocks[:double]
-        model.single_transformer_blocks = model.single_transformer_blocks[:single]
-    return model
+        return f"{counts[0]} of 30 blocks"
+    return f"{counts[0]} of 20 double + {counts[1]} of 40 single blocks"
 
 
 def loop(model, x: dict, negative: dict | None, steps: int, guidance: float | None, shift: float) -> float:
@@ -92,7 +96,8 @@ def main() -> None:
     p.add_argument("--compiled-only", action="store_true", help="with --compile, only the compiled rows")
     p.add_argument("--resolution", choices=("default", "720p"), default="default",
                    help="default: Wan 480p, HunyuanVideo 544p; 720p: both at 1280 x 720")
-    p.add_argument("--blocks", default="", help="model=blocks[,...]: wan=N (of 30), hunyuanvideo=D+S (of 20+40)")
+    p.add_argument("--blocks", default="", help="model=blocks[,...]: wan=N (at most 30), hunyuanvideo=D+S (at most "
+                   "the 2 + 4 the benchmark builds)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     try:
@@ -111,10 +116,8 @@ def main() -> None:
         resolution = DEFAULT_RESOLUTION[name] if args.resolution == "default" else args.resolution
         frames, height, width = LATENTS[name, resolution]
         model, x, dtype, what = builders[name]()
-        if name in blocks:
-            model = cut(model, name, blocks[name])
-            what = (f"{blocks[name]} of 30 blocks" if name == "wan" else
-                    "{} of 20 double + {} of 40 single blocks".format(*blocks[name].split("+")))
+        if name in blocks:  # the full model's block counts stay in the label; the padding note after the ';'
+            what = cut(model, name, blocks[name]) + (what[what.index(";"):] if ";" in what else "")
         x["hidden_states"] = torch.randn(*x["hidden_states"].shape[:2], frames, height, width)
         what += f"; {resolution}, {frames} x {height} x {width} latents"
         model, x = model.to("cuda", dtype).eval(), cast(x, dtype)

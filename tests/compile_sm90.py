@@ -59,7 +59,7 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
             Q_BLOCK=64, K_BLOCK=cfg.block_n, K_GROUPS=cfg.k_groups, DP=dp, SMOOTH=smooth, Q_STATIC=static,
             K_STATIC=static, V_FMT=v_fmt, V_STATIC=static, BALANCE=balance, ROTATE=rotate,
             Q_TILES=1 if rotate else cfg.block_n // 64, POOL=not balance,  # the predictor's sums in half of them
-            OFFSET=smooth and balance),  # the smoothing offset (a log-sum-exp asked for) in some
+            OFFSET=smooth and balance == static),  # the smoothing offset (a log-sum-exp), with and without them
             divisible=divisible, ones=ones)
         stats = dict(Q="*" + dt, K="*" + dt, V="*" + dt, PART="*fp32", DONE="*i32", MOM="*fp32")
         compile_kernel(Qz._stats_kernel, stats, set(), dict(BLOCK=block, DP=dp, HAS_K=smooth or balance,

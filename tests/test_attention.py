@@ -686,15 +686,18 @@ def test_log_sum_exp(kdev, pv):
             assert cos >= min_cos and l1 <= max_l1, f"merged halves {pv}: cos {cos:.6f}, rel L1 {l1:.4f}"
 
 
-def test_log_sum_exp_with_a_static_mean(kdev):
-    # a calibrated K mean smooths K instead of the measured one: the log-sum-exp adds back that mean's offset (the
-    # quantization launch writes it), in the one-launch path for short sequences and in the two-launch path
+@pytest.mark.parametrize("static", [False, True])
+def test_log_sum_exp_adds_back_the_smoothing_offset_under_gqa(kdev, static):
+    # the log-sum-exp adds back what K's smoothing took off each row (the quantization launch writes it, reading the
+    # mean of the query head's K/V head): measured means in the one-launch path for short sequences (Sq·G and Sk
+    # ≤ 256) and in the two-launch path; a calibrated mean that is not K's own (always two launches)
     from diffusion_int8.kernels.attention import triton_attention
 
-    for Sk in (200, 700):
-        q, k, v = realistic_qkv(2, 4, 150, Sk, 64, H_kv=2, device=kdev)
-        mean = k.float().mean(2) + torch.randn(2, 2, 64, device=kdev)  # (B, H_kv, D), not K's own
-        kw = dict(layout="BHSD", pv=PV.FP8, sm_scale=0.125, k_mean=mean)
+    for Sq, Sk in ((100, 200), (150, 700)):
+        q, k, v = realistic_qkv(2, 4, Sq, Sk, 64, H_kv=2, device=kdev)
+        kw = dict(layout="BHSD", pv=PV.FP8, sm_scale=0.125)
+        if static:
+            kw["k_mean"] = k.float().mean(2) + torch.randn(2, 2, 64, device=kdev)  # (B, H_kv, D), not K's own
         out, lse = triton_attention(q, k, v, return_lse=True, **kw)
         emu, emu_lse = R.emulate_attention(q, k, v, return_lse=True, **kw)
         _, ref_lse = R.attention_ref(q, k, v, layout="BHSD", return_lse=True)

@@ -217,8 +217,8 @@ def smoothing_offset(q: torch.Tensor, k: torch.Tensor, sm_scale: float, smooth_k
     H_kv = k.shape[1]
     mean = token_mean(k) if k_mean is None else k_mean.float().expand(B, H_kv, D)
     # the mean as two of Q's 16-bit numbers (high and low parts: 16 bits of mantissa in bf16), products summed in
-    # float32: on a GPU one batched GEMV per batch element reads Q in place (a float32 copy of Q cost as much as
-    # the rest of the log-sum-exp)
+    # float32: on a GPU the emulation's batched GEMV per batch element reads Q in place, without a float32 copy of Q
+    # (the Triton path has the quantization launch write the offset: ``quantize.quantize_qkv(..., offset=)``)
     mean = mean.index_select(1, _gqa_index(H, H_kv, q.device))
     hi = mean.to(q.dtype)
     parts = torch.stack([hi, (mean - hi.float()).to(q.dtype)], dim=-1)  # (B, H, D, 2)

@@ -279,11 +279,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
             noise = None if self.state.timestep is None else noise_level(self.state.timestep, None,
                                                                          self.state.timestep_scale)
             # a key mask that keeps the first n keys is shown cut, as a sparse call runs it (the same computation)
-            seen = (key, value, attn_mask)
-            if attn_mask is not None and not torch.compiler.is_compiling():
-                n = self.state.valid_prefix(attn_mask, query.shape[0], query.shape[1], key.shape[2])
-                if n:
-                    seen = (key[:, :, :n], value[:, :, :n], None)
+            seen = (key, value, attn_mask) if attn_mask is None else self._key_prefix(query, key, value, attn_mask)
             predict = functools.partial(self.block_mask_for, full_keys=key.shape[2])
             self.observer(AttentionCall(self.name, self.state.step, self.state.timestep, noise, query, *seen[:2],
                                         seen[2], scale, exact, self._text_blocks(query, seen[0], key.shape[2]),
