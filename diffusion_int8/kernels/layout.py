@@ -72,7 +72,7 @@ def static_range(amax: torch.Tensor) -> torch.Tensor:
 def v_channel_amax(v: torch.Tensor, v_amax: torch.Tensor | None = None, static: bool = True) -> torch.Tensor:
     """Per-channel range of V, floored, NaN where a channel holds a NaN/Inf, padded with 1.
 
-    v: (B, H, S, D). v_amax: a measured (e.g. ``kv_stats``) or static range broadcastable to
+    v: (B, H, S, D). v_amax: a measured (e.g. ``quantize.kv_moments``) or static range broadcastable to
     (B, H, D) (a static one, ``static=True``, is read through ``static_range``); measured here when None.
     Returns (B, H, DP) float32.
     """

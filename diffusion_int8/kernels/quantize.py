@@ -20,7 +20,7 @@ from .config import (
     tile_config,
 )
 from .launch import EAGER, Runner
-from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation, chunking, padded_len, stats_block, v_channel_amax
+from .layout import MAX_CHUNKS, Q_SAMPLE_EVERY, balance_applies, check_rotation, chunking, padded_len, stats_block
 from .pool import Pooled, pool_tile
 from .reference import hadamard, q_scale_mult
 from .tl_helpers import keys_to_v8_order, rdiv, round_to_int8, v8_keys_permuted
@@ -481,8 +481,8 @@ def kv_moments(k: torch.Tensor | None, v: torch.Tensor | None, runner: Runner = 
     """One statistics pass over K and/or V (either may be None, not both): K's token mean and V's per-channel
     |max|, (B, H, DP) float32 each, padded channels 0 (None for an input not given; NaN in a channel holding a
     NaN/Inf); with ``q`` (B, H * G, Sq, D) also Q·Kᵀ's channel balance (``reference.balance_scales``, of K's
-    channels less their mean if ``smooth_k``; needs ``k``), else None. ``quantize_qkv`` reads all three;
-    ``kv_stats`` gives the first two in the reference's form."""
+    channels less their mean if ``smooth_k``; needs ``k``), else None. ``quantize_qkv`` reads all three.
+    """
     x = k if k is not None else v
     B, H, S, D = x.shape
     dp = padded_head_dim(D)
@@ -500,18 +500,6 @@ def kv_moments(k: torch.Tensor | None, v: torch.Tensor | None, runner: Runner = 
         block, dp, k is not None, v is not None, smooth_k, q is not None,
     ), dict(enable_fp_fusion=FP_FUSION))
     return tuple(None if t is None else m for t, m in ((k, moments[0]), (v, moments[1]), (q, moments[2])))
-
-
-def kv_stats(k: torch.Tensor, v: torch.Tensor | None):
-    """K's token mean (B, H, D) and V's range ``reference.v_channel_amax(v)`` (B, H, DP), float32, as
-    the quantization kernel computes them (the range is None when ``v`` is).
-
-    The Triton twin of ``reference.token_mean`` (the same sums in the same order, bit for bit) and
-    ``reference.v_channel_amax``.
-    """
-    D = k.shape[3]
-    mean, vmax, _ = kv_moments(k, v)
-    return mean[..., :D], (None if v is None else v_channel_amax(v, vmax[..., :D], static=False))
 
 
 class Quantized(NamedTuple):
