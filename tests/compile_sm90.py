@@ -31,7 +31,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 _PV_PTR = {PV.FP16: None, PV.FP8: "*fp8e4nv", PV.INT8: "*i8"}
 
 
-def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict, divisible=(), ones=()):
+def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict, divisible=(), ones=(), options=None):
     """Compile ``fn`` with the specialization the launcher gets at run time: pointers (PyTorch allocations)
     and the integers in ``divisible`` marked multiples of 16, those in ``ones`` (unit strides) the constant 1.
     Without it the code differs from what runs (unvectorized loads, spills), so its SASS would mislead."""
@@ -39,7 +39,7 @@ def compile_kernel(fn, ptrs: dict, floats: set, constexprs: dict, divisible=(), 
     sig = {n: "constexpr" if n in constexprs else ptrs.get(n) or ("fp32" if n in floats else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *divisible)}
     src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
-    return triton.compile(src, target=TARGET, options=dict(enable_fp_fusion=FP_FUSION))
+    return triton.compile(src, target=TARGET, options=dict(enable_fp_fusion=FP_FUSION, **(options or {})))
 
 
 def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
@@ -95,7 +95,7 @@ def attention_variant(D, pv, mask, dt="fp16", sparse=False, split=False):
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=pv.code, MASK=mask,
         V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups, SPARSE=sparse, ABLATE=0, RETURN_LSE=False,
         SPLIT=split),
-        divisible=("SQ_PAD", "SK_PAD", "N_FULL"))
+        divisible=("SQ_PAD", "SK_PAD", "N_FULL"), options=A.listed_options(pv, padded_head_dim(D), sparse))
 
 
 def sparse_variants() -> int:
