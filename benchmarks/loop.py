@@ -2,7 +2,7 @@
 flow-matching loop with the timestep moving, as a user runs it, stock against INT8 variants.
 
     python benchmarks/loop.py --out bench_out/loop.json [--models wan,hunyuanvideo] [--steps 50] [--carried 0.2:2,0.2:3]
-        [--compile] [--resolution 720p] [--blocks wan=6,hunyuanvideo=1+2]
+        [--compile] [--resolution 720p] [--blocks wan=6,hunyuanvideo=1+2] [--bound]
 
 - **Wan2.1-T2V-1.3B** at 480p × 81 frames: all 30 blocks, 21 × 60 × 104 latents (32,760 tokens), CFG as
   diffusers' ``WanPipeline`` runs it: two denoiser calls a step (prompt, negative prompt), guidance 5.
@@ -23,15 +23,20 @@ blocks are carried, one variant per ``--carried tau:k`` (sparsity level tau, a r
 0.2:2 and 0.2:3, the settings the long shipped model's quality table gives about 36.8 and 30.2 dB for,
 BENCHMARKS.md "Skipped blocks carried"). Each variant runs a 3-step warm-up loop, then the timed loop (host clock,
 synchronized at both ends). ``--compile`` adds each variant with ``torch.compile(model)`` after ``enable`` (the
-warm-up compiles; a carried variant's bookkeeping runs eagerly between graphs). Ratios compare variants of one run.
+warm-up compiles; a carried variant's bookkeeping runs eagerly between graphs). ``--bound`` adds *no attention*:
+the stock model with every SDPA call returning its query unread, so the loop keeps everything but attention (the
+projections, norms, rotary embeddings, feed-forward layers): the ceiling of any method that speeds up attention
+alone. Ratios compare variants of one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import time
+from unittest import mock
 
 import torch
 from pipeline import cast, models
@@ -66,6 +71,15 @@ def cut(model, name: str, blocks: str) -> str:
     return f"{counts[0]} of 20 double + {counts[1]} of 40 single blocks"
 
 
+NO_ATTENTION = "no attention (bound)"
+
+
+def no_attention():
+    """``torch.nn.functional.scaled_dot_product_attention`` returning its query, (B, H, Sq, D) as attention's output:
+    what a loop costs with attention free."""
+    return mock.patch("torch.nn.functional.scaled_dot_product_attention", lambda query, *args, **kwargs: query)
+
+
 def loop(model, x: dict, negative: dict | None, steps: int, guidance: float | None, shift: float) -> float:
     """Seconds of a ``steps``-step Euler flow-matching loop over ``model`` from ``x``'s latents."""
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -98,6 +112,7 @@ def main() -> None:
                    help="default: Wan 480p, HunyuanVideo 544p; 720p: both at 1280 x 720")
     p.add_argument("--blocks", default="", help="model=blocks[,...]: wan=N (at most 30), hunyuanvideo=D+S (at most "
                    "the 2 + 4 the benchmark builds)")
+    p.add_argument("--bound", action="store_true", help="add the stock model with attention taking no time")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     try:
@@ -126,6 +141,8 @@ def main() -> None:
         for tau, every in carried:
             variants[f"int8 sparsity {tau:g} carried (refresh every {every})"] = diffusion_int8.Int8Config(
                 "int8", sparsity=tau, refresh_every=every)
+        if args.bound:
+            variants[NO_ATTENTION] = None
         runs = [] if args.compiled_only else [(n, c, False) for n, c in variants.items()]
         if args.compile or args.compiled_only:
             runs += [(f"{n}, compiled", c, True) for n, c in variants.items()]
@@ -133,10 +150,11 @@ def main() -> None:
         for label, config, compiled in runs:
             handle = diffusion_int8.enable(model, config, record=True) if config is not None else None
             run = torch.compile(model) if compiled else model
-            loop(run, x, negative, 3, guidance, shift)  # warm-up: kernels, plans, compilation
-            if handle is not None:
-                handle.state.reset()
-            seconds = loop(run, x, negative, args.steps, guidance, shift)
+            with no_attention() if label.startswith(NO_ATTENTION) else contextlib.nullcontext():
+                loop(run, x, negative, 3, guidance, shift)  # warm-up: kernels, plans, compilation
+                if handle is not None:
+                    handle.state.reset()
+                seconds = loop(run, x, negative, args.steps, guidance, shift)
             row = {"seconds": seconds}
             if handle is not None:  # eager runs count the calls and blocks; compiled graphs do not
                 skipped = handle.state.skipped_blocks()
