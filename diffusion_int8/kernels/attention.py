@@ -17,7 +17,7 @@ import triton.language as tl
 from . import pool
 from . import quantize as tq
 from .config import (FP8_P_SHIFT, FP_FUSION, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, TESTED_TRITON, Kernel,
-                     padded_head_dim, tile_config)
+                     is_sm90, padded_head_dim, tile_config)
 from .cache import signature
 from .launch import EAGER, Runner, plan_or_run
 from .key_mask import KeyMaskPlan, as_key_mask
@@ -609,15 +609,21 @@ def attend(
         pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, blocks is not None, _ablate, lse is not None,
         skipped is not None,
     ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
-            **listed_options(pv, q8.shape[-1], blocks is not None)))
+            **(listed_options(pv, q8.shape[-1], blocks is not None) if is_sm90(ob.device) else {})))
+
+
+# The portable kernel's FP8 loop at head dim 64 holds 168 registers a thread: three 4-warp CTAs an SM.
+_LISTED_MAXNREG = 168
 
 
 def listed_options(pv: PV, dp: int, listed: bool) -> dict:
-    """Launch options of the portable kernel beyond its tile. Block lists take its FP8 loop at head dim 64 past 168
-    registers a thread (182, and 255 with the skipped blocks written apart), to two CTAs an SM from the dense loop's
-    three; capped at 168 it spills a few words and runs 4-8% faster at CogVideoX's shape (H100). The cap costs
-    16-bit P·V 15%, so it stays with FP8."""
-    return dict(maxnreg=168) if listed and pv is PV.FP8 and dp <= 64 else {}
+    """The portable kernel's launch options beyond its tile, on sm_90. Block lists take its FP8 loop at padded head
+    dim 64 to about 180 registers a thread, and the refresh's two lists (skipped blocks written apart) to 255: two
+    CTAs an SM where the dense loop has three. Capped at ``_LISTED_MAXNREG`` (the listed loop spills a few dozen
+    bytes a thread, the refresh a few hundred with newer Tritons), the listed loop ran 4-5% faster and the refresh
+    9-10% at CogVideoX's shape (H100, Triton 3.6). The same cap cost a dense 16-bit P·V loop 15%, so it stays with FP8; other head dims and GPUs were
+    not measured."""
+    return dict(maxnreg=_LISTED_MAXNREG) if listed and pv is PV.FP8 and dp == 64 else {}
 
 
 def call_kernel(ob: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, masked: bool) -> Kernel:
@@ -648,8 +654,7 @@ def sm90_unavailable() -> str | None:
 
 def hopper_applies(device: torch.device, pv: PV, dp: int) -> bool:
     """Whether an unmasked call at padded head dim ``dp`` on ``device`` is one the sm_90 kernels are for."""
-    return (device.type == "cuda" and pv is not PV.INT8 and dp == 128
-            and torch.cuda.get_device_capability(device.index) == (9, 0))
+    return pv is not PV.INT8 and dp == 128 and is_sm90(device)
 
 
 def sm90_kernel_usable(device: torch.device) -> bool:

@@ -206,6 +206,17 @@ def select_backend(device: torch.device) -> Backend:
     return Backend.EMULATION
 
 
+def is_sm90(device: torch.device) -> bool:
+    """Whether ``device`` is an NVIDIA sm_90 GPU (H100, H200): the one the Gluon kernels and the tuned launch options
+    are for. ROCm devices, whose capability can also read (9, 0), are not."""
+    return device.type == "cuda" and _is_sm90(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int | None) -> bool:  # asked once per device, not per call
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) == (9, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _has_fp8(device_type: str, index: int | None) -> bool:
     return device_type != "cuda" or torch.cuda.get_device_capability(index) >= (8, 9)

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .config import FP8_P_SHIFT, FP_FUSION, LN2, PV, SPARSE_BLOCK, TESTED_TRITON
+from .config import FP8_P_SHIFT, FP_FUSION, LN2, PV, SPARSE_BLOCK, TESTED_TRITON, is_sm90
 from .launch import EAGER, Runner
 from .layout import rows_16b_aligned
 
@@ -649,12 +649,6 @@ def _plan(dp: int, pv: PV) -> _Plan | None:
     return _Plan(128, 64, 4, 3) if pv is PV.FP8 else _Plan(128, 128, 4, 2)
 
 
-@functools.lru_cache(maxsize=None)
-def _is_sm90(index: int | None) -> bool:
-    # wgmma exists on sm_90 only; asked once per device, not per call
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def supports(q: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, has_mask: bool) -> bool:
     """Whether the sm_90 kernel takes this call (else the portable kernel does).
 
@@ -662,9 +656,7 @@ def supports(q: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, has_mask: bool)
     the queries), FP8 or 16-bit P·V at a head dim the tile table covers, and for 16-bit P·V a V that TMA can read
     in place.
     """
-    if has_mask or pv is PV.INT8 or q.device.type != "cuda" or _plan(dp, pv) is None:
-        return False
-    if not _is_sm90(q.device.index):
+    if has_mask or pv is PV.INT8 or not is_sm90(q.device) or _plan(dp, pv) is None:  # wgmma: sm_90 only
         return False
     if pv is PV.FP16:  # whole rows, 16-byte aligned strides and base
         return vb.shape[-1] == dp and vb.data_ptr() % 16 == 0 and rows_16b_aligned(vb)
