@@ -621,8 +621,8 @@ def listed_options(pv: PV, dp: int, listed: bool) -> dict:
     dim 64 to about 180 registers a thread, and the refresh's two lists (skipped blocks written apart) to 255: two
     CTAs an SM where the dense loop has three. Capped at ``_LISTED_MAXNREG`` (the listed loop spills a few dozen
     bytes a thread, the refresh a few hundred with newer Tritons), the listed loop ran 4-5% faster and the refresh
-    9-10% at CogVideoX's shape (H100, Triton 3.6). The same cap cost a dense 16-bit P·V loop 15%, so it stays with FP8; other head dims and GPUs were
-    not measured."""
+    9-10% at CogVideoX's shape (H100, Triton 3.6). The same cap cost a dense 16-bit P·V loop 15%, so it stays with
+    FP8; other head dims and GPUs were not measured."""
     return dict(maxnreg=_LISTED_MAXNREG) if listed and pv is PV.FP8 and dp == 64 else {}
 
 
