@@ -533,6 +533,22 @@ def test_kernels_are_named_in_one_place():
     assert attention.planned_kernel(torch.device("cpu"), PV.FP8, 128) == (Kernel.TRITON, None)
 
 
+def test_sm90_means_an_nvidia_sm90_gpu(monkeypatch):
+    # the Gluon kernels and the listed loop's register cap are for NVIDIA sm_90; a ROCm GPU can report (9, 0) too
+    from diffusion_int8.kernels import config
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    gpu = torch.device("cuda", 0)
+    try:
+        for hip, expected in ((None, True), ("6.4", False)):
+            config._is_sm90.cache_clear()
+            monkeypatch.setattr(torch.version, "hip", hip)
+            assert config.is_sm90(gpu) is expected
+            assert config.is_sm90(torch.device("cpu")) is False
+    finally:
+        config._is_sm90.cache_clear()  # no answer from the faked capability outlives the test
+
+
 def test_gluon_import_failure_falls_back():
     # A Triton without a Gluon name the kernels use (3.7 renamed the CTA barrier): the package imports, the portable kernel is chosen and
     # the reason is kept (a subprocess, since the import happens once)
