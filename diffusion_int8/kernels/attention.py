@@ -207,16 +207,35 @@ def _attn_fwd_kernel(
         row = off_bh.to(tl.int64) * NQB + start_m * BLOCK_M // _SPARSE_BLOCK
         idx_ptr = KB_IDX + row * NKB
         n_first = tl.load(KB_CNT + row)
+        # SPLIT with one tile a block: the sequence's tail block (the last of whichever list holds it) runs at one
+        # place between the lists, after the skipped ones' write when the mask keeps it (two copies of its masked
+        # tile, one per list, held 255 registers). With several tiles a block each list runs its own: the write's
+        # second copy cost more than the tail's.
+        ONE_TAIL: tl.constexpr = SPLIT and BLOCK_N == _SPARSE_BLOCK
         acc, m_i, l_i = _attn_listed(
             acc, m_i, l_i, idx_ptr, n_first, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
-            SQ, SK, D, NKB, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE)
-        if SPLIT:
+            SQ, SK, D, NKB, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE, not ONE_TAIL)
+        if ONE_TAIL:
+            tail_skipped = _has_tail(idx_ptr, n_first, SK, NKB)
+            tail = tail_skipped | _has_tail(idx_ptr + n_first, NKB - n_first, SK, NKB)
+            if not tail_skipped:
+                _store_rows(acc, m_i, l_i, OS, LSES, VS, off_kv, b, h, off_bh, offs_m, offs_d, SQ, D,
+                            stride_ob, stride_oh, stride_os, stride_od, DP, PV, P_SHIFT, True)
+            if tail:
+                acc, m_i, l_i = _attn_tail(
+                    acc, m_i, l_i, NKB - 1, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
+                    SQ, SK, D, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE)
+            if tail_skipped:
+                _store_rows(acc, m_i, l_i, OS, LSES, VS, off_kv, b, h, off_bh, offs_m, offs_d, SQ, D,
+                            stride_ob, stride_oh, stride_os, stride_od, DP, PV, P_SHIFT, True)
+        elif SPLIT:
             _store_rows(acc, m_i, l_i, OS, LSES, VS, off_kv, b, h, off_bh, offs_m, offs_d, SQ, D,
                         stride_ob, stride_oh, stride_os, stride_od, DP, PV, P_SHIFT, True)
+        if SPLIT:
             acc, m_i, l_i = _attn_listed(
                 acc, m_i, l_i, idx_ptr + n_first, NKB - n_first, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m,
                 offs_n, offs_d, SQ, SK, D, NKB, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT,
-                K_GROUPS, ABLATE)
+                K_GROUPS, ABLATE, not ONE_TAIL)
     elif MASK == 3:
         # a key mask (``key_mask_plan``): this row's clean tiles unmasked, then its partial ones with the key bias
         # (MASK_PTR); tiles whose every key is masked are not listed. stride_mb/stride_mh: the list row's strides.
@@ -275,16 +294,22 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
+def _has_tail(idx_ptr, n, SK, NKB):
+    """Whether the ``n`` key blocks listed ascending at ``idx_ptr`` end with the sequence's partial last block."""
+    last = tl.load(idx_ptr + tl.maximum(n - 1, 0), mask=n > 0, other=0)
+    return (n > 0) & (SK % _SPARSE_BLOCK != 0) & (last == NKB - 1)
+
+
+@triton.jit
 def _attn_listed(
     acc, m_i, l_i, idx_ptr, n, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
     SQ, SK, D, NKB, stride_vs, stride_mn, v_tok,
     BLOCK_N: tl.constexpr, DP: tl.constexpr, PV: tl.constexpr, MASK: tl.constexpr, P_SHIFT: tl.constexpr,
-    K_GROUPS: tl.constexpr, ABLATE: tl.constexpr,
+    K_GROUPS: tl.constexpr, ABLATE: tl.constexpr, TAIL: tl.constexpr,
 ):
-    """The ``n`` key blocks listed ascending at ``idx_ptr``, into the running state. The sequence's tail block,
-    when listed, is the list's last: its tiles run after the loop, the partial one masked."""
-    last = tl.load(idx_ptr + tl.maximum(n - 1, 0), mask=n > 0, other=0)
-    has_tail = (n > 0) & (SK % _SPARSE_BLOCK != 0) & (last == NKB - 1)
+    """The ``n`` key blocks listed ascending at ``idx_ptr``, into the running state. The sequence's partial last
+    block, when listed, is the list's last: with ``TAIL`` its tiles run after the loop, else the caller runs them."""
+    has_tail = _has_tail(idx_ptr, n, SK, NKB)
     kb_next = tl.load(idx_ptr, mask=n > 0, other=0)
     for i in range(n - has_tail.to(tl.int32)):
         kb = kb_next
@@ -296,21 +321,43 @@ def _attn_listed(
                 ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
                 SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
             )
-    if has_tail:  # its whole tiles as the dense loop runs them, then the partial one
-        for t in tl.static_range(_SPARSE_BLOCK // BLOCK_N):
-            start_n = last * _SPARSE_BLOCK + t * BLOCK_N
-            if start_n + BLOCK_N <= SK:
-                acc, m_i, l_i = _attn_block(
-                    acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
-                    ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
-                    SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
-                )
-            elif start_n < SK:
-                acc, m_i, l_i = _attn_block(
-                    acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
-                    ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
-                    SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
-                )
+    if TAIL:
+        if has_tail:
+            acc, m_i, l_i = _attn_tail(
+                acc, m_i, l_i, NKB - 1, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
+                SQ, SK, D, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_tail(
+    acc, m_i, l_i, kb, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
+    SQ, SK, D, stride_vs, stride_mn, v_tok,
+    BLOCK_N: tl.constexpr, DP: tl.constexpr, PV: tl.constexpr, MASK: tl.constexpr, P_SHIFT: tl.constexpr,
+    K_GROUPS: tl.constexpr, ABLATE: tl.constexpr,
+):
+    """Key block ``kb``, the sequence's partial last one: its whole tiles as the dense loop runs them, then the
+    partial one masked."""
+    for t in tl.static_range(_SPARSE_BLOCK // BLOCK_N):
+        start_n = kb * _SPARSE_BLOCK + t * BLOCK_N
+        if BLOCK_N == _SPARSE_BLOCK:  # one tile, the partial one: no copy of the whole tiles' code
+            acc, m_i, l_i = _attn_block(
+                acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
+                ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
+                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
+            )
+        elif start_n + BLOCK_N <= SK:
+            acc, m_i, l_i = _attn_block(
+                acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
+                ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
+                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
+            )
+        elif start_n < SK:
+            acc, m_i, l_i = _attn_block(
+                acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
+                ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
+                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
+            )
     return acc, m_i, l_i
 
 
@@ -609,21 +656,21 @@ def attend(
         pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, blocks is not None, _ablate, lse is not None,
         skipped is not None,
     ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
-            **(listed_options(pv, q8.shape[-1], blocks is not None) if is_sm90(ob.device) else {})))
+            **(split_options(pv, q8.shape[-1], skipped is not None) if is_sm90(ob.device) else {})))
 
 
 # The portable kernel's FP8 loop at head dim 64 holds 168 registers a thread: three 4-warp CTAs an SM.
-_LISTED_MAXNREG = 168
+_SPLIT_MAXNREG = 168
 
 
-def listed_options(pv: PV, dp: int, listed: bool) -> dict:
-    """The portable kernel's launch options beyond its tile, on sm_90. Block lists take its FP8 loop at padded head
-    dim 64 to about 180 registers a thread, and the refresh's two lists (skipped blocks written apart) to 255: two
-    CTAs an SM where the dense loop has three. Capped at ``_LISTED_MAXNREG`` (the listed loop spills a few dozen
-    bytes a thread, the refresh a few hundred with newer Tritons), the listed loop ran 4-5% faster and the refresh
-    9-10% at CogVideoX's shape (H100, Triton 3.6). The same cap cost a dense 16-bit P·V loop 15%, so it stays with
-    FP8; other head dims and GPUs were not measured."""
-    return dict(maxnreg=_LISTED_MAXNREG) if listed and pv is PV.FP8 and dp == 64 else {}
+def split_options(pv: PV, dp: int, split: bool) -> dict:
+    """The portable kernel's launch options beyond its tile, on sm_90. Writing the skipped blocks apart (a carried
+    refresh) takes its FP8 loop at padded head dim 64 to 217 registers a thread: two CTAs an SM where the dense and
+    the block-listed loops (168, 166) have three. Capped at ``_SPLIT_MAXNREG`` it compiles without spilling (Triton
+    3.6; 8 bytes with 3.9). A cap at 168 on the listed loop before it fit (182 registers then, a few dozen bytes
+    spilled) ran it 4-5% faster and the refresh 9-10% at CogVideoX's shape (H100, Triton 3.6). The same cap cost a
+    dense 16-bit P·V loop 15%, so it stays with FP8; other head dims and GPUs were not measured."""
+    return dict(maxnreg=_SPLIT_MAXNREG) if split and pv is PV.FP8 and dp == 64 else {}
 
 
 def call_kernel(ob: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, masked: bool) -> Kernel:
