@@ -145,7 +145,9 @@ def test_one_launch_returns_the_dense_result_and_the_skipped_blocks_apart(kdev, 
     n = 1 if kdev == "cpu" else 8
     for B, H, H_kv, Sq, Sk, layout, view in [(1, 2, 2, 300 * n, 333 * n, "BHSD", False),
                                              (2, 2, 2, 129 * n, 257 * n, "BSHD", False),
-                                             (1, 4, 2, 200 * n, 270 * n, "BHSD", True)]:
+                                             (1, 4, 2, 200 * n, 270 * n, "BHSD", True),
+                                             (1, 2, 2, 200, 256, "BHSD", False),  # no partial key block
+                                             (1, 2, 2, 200, 100, "BHSD", False)]:  # one key block, partial
         q, k, v = realistic_qkv(B, H, Sq, Sk, D, H_kv=H_kv, layout=layout, device=kdev, seed=D + Sq)
         if view:
             q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))

@@ -207,21 +207,20 @@ def _attn_fwd_kernel(
         row = off_bh.to(tl.int64) * NQB + start_m * BLOCK_M // _SPARSE_BLOCK
         idx_ptr = KB_IDX + row * NKB
         n_first = tl.load(KB_CNT + row)
-        # SPLIT with one tile a block: the sequence's tail block (the last of whichever list holds it) runs at one
-        # place between the lists, after the skipped ones' write when the mask keeps it (two copies of its masked
-        # tile, one per list, held 255 registers). With several tiles a block each list runs its own: the write's
-        # second copy cost more than the tail's.
+        # SPLIT with one tile a block: the sequence's partial last block runs once, between the lists: before the
+        # skipped blocks' write when the mask skips it, after it when the mask keeps it (a masked tile in each list
+        # would not fit the loop's registers). With several tiles a block each list runs its own: there a second
+        # copy of the write spills more than a second copy of the partial block.
         ONE_TAIL: tl.constexpr = SPLIT and BLOCK_N == _SPARSE_BLOCK
         acc, m_i, l_i = _attn_listed(
             acc, m_i, l_i, idx_ptr, n_first, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
             SQ, SK, D, NKB, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE, not ONE_TAIL)
         if ONE_TAIL:
             tail_skipped = _has_tail(idx_ptr, n_first, SK, NKB)
-            tail = tail_skipped | _has_tail(idx_ptr + n_first, NKB - n_first, SK, NKB)
             if not tail_skipped:
                 _store_rows(acc, m_i, l_i, OS, LSES, VS, off_kv, b, h, off_bh, offs_m, offs_d, SQ, D,
                             stride_ob, stride_oh, stride_os, stride_od, DP, PV, P_SHIFT, True)
-            if tail:
+            if SK % _SPARSE_BLOCK != 0:  # the lists hold every block: the partial one is in one of them
                 acc, m_i, l_i = _attn_tail(
                     acc, m_i, l_i, NKB - 1, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
                     SQ, SK, D, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE)
@@ -665,11 +664,12 @@ _SPLIT_MAXNREG = 168
 
 def split_options(pv: PV, dp: int, split: bool) -> dict:
     """The portable kernel's launch options beyond its tile, on sm_90. Writing the skipped blocks apart (a carried
-    refresh) takes its FP8 loop at padded head dim 64 to 217 registers a thread: two CTAs an SM where the dense and
-    the block-listed loops (168, 166) have three. Capped at ``_SPLIT_MAXNREG`` it compiles without spilling (Triton
-    3.6; 8 bytes with 3.9). A cap at 168 on the listed loop before it fit (182 registers then, a few dozen bytes
-    spilled) ran it 4-5% faster and the refresh 9-10% at CogVideoX's shape (H100, Triton 3.6). The same cap cost a
-    dense 16-bit P·V loop 15%, so it stays with FP8; other head dims and GPUs were not measured."""
+    refresh) takes its FP8 loop at padded head dim 64 to about 215 registers a thread at CogVideoX's launch (unit
+    channel strides, head dim a multiple of 16): two CTAs an SM where the dense and the block-listed loops (168, 166)
+    have three. Capped at ``_SPLIT_MAXNREG`` it spills nothing there with Triton 3.6 (8 bytes with 3.9; a few dozen
+    at head dims off 16). Not yet timed in this form: the same cap on an earlier layout of the kernel, which spilled
+    32-56 bytes, ran the refresh 9-10% faster (H100, Triton 3.6). A cap at 168 cost a dense 16-bit P·V loop 15%, so
+    it stays with FP8; other head dims and GPUs were not measured."""
     return dict(maxnreg=_SPLIT_MAXNREG) if split and pv is PV.FP8 and dp == 64 else {}
 
 
