@@ -20,11 +20,13 @@ from torch.overrides import TorchFunctionMode
 
 from ..kernels import Mode, StaticRanges, int8_attention
 from ..kernels.config import MAX_HEAD_DIM
+from .rotary import with_fast_rotary
 
 
 def routed(fn: Callable, sdpa: Callable, dispatch: Callable) -> Callable | None:
     """A copy of the stock processor's ``__call__`` ``fn`` whose module-level ``F.scaled_dot_product_attention``
-    is ``sdpa`` and ``dispatch_attention_fn`` is ``dispatch``; None when ``fn`` reaches attention through neither."""
+    is ``sdpa`` and ``dispatch_attention_fn`` is ``dispatch``, and whose nested Wan rotary embedding runs in one
+    launch (``rotary.with_fast_rotary``); None when ``fn`` reaches attention through neither."""
     g = fn.__globals__
     names = {}
     if g.get("F") is F:
@@ -36,7 +38,8 @@ def routed(fn: Callable, sdpa: Callable, dispatch: Callable) -> Callable | None:
         names["dispatch_attention_fn"] = dispatch
     if not names:
         return None
-    copy = types.FunctionType(fn.__code__, {**g, **names}, fn.__name__, fn.__defaults__, fn.__closure__)
+    code, rotary = with_fast_rotary(fn.__code__, g)
+    copy = types.FunctionType(code, {**g, **names, **rotary}, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
 

@@ -1,0 +1,109 @@
+"""Wan's rotary position embedding in one launch, equal to diffusers' bit for bit.
+
+diffusers' Wan processors rotate Q and K with a nested ``apply_rotary_emb`` of about a dozen PyTorch ops per tensor
+(strided reads, four products, two sums, two strided writes, float32 temporaries): at 480p × 81 frames, Q's and K's
+cost a quarter of an INT8 attention call. ``rotate_pairs`` reads each input once and writes the result once. Every
+product and sum is rounded to the dtype PyTorch computes it in (the promotion of the input's and the tables'), and
+the kernel is compiled without fused multiply-adds, so the result is the stock function's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import Backend, select_backend
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' constexpr for a compute dtype
+
+
+@triton.jit
+def _rounded(x, ROUND: tl.constexpr):
+    """float32 ``x`` rounded to the compute dtype (ROUND: 0 float32, 1 bfloat16, 2 float16), as float32."""
+    if ROUND == 1:
+        x = x.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rotate_pairs_kernel(
+    X, COS, SIN, OUT, R, S, H, D,
+    stride_xb, stride_xs, stride_xh, stride_xd, stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_sb, stride_ss, stride_sh, stride_sd, stride_ob, stride_os, stride_oh, stride_od,
+    ROWS: tl.constexpr, DP: tl.constexpr, ROUND: tl.constexpr,
+):
+    # ROWS rows (b, s, h) of X, loaded whole and split into channel pairs (x1, x2) = (x[2j], x[2j+1]), with
+    # c = cos[2j] and s = sin[2j+1]: out[2j] = x1·c - x2·s, out[2j+1] = x1·s + x2·c, each product and sum rounded as
+    # PyTorch rounds it, then joined and stored whole (the loads and stores run at full width).
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, DP)
+    b = (r // (S * H)).to(tl.int64)
+    s = (r // H % S).to(tl.int64)
+    h = (r % H).to(tl.int64)
+    valid = (r[:, None] < R) & (d[None, :] < D)
+    x = tl.load(X + (b * stride_xb + s * stride_xs + h * stride_xh)[:, None] + d[None, :] * stride_xd, mask=valid)
+    c = tl.load(COS + (b * stride_cb + s * stride_cs + h * stride_ch)[:, None] + d[None, :] * stride_cd, mask=valid)
+    sn = tl.load(SIN + (b * stride_sb + s * stride_ss + h * stride_sh)[:, None] + d[None, :] * stride_sd, mask=valid)
+    x1, x2 = tl.split(tl.reshape(x.to(tl.float32), [ROWS, DP // 2, 2]))
+    c, _ = tl.split(tl.reshape(c.to(tl.float32), [ROWS, DP // 2, 2]))
+    _, sn = tl.split(tl.reshape(sn.to(tl.float32), [ROWS, DP // 2, 2]))
+    out_even = _rounded(_rounded(x1 * c, ROUND) - _rounded(x2 * sn, ROUND), ROUND)
+    out_odd = _rounded(_rounded(x1 * sn, ROUND) + _rounded(x2 * c, ROUND), ROUND)
+    out = tl.reshape(tl.join(out_even, out_odd), [ROWS, DP])
+    tl.store(OUT + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + d[None, :] * stride_od,
+             out.to(OUT.dtype.element_ty), mask=valid)
+
+
+def rotate_pairs_takes(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> bool:
+    """Whether ``rotate_pairs`` runs these inputs: 4-D ``x`` of an even head dim, tables of its head dim that broadcast
+    to it, float16/bfloat16/float32 tensors on one device the Triton kernels run on, and no gradient to keep."""
+    if not (isinstance(freqs_cos, torch.Tensor) and isinstance(freqs_sin, torch.Tensor)):
+        return False
+    if x.dim() != 4 or x.shape[-1] % 2 or x.numel() == 0:
+        return False
+    if any(t.dtype not in _DTYPES for t in (x, freqs_cos, freqs_sin)) or freqs_cos.dtype != freqs_sin.dtype:
+        return False
+    for t in (freqs_cos, freqs_sin):
+        if t.device != x.device or t.dim() > 4 or t.shape[-1] != x.shape[-1]:
+            return False
+        try:
+            if torch.broadcast_shapes(t.shape[:-1], x.shape[:-1]) != x.shape[:-1]:
+                return False
+        except RuntimeError:
+            return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, freqs_cos, freqs_sin)):
+        return False
+    return select_backend(x.device) is Backend.TRITON
+
+
+def rotate_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusers' Wan ``apply_rotary_emb`` in one launch: channel pairs (2j, 2j+1) of ``x`` rotated by
+    ``freqs_cos[..., 2j]`` and ``freqs_sin[..., 2j+1]``, equal to the stock function bit for bit.
+
+    x: (B, S, H, D) float16/bfloat16/float32, any strides, D even. freqs_cos, freqs_sin: (..., D) of one dtype,
+    broadcastable to ``x`` (Wan's: (1, S, 1, D)). Products and sums are rounded to the promotion of the two dtypes.
+    out: where to write (``x``'s shape and dtype); by default ``torch.empty_like(x)``, as the stock function's.
+    Returns ``out``. Inputs ``rotate_pairs_takes`` refuses raise ``ValueError``.
+    """
+    if not rotate_pairs_takes(x, freqs_cos, freqs_sin):
+        raise ValueError(f"rotate_pairs takes a 4-D x of even head dim and tables (..., D) broadcastable to it, of "
+                         f"float16/bfloat16/float32 on a device the Triton kernels run on, without gradients; got x "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}, tables {tuple(freqs_cos.shape)} {freqs_cos.dtype}")
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype}")
+    B, S, H, D = x.shape
+    cos, sin = freqs_cos.expand(x.shape), freqs_sin.expand(x.shape)
+    rows, dp = B * S * H, max(2, triton.next_power_of_2(D))
+    block_rows = max(1, 4096 // dp)
+    _rotate_pairs_kernel[(triton.cdiv(rows, block_rows),)](
+        x, cos, sin, out, rows, S, H, D, *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
+        block_rows, dp, _ROUND[torch.promote_types(x.dtype, freqs_cos.dtype)], enable_fp_fusion=False,
+    )
+    return out
