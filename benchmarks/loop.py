@@ -39,7 +39,7 @@ import time
 from unittest import mock
 
 import torch
-from pipeline import cast, models
+from pipeline import cast, models, to_dtype
 
 import diffusion_int8
 
@@ -139,7 +139,7 @@ def main() -> None:
             what = cut(model, name, blocks[name]) + (what[what.index(";"):] if ";" in what else "")
         x["hidden_states"] = torch.randn(*x["hidden_states"].shape[:2], frames, height, width)
         what += f"; {resolution}, {frames} x {height} x {width} latents"
-        model, x = model.to("cuda", dtype).eval(), cast(x, dtype)
+        model, x = to_dtype(model, dtype, "cuda").eval(), cast(x, dtype)
         negative = {"encoder_hidden_states": torch.randn_like(x["encoder_hidden_states"])} if guidance else None
         variants = {"stock": None, "int8": diffusion_int8.Int8Config("int8")}
         for tau, every in carried:

@@ -204,6 +204,23 @@ def _fix_sparsity(skip: float) -> None:
     clear_cache()
 
 
+def to_dtype(model, dtype, device=None):
+    """``model`` in ``dtype`` as ``from_pretrained(torch_dtype=dtype)`` gives it: the parameters of its
+    ``_keep_in_fp32_modules`` (Wan's rotary tables, norms and time embedding, ...) in float32, and the buffers it makes
+    itself (not in a checkpoint) in the dtype it made them in."""
+    made = {n: b.dtype for n, b in model.named_buffers()}
+    model = model.to(device, dtype)
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for name, p in model.named_parameters():
+        if any(k in name.split(".") for k in keep):
+            p.data = p.data.float()
+    for name, module in model.named_modules():
+        for b in module._non_persistent_buffers_set:
+            full = f"{name}.{b}" if name else b
+            setattr(module, b, getattr(module, b).to(made[full]))
+    return model
+
+
 def cast(x, dtype):
     if isinstance(x, dict):
         return {k: cast(v, dtype) for k, v in x.items()}
@@ -359,7 +376,7 @@ def main():
     for name in args.models.split(","):
         with torch.device("cuda"):
             model, x, dtype, note = builders[name]()
-        model = model.to(dtype).eval()
+        model = to_dtype(model, dtype).eval()
         x = cast(x, dtype)
         if args.graph:
             try:
