@@ -206,18 +206,18 @@ def _fix_sparsity(skip: float) -> None:
 
 def to_dtype(model, dtype, device=None):
     """``model`` in ``dtype`` as ``from_pretrained(torch_dtype=dtype)`` gives it: the parameters of its
-    ``_keep_in_fp32_modules`` (Wan's rotary tables, norms and time embedding, ...) in float32, and the buffers it makes
-    itself (not in a checkpoint) in the dtype it made them in."""
-    made = {n: b.dtype for n, b in model.named_buffers()}
-    model = model.to(device, dtype)
+    ``_keep_in_fp32_modules`` (Wan's norms and time embedding, ...) in float32, and the buffers it makes itself
+    rather than loads (Wan's rotary tables, ...) as it made them, values and dtype."""
     keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    kept = {name: p.data.float() for name, p in model.named_parameters() if any(k in name.split(".") for k in keep)}
+    made = {(module, b): getattr(module, b) for module in model.modules() for b in module._non_persistent_buffers_set
+            if getattr(module, b) is not None}
+    model = model.to(device, dtype)
     for name, p in model.named_parameters():
-        if any(k in name.split(".") for k in keep):
-            p.data = p.data.float()
-    for name, module in model.named_modules():
-        for b in module._non_persistent_buffers_set:
-            full = f"{name}.{b}" if name else b
-            setattr(module, b, getattr(module, b).to(made[full]))
+        if name in kept:
+            p.data = kept[name].to(p.device)
+    for (module, b), t in made.items():
+        setattr(module, b, t.to(device if device is not None else t.device))
     return model
 
 

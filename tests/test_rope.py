@@ -31,7 +31,7 @@ def inputs(device, x_dtype, table_dtype, B=2, S=37, H=3, D=40, seed=0):
     values; tables (1, S, 1, D) whose pairs differ (the stock function's indices then matter)."""
     g = torch.Generator().manual_seed(seed)
     fused = torch.randn(B, S, 3 * H * D, generator=g) * 3
-    fused[..., H * D + 5 % (H * D)] *= 40
+    fused[..., H * D + 5 % (H * D)] *= 40  # one channel of x's slice, large
     x = fused.to(x_dtype).to(device)[..., H * D:2 * H * D].unflatten(2, (H, -1))
     angle = torch.rand(1, S, 1, D, generator=g) * 60
     return x, angle.cos().to(table_dtype).to(device), angle.sin().to(table_dtype).to(device)
@@ -77,71 +77,134 @@ def test_rotate_pairs_refuses_what_it_does_not_take(kdev):
         rope.rotate_pairs(x, cos, sin, out=torch.empty_like(x, dtype=torch.float32))
 
 
-def test_a_nested_wan_rotary_runs_in_one_launch_after_one_check(kdev):
-    # made from source, so that the nested function reads only globals, as Wan's does (a closure is left alone)
-    src = ("def call(x, cos, sin):\n"
-           "    def apply_rotary_emb(hidden_states, freqs_cos, freqs_sin):\n"
-           "        return wan_stock(hidden_states, freqs_cos, freqs_sin)\n"
-           "    return apply_rotary_emb(x, cos, sin)\n")
-    g = {"wan_stock": wan_stock}
-    exec(compile(src, "<wan>", "exec"), g)
-    code, names = rotary.with_fast_rotary(g["call"].__code__, g)
-    copy = types.FunctionType(code, {**g, **names})
-    x, cos, sin = inputs(kdev, torch.bfloat16, torch.float32)
+@pytest.fixture(autouse=True)
+def _no_checks_kept(monkeypatch):
+    monkeypatch.setattr(rotary, "_CHECKED", {})  # what the process learnt: each test checks anew
+
+
+def wan_copy():
+    """WanAttnProcessor.__call__'s code through ``with_fast_rotary``: (its one stand-in's CheckedRotary)."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    fn = WanAttnProcessor.__call__
+    code, names = rotary.with_fast_rotary(fn.__code__, fn.__globals__)
+    assert code is not fn.__code__ and len(names) == 1
+    stock, = (c for c in fn.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "apply_rotary_emb")
+    stand_in, = (c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == "apply_rotary_emb")
+    assert stand_in.co_firstlineno == stock.co_firstlineno  # tracebacks and qualified names read as the stock ones
+    assert getattr(stand_in, "co_qualname", None) == getattr(stock, "co_qualname", None)
+    return next(iter(names.values()))
+
+
+def counted(monkeypatch):
     calls = []
-    with mock.patch.object(rotary, "rotate_pairs", lambda *a: calls.append(1) or rope.rotate_pairs(*a)):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            outs = [copy(x, cos, sin) for _ in range(3)]
-    assert calls == [1, 1, 1]  # the check on the first call, then each call
-    assert all(torch.equal(o, wan_stock(x, cos, sin)) for o in outs)
+    real = rope.rotate_pairs_unchecked
+    monkeypatch.setattr(rotary, "rotate_pairs_unchecked", lambda *a: calls.append(a[0].dtype) or real(*a))
+    return calls
 
 
-def test_a_nested_rotary_that_computes_something_else_runs_as_it_is(kdev):
-    src = ("def call(x, cos, sin):\n"
-           "    def apply_rotary_emb(hidden_states, freqs_cos, freqs_sin):\n"
-           "        return hidden_states * freqs_cos + freqs_sin\n"
-           "    return apply_rotary_emb(x, cos, sin)\n")
-    g = {}
-    exec(compile(src, "<other>", "exec"), g)
-    code, names = rotary.with_fast_rotary(g["call"].__code__, g)
-    assert names
-    copy = types.FunctionType(code, {**g, **names})
+def test_wans_rotary_runs_in_one_launch_after_one_check_per_dtypes(kdev, monkeypatch):
+    checked = wan_copy()
+    calls = counted(monkeypatch)
+    x, cos, sin = inputs(kdev, torch.bfloat16, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs = [checked(x, cos, sin) for _ in range(3)]
+        assert calls == [torch.bfloat16] * 3  # the check on the first call, then each call
+        assert all(torch.equal(o, wan_stock(x, cos, sin)) for o in outs)
+        x16 = x.half()
+        assert torch.equal(checked(x16, cos, sin), wan_stock(x16, cos, sin))
+        assert calls[3:] == [torch.float16]  # other dtypes: checked anew
+    with mock.patch.object(rotary, "rotate_pairs_takes", lambda *a: False):
+        assert torch.equal(checked(x, cos, sin), wan_stock(x, cos, sin)) and len(calls) == 4  # refused: stock
+
+
+def test_a_rotary_that_gives_other_bits_is_not_used(kdev, monkeypatch):
+    checked = wan_copy()
     x, cos, sin = inputs(kdev, torch.float16, torch.float32)
-    with pytest.warns(RuntimeWarning, match="computes something else than Wan's rotary embedding"):
-        first = copy(x, cos, sin)
+    real = rope.rotate_pairs_unchecked
+    # one bit off in one element: what a kernel compiled with FMA contraction could give
+    monkeypatch.setattr(rotary, "rotate_pairs_unchecked",
+                        lambda *a: real(*a).view(torch.int16).add_((torch.arange(a[0].numel()) == 7).to(
+                            a[0].device).view(a[0].shape).short()).view(torch.float16))
+    with pytest.warns(RuntimeWarning, match="did not reproduce"):
+        first = checked(x, cos, sin)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning
-        second = copy(x, cos, sin)
-    want = g["call"](x, cos, sin)
-    assert torch.equal(first, want) and torch.equal(second, want)
+        second = checked(x, cos, sin)
+    assert torch.equal(first, wan_stock(x, cos, sin)) and torch.equal(second, first)
 
 
-def test_functions_without_a_wan_rotary_are_left_alone():
-    def call(x):
-        def apply_rotary_emb(hidden_states, freqs):  # another signature (LTX-style)
-            return hidden_states * freqs
-        return apply_rotary_emb(x, x)
+def test_a_nan_in_the_first_call_checks_nothing(kdev, monkeypatch):
+    checked = wan_copy()
+    calls = counted(monkeypatch)
+    x, cos, sin = inputs(kdev, torch.bfloat16, torch.float32)
+    bad = x.clone()
+    bad[0, 3, 1, 4] = float("nan")
+    real = rope.rotate_pairs_unchecked
+    # a NaN whose bits differ from stock's: no verdict, no warning
+    monkeypatch.setattr(rotary, "rotate_pairs_unchecked",
+                        lambda *a: calls.append(1) or real(*a).view(torch.int16).add_(
+                            torch.isnan(real(*a)).short()).view(torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = checked(bad, cos, sin)
+    assert torch.equal(out.isnan(), wan_stock(bad, cos, sin).isnan()) and rotary._CHECKED == {}
 
-    assert rotary.with_fast_rotary(call.__code__, call.__globals__) == (call.__code__, {})
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nothing_is_checked_while_a_cuda_graph_is_captured(monkeypatch):
+    checked = wan_copy()
+    calls = counted(monkeypatch)
+    x, cos, sin = inputs("cuda", torch.bfloat16, torch.float32)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = checked(x, cos, sin)
+    assert calls == [] and rotary._CHECKED == {}  # stock, captured as it is
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, wan_stock(x, cos, sin))
+
+
+@pytest.mark.parametrize("src", [
+    # Wan's name and arguments, another body
+    "    def apply_rotary_emb(hidden_states, freqs_cos, freqs_sin):\n"
+    "        return hidden_states * freqs_cos + freqs_sin\n",
+    # Wan's body, reading a variable of the enclosing function (a closure)
+    "    scale = 1\n"
+    "    def apply_rotary_emb(hidden_states, freqs_cos, freqs_sin):\n"
+    "        x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)\n"
+    "        return x1 * freqs_cos * scale\n",
+    # another signature (LTX-Video's)
+    "    def apply_rotary_emb(hidden_states, freqs):\n"
+    "        return hidden_states * freqs\n",
+])
+def test_other_nested_functions_are_left_alone(src):
+    g = {}
+    exec(compile("def call(x):\n" + src + "    return apply_rotary_emb\n", "<other>", "exec"), g)
+    code = g["call"].__code__
+    assert rotary.with_fast_rotary(code, g) == (code, {})
 
 
 def test_wan_runs_its_rotary_in_one_launch_and_computes_what_it_did(kdev, monkeypatch):
-    """The tiny Wan model, INT8 on the Triton backend: its routed copies rotate through ``rotate_pairs`` and give what
-    they give with the stock rotary, bit for bit."""
+    """The tiny Wan model, INT8 on the Triton backend, its rotary tables in float32 as from_pretrained keeps them:
+    its routed copies rotate through ``rotate_pairs`` and give what they give with the stock rotary, bit for bit."""
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
     model, x = build("wan")
-    model = model.to(kdev, torch.bfloat16 if kdev == "cuda" else torch.float32)
-    x = {k: v.to(kdev, model.dtype) if v.is_floating_point() else v.to(kdev) for k, v in x.items()}
-    calls, outs = [], {}
+    dtype = torch.bfloat16 if kdev == "cuda" else torch.float32
+    model = model.to(kdev, dtype)
+    model.rope.float()
+    x = {k: v.to(kdev, dtype) if v.is_floating_point() else v.to(kdev) for k, v in x.items()}
+    calls, outs = counted(monkeypatch), {}
     for fast in (True, False):
         takes = rope.rotate_pairs_takes if fast else (lambda *a: False)
-        spy = lambda *a: calls.append(a[0].shape) or rope.rotate_pairs(*a)  # noqa: E731
-        with mock.patch.object(rotary, "rotate_pairs", spy), mock.patch.object(rotary, "rotate_pairs_takes", takes):
+        with mock.patch.object(rotary, "rotate_pairs_takes", takes):
             handle = diffusion_int8.enable(model, "int8", speed_gate=False)
             with torch.no_grad():
                 outs[fast] = [model(**x, return_dict=False)[0] for _ in range(2)]
             assert handle.state.int8_calls > 0
             handle.disable()
-    assert len(calls) == 4  # the first call's check (Q), then K, then Q and K of the second call
+    assert calls == [dtype] * 4  # the first call's check (Q), then K, then Q and K of the second call
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))

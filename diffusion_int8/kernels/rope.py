@@ -9,14 +9,15 @@ the kernel is compiled without fused multiply-adds, so the result is the stock f
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from .config import Backend, select_backend
+from .config import ENV_BACKEND, _triton_support, interpreting
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' constexpr for a compute dtype
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the dtypes taken, and the kernel's constexpr
 
 
 @triton.jit
@@ -51,8 +52,9 @@ def _rotate_pairs_kernel(
     x1, x2 = tl.split(tl.reshape(x.to(tl.float32), [ROWS, DP // 2, 2]))
     c, _ = tl.split(tl.reshape(c.to(tl.float32), [ROWS, DP // 2, 2]))
     _, sn = tl.split(tl.reshape(sn.to(tl.float32), [ROWS, DP // 2, 2]))
-    out_even = _rounded(_rounded(x1 * c, ROUND) - _rounded(x2 * sn, ROUND), ROUND)
-    out_odd = _rounded(_rounded(x1 * sn, ROUND) + _rounded(x2 * c, ROUND), ROUND)
+    # the sums' own rounding is the store's: a 16-bit compute dtype is the output's (both inputs are of it)
+    out_even = _rounded(x1 * c, ROUND) - _rounded(x2 * sn, ROUND)
+    out_odd = _rounded(x1 * sn, ROUND) + _rounded(x2 * c, ROUND)
     out = tl.reshape(tl.join(out_even, out_odd), [ROWS, DP])
     tl.store(OUT + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + d[None, :] * stride_od,
              out.to(OUT.dtype.element_ty), mask=valid)
@@ -60,15 +62,16 @@ def _rotate_pairs_kernel(
 
 def rotate_pairs_takes(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> bool:
     """Whether ``rotate_pairs`` runs these inputs: 4-D ``x`` of an even head dim, tables of its head dim that broadcast
-    to it, float16/bfloat16/float32 tensors on one device the Triton kernels run on, and no gradient to keep."""
+    to it, float16/bfloat16/float32 tensors on one device the Triton kernels run on (``DIFFUSION_INT8_BACKEND`` not
+    ``emulation``), and no gradient to keep. Never raises nor warns."""
     if not (isinstance(freqs_cos, torch.Tensor) and isinstance(freqs_sin, torch.Tensor)):
         return False
     if x.dim() != 4 or x.shape[-1] % 2 or x.numel() == 0:
         return False
-    if any(t.dtype not in _DTYPES for t in (x, freqs_cos, freqs_sin)) or freqs_cos.dtype != freqs_sin.dtype:
+    if any(t.dtype not in _ROUND for t in (x, freqs_cos, freqs_sin)) or freqs_cos.dtype != freqs_sin.dtype:
         return False
     for t in (freqs_cos, freqs_sin):
-        if t.device != x.device or t.dim() > 4 or t.shape[-1] != x.shape[-1]:
+        if t.device != x.device or not 1 <= t.dim() <= 4 or t.shape[-1] != x.shape[-1]:
             return False
         try:
             if torch.broadcast_shapes(t.shape[:-1], x.shape[:-1]) != x.shape[:-1]:
@@ -77,7 +80,9 @@ def rotate_pairs_takes(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torc
             return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, freqs_cos, freqs_sin)):
         return False
-    return select_backend(x.device) is Backend.TRITON
+    if os.environ.get(ENV_BACKEND, "auto").lower() == "emulation":
+        return False
+    return _triton_support(x.device.type, x.device.index, interpreting()) is None
 
 
 def rotate_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
@@ -94,10 +99,19 @@ def rotate_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tens
         raise ValueError(f"rotate_pairs takes a 4-D x of even head dim and tables (..., D) broadcastable to it, of "
                          f"float16/bfloat16/float32 on a device the Triton kernels run on, without gradients; got x "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}, tables {tuple(freqs_cos.shape)} {freqs_cos.dtype}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype}")
+    return rotate_pairs_unchecked(x, freqs_cos, freqs_sin, out)
+
+
+def rotate_pairs_unchecked(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rotate_pairs`` for inputs ``rotate_pairs_takes`` has accepted, without checking them again."""
     if out is None:
         out = torch.empty_like(x)
-    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype}")
+    if x.is_cuda and torch.cuda.current_device() != x.device.index:
+        with torch.cuda.device(x.device):  # Triton launches on the current device
+            return rotate_pairs_unchecked(x, freqs_cos, freqs_sin, out)
     B, S, H, D = x.shape
     cos, sin = freqs_cos.expand(x.shape), freqs_sin.expand(x.shape)
     rows, dp = B * S * H, max(2, triton.next_power_of_2(D))

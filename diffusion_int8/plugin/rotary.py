@@ -4,67 +4,95 @@
 freqs_cos, freqs_sin)`` inside their ``__call__``, a dozen PyTorch ops per tensor; at 480p × 81 frames Q's and K's
 cost a quarter of what the INT8 attention call does. ``with_fast_rotary`` gives a routed copy's code a stand-in for
 that nested function which calls ``CheckedRotary``: ``kernels.rope.rotate_pairs`` once it has reproduced the stock
-function bit for bit on a real call's inputs, else the stock function. A nested function of that name that computes
-something else fails the check and keeps running as it is (one warning), so the copy computes what stock does.
+function bit for bit on a real call's inputs, else the stock function. Only a nested function whose instructions are
+those of the installed diffusers' Wan function is replaced; any other stays as it is.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 
 import torch
 
-from ..kernels.rope import rotate_pairs, rotate_pairs_takes
+from ..kernels.rope import rotate_pairs_takes, rotate_pairs_unchecked
 
 _NAME = "apply_rotary_emb"
 _ARGS = ("hidden_states", "freqs_cos", "freqs_sin")
+# (the nested function's code, x's dtype, the tables' dtype, device) -> whether rotate_pairs gave the stock result:
+# checked once, as a kernel is compiled once
+_CHECKED: dict[tuple, bool] = {}
 
 
 class CheckedRotary:
-    """A stock ``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)`` and ``rotate_pairs``: the one-launch twin runs
-    for inputs it takes once it has given the stock result bit for bit for their dtypes and device (checked on the
-    first such call, one host synchronization; not while a CUDA graph is captured), the stock function otherwise."""
+    """A stock Wan ``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)`` and ``rotate_pairs``: the one-launch twin
+    runs for inputs it takes once it has given the stock result bit for bit for their dtypes and device (checked on
+    the first such call of the process, one host synchronization; not while a CUDA graph is captured, nor on inputs
+    holding a NaN), the stock function otherwise."""
 
     def __init__(self, stock: types.FunctionType):
         self.stock = stock
-        self.checked: dict[tuple, bool] = {}  # (dtype of x, dtype of the tables, device) -> equal to stock
 
     def __call__(self, hidden_states, freqs_cos, freqs_sin):
         if not rotate_pairs_takes(hidden_states, freqs_cos, freqs_sin):
             return self.stock(hidden_states, freqs_cos, freqs_sin)
-        key = (hidden_states.dtype, freqs_cos.dtype, hidden_states.device)
-        equal = self.checked.get(key)
+        key = (self.stock.__code__, hidden_states.dtype, freqs_cos.dtype, hidden_states.device)
+        equal = _CHECKED.get(key)
         if equal:
-            return rotate_pairs(hidden_states, freqs_cos, freqs_sin)
+            return rotate_pairs_unchecked(hidden_states, freqs_cos, freqs_sin)
         stock = self.stock(hidden_states, freqs_cos, freqs_sin)
         if equal is None and not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()):
-            equal = self.checked[key] = torch.equal(rotate_pairs(hidden_states, freqs_cos, freqs_sin), stock)
-            if not equal:
-                warnings.warn(f"diffusion_int8: {self.stock.__qualname__} computes something else than Wan's rotary "
-                              f"embedding; it runs as it is (without the one-launch rotation)", RuntimeWarning,
-                              stacklevel=2)
+            fast = rotate_pairs_unchecked(hidden_states, freqs_cos, freqs_sin)
+            bits = {2: torch.int16, 4: torch.int32}[stock.element_size()]
+            if torch.equal(fast.view(bits), stock.view(bits)):
+                _CHECKED[key] = True
+            elif not torch.isnan(stock).any():  # a NaN's bits may differ; such a call checks nothing
+                _CHECKED[key] = False
+                warnings.warn(f"diffusion_int8: the one-launch rotary embedding did not reproduce "
+                              f"{self.stock.__qualname__} ({hidden_states.dtype} inputs, {freqs_cos.dtype} tables); "
+                              f"it runs as it is", RuntimeWarning, stacklevel=2)
         return stock
 
 
+@functools.lru_cache(maxsize=1)
+def _wan_rotary() -> types.CodeType | None:
+    """The code of the installed diffusers' ``WanAttnProcessor.__call__``'s nested ``apply_rotary_emb``, or None."""
+    try:
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+    except ImportError:
+        return None
+    return next((c for c in WanAttnProcessor.__call__.__code__.co_consts
+                 if isinstance(c, types.CodeType) and c.co_name == _NAME), None)
+
+
+def _is_wan_rotary(code: types.CodeType) -> bool:
+    """Whether nested ``code`` is Wan's rotary embedding, instruction for instruction (WanAttnProcessor's own, or a
+    processor's copy of it: SkyReels-V2, ChronoEdit, ...)."""
+    wan = _wan_rotary()
+    fields = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_kwonlyargcount", "co_flags",
+              "co_freevars")
+    return wan is not None and code.co_name == _NAME and all(getattr(code, f) == getattr(wan, f) for f in fields)
+
+
 def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeType, dict]:
-    """``code`` (a stock processor's ``__call__``) with each nested ``apply_rotary_emb(hidden_states, freqs_cos,
-    freqs_sin)`` replaced by a stand-in that calls a ``CheckedRotary`` of it, and the globals the stand-ins read
-    (to add to the copy's ``globals_``, which the nested function is also made with); ``code``, {} where there is none."""
+    """``code`` (a stock processor's ``__call__``) with each nested function that is Wan's rotary embedding
+    (``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)``) replaced by a stand-in that calls a ``CheckedRotary`` of
+    it, and the globals the stand-ins read (to add to the copy's globals, which the stand-ins are made with);
+    ``code``, {} where there is none."""
     consts, names = list(code.co_consts), {}
     for i, nested in enumerate(consts):
-        if not (isinstance(nested, types.CodeType) and nested.co_name == _NAME and nested.co_argcount == 3
-                and nested.co_varnames[:3] == _ARGS and not nested.co_freevars):
+        if not (isinstance(nested, types.CodeType) and _is_wan_rotary(nested)):
             continue
         name = f"__diffusion_int8_rotary_{i}__"
         names[name] = CheckedRotary(types.FunctionType(nested, globals_, _NAME))
         stub = compile(f"def {_NAME}({', '.join(_ARGS)}):\n    return {name}({', '.join(_ARGS)})\n",
                        nested.co_filename, "exec")
         stub = next(c for c in stub.co_consts if isinstance(c, types.CodeType))
-        names_kept = {"co_firstlineno": nested.co_firstlineno}
+        where = {"co_firstlineno": nested.co_firstlineno}
         if hasattr(nested, "co_qualname"):  # Python 3.11+: a nested function takes its qualified name from its code
-            names_kept["co_qualname"] = nested.co_qualname
-        consts[i] = stub.replace(**names_kept)
+            where["co_qualname"] = nested.co_qualname
+        consts[i] = stub.replace(**where)
     if not names:
         return code, {}
     return code.replace(co_consts=tuple(consts)), names
