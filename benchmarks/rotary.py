@@ -19,23 +19,14 @@ import triton
 
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.rope import rotate_pairs
-
-
-def wan_stock(hidden_states, freqs_cos, freqs_sin):
-    """diffusers' WanAttnProcessor.__call__'s nested apply_rotary_emb (0.42), as written there."""
-    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
-    cos = freqs_cos[..., 0::2]
-    sin = freqs_sin[..., 1::2]
-    out = torch.empty_like(hidden_states)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(hidden_states)
+from diffusion_int8.plugin.rotary import stock_wan_rotary
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    wan_stock = stock_wan_rotary()
     S, H, D = 32760, 12, 128
     q = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)

@@ -15,15 +15,7 @@ from diffusion_int8.kernels import rope
 from diffusion_int8.plugin import rotary
 
 
-def wan_stock(hidden_states, freqs_cos, freqs_sin):
-    """diffusers' WanAttnProcessor.__call__'s nested apply_rotary_emb (0.42), as written there."""
-    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
-    cos = freqs_cos[..., 0::2]
-    sin = freqs_sin[..., 1::2]
-    out = torch.empty_like(hidden_states)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(hidden_states)
+wan_stock = rotary.stock_wan_rotary()  # diffusers' own function, as WanAttnProcessor.__call__ defines it
 
 
 def inputs(device, x_dtype, table_dtype, B=2, S=37, H=3, D=40, seed=0):

@@ -56,20 +56,23 @@ class CheckedRotary:
 
 
 @functools.lru_cache(maxsize=1)
-def _wan_rotary() -> types.CodeType | None:
-    """The code of the installed diffusers' ``WanAttnProcessor.__call__``'s nested ``apply_rotary_emb``, or None."""
+def stock_wan_rotary() -> types.FunctionType | None:
+    """The installed diffusers' Wan rotary embedding, ``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)`` nested
+    in ``WanAttnProcessor.__call__``, as a function of its own (what ``rotate_pairs`` reproduces); None without one."""
     try:
         from diffusers.models.transformers.transformer_wan import WanAttnProcessor
     except ImportError:
         return None
-    return next((c for c in WanAttnProcessor.__call__.__code__.co_consts
-                 if isinstance(c, types.CodeType) and c.co_name == _NAME), None)
+    fn = WanAttnProcessor.__call__
+    code = next((c for c in fn.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == _NAME), None)
+    return None if code is None else types.FunctionType(code, fn.__globals__, _NAME)
 
 
 def _is_wan_rotary(code: types.CodeType) -> bool:
     """Whether nested ``code`` is Wan's rotary embedding, instruction for instruction (WanAttnProcessor's own, or a
     processor's copy of it: SkyReels-V2, ChronoEdit, ...)."""
-    wan = _wan_rotary()
+    wan = stock_wan_rotary()
+    wan = None if wan is None else wan.__code__
     fields = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_kwonlyargcount", "co_flags",
               "co_freevars")
     return wan is not None and code.co_name == _NAME and all(getattr(code, f) == getattr(wan, f) for f in fields)
