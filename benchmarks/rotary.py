@@ -27,6 +27,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     wan_stock = stock_wan_rotary()
+    if wan_stock is None:
+        raise SystemExit("the installed diffusers' WanAttnProcessor has no nested apply_rotary_emb to compare with")
     S, H, D = 32760, 12, 128
     q = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)

@@ -61,28 +61,35 @@ def _rotate_pairs_kernel(
 
 
 def rotate_pairs_takes(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> bool:
-    """Whether ``rotate_pairs`` runs these inputs: 4-D ``x`` of an even head dim, tables of its head dim that broadcast
-    to it, float16/bfloat16/float32 tensors on one device the Triton kernels run on (``DIFFUSION_INT8_BACKEND`` not
-    ``emulation``), and no gradient to keep. Never raises nor warns."""
+    """Whether ``rotate_pairs`` runs these inputs (``_refusal``); never raises nor warns."""
+    return _refusal(x, freqs_cos, freqs_sin) is None
+
+
+def _refusal(x, freqs_cos, freqs_sin) -> str | None:
+    """Why ``rotate_pairs`` does not run these inputs, or None where it does: a non-empty 4-D ``x`` of an even head dim,
+    tables of its head dim that broadcast to it, float16/bfloat16/float32 tensors on one device the Triton kernels run
+    on (``DIFFUSION_INT8_BACKEND`` not ``emulation``), and no gradient to keep."""
     if not (isinstance(freqs_cos, torch.Tensor) and isinstance(freqs_sin, torch.Tensor)):
-        return False
+        return "the tables are not tensors"
     if x.dim() != 4 or x.shape[-1] % 2 or x.numel() == 0:
-        return False
+        return f"x must be a non-empty (B, S, H, D) tensor with D even, got {tuple(x.shape)}"
     if any(t.dtype not in _ROUND for t in (x, freqs_cos, freqs_sin)) or freqs_cos.dtype != freqs_sin.dtype:
-        return False
+        return (f"x and the tables must be float16, bfloat16 or float32, the two tables of one dtype; got x {x.dtype}, "
+                f"tables {freqs_cos.dtype} and {freqs_sin.dtype}")
     for t in (freqs_cos, freqs_sin):
-        if t.device != x.device or not 1 <= t.dim() <= 4 or t.shape[-1] != x.shape[-1]:
-            return False
+        fits = t.device == x.device and 1 <= t.dim() <= 4 and t.shape[-1] == x.shape[-1]
         try:
-            if torch.broadcast_shapes(t.shape[:-1], x.shape[:-1]) != x.shape[:-1]:
-                return False
+            fits = fits and torch.broadcast_shapes(t.shape[:-1], x.shape[:-1]) == x.shape[:-1]
         except RuntimeError:
-            return False
+            fits = False
+        if not fits:
+            return (f"the tables must be (..., D) on x's device, broadcastable to x {tuple(x.shape)} on {x.device}; "
+                    f"got {tuple(t.shape)} on {t.device}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, freqs_cos, freqs_sin)):
-        return False
+        return "it has no backward: call it without gradients (torch.no_grad())"
     if os.environ.get(ENV_BACKEND, "auto").lower() == "emulation":
-        return False
-    return _triton_support(x.device.type, x.device.index, interpreting()) is None
+        return f"{ENV_BACKEND}=emulation"
+    return _triton_support(x.device.type, x.device.index, interpreting())
 
 
 def rotate_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
@@ -93,12 +100,11 @@ def rotate_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tens
     x: (B, S, H, D) float16/bfloat16/float32, any strides, D even. freqs_cos, freqs_sin: (..., D) of one dtype,
     broadcastable to ``x`` (Wan's: (1, S, 1, D)). Products and sums are rounded to the promotion of the two dtypes.
     out: where to write (``x``'s shape and dtype); by default ``torch.empty_like(x)``, as the stock function's.
-    Returns ``out``. Inputs ``rotate_pairs_takes`` refuses raise ``ValueError``.
+    Returns ``out``. Inputs ``rotate_pairs_takes`` refuses raise ``ValueError`` saying why.
     """
-    if not rotate_pairs_takes(x, freqs_cos, freqs_sin):
-        raise ValueError(f"rotate_pairs takes a 4-D x of even head dim and tables (..., D) broadcastable to it, of "
-                         f"float16/bfloat16/float32 on a device the Triton kernels run on, without gradients; got x "
-                         f"{tuple(x.shape)} {x.dtype} on {x.device}, tables {tuple(freqs_cos.shape)} {freqs_cos.dtype}")
+    reason = _refusal(x, freqs_cos, freqs_sin)
+    if reason is not None:
+        raise ValueError(f"rotate_pairs does not run these inputs: {reason}")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype}")
     return rotate_pairs_unchecked(x, freqs_cos, freqs_sin, out)

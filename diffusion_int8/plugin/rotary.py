@@ -28,8 +28,8 @@ _CHECKED: dict[tuple, bool] = {}
 class CheckedRotary:
     """A stock Wan ``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)`` and ``rotate_pairs``: the one-launch twin
     runs for inputs it takes once it has given the stock result bit for bit for their dtypes and device (checked on
-    the first such call of the process, one host synchronization; not while a CUDA graph is captured, nor on inputs
-    holding a NaN), the stock function otherwise."""
+    the first such call of the process, one host synchronization, holding one more Q-sized tensor for it; not while
+    a CUDA graph is captured), the stock function otherwise."""
 
     def __init__(self, stock: types.FunctionType):
         self.stock = stock
@@ -45,10 +45,10 @@ class CheckedRotary:
         if equal is None and not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()):
             fast = rotate_pairs_unchecked(hidden_states, freqs_cos, freqs_sin)
             bits = {2: torch.int16, 4: torch.int32}[stock.element_size()]
-            if torch.equal(fast.view(bits), stock.view(bits)):
-                _CHECKED[key] = True
-            elif not torch.isnan(stock).any():  # a NaN's bits may differ; such a call checks nothing
-                _CHECKED[key] = False
+            nan = stock.isnan()  # a NaN's payload may differ: where stock has one, fast must have one too
+            equal = _CHECKED[key] = bool(torch.equal(fast.isnan(), nan) and torch.equal(
+                fast.view(bits).masked_fill(nan, 0), stock.view(bits).masked_fill(nan, 0)))
+            if not equal:
                 warnings.warn(f"diffusion_int8: the one-launch rotary embedding did not reproduce "
                               f"{self.stock.__qualname__} ({hidden_states.dtype} inputs, {freqs_cos.dtype} tables); "
                               f"it runs as it is", RuntimeWarning, stacklevel=2)
@@ -75,7 +75,8 @@ def _is_wan_rotary(code: types.CodeType) -> bool:
     wan = None if wan is None else wan.__code__
     fields = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_kwonlyargcount", "co_flags",
               "co_freevars")
-    return wan is not None and code.co_name == _NAME and all(getattr(code, f) == getattr(wan, f) for f in fields)
+    return (wan is not None and code.co_name == _NAME and not code.co_freevars  # a stand-in takes no closure
+            and all(getattr(code, f) == getattr(wan, f) for f in fields))
 
 
 def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeType, dict]:
@@ -89,7 +90,8 @@ def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeTy
             continue
         name = f"__diffusion_int8_rotary_{i}__"
         names[name] = CheckedRotary(types.FunctionType(nested, globals_, _NAME))
-        stub = compile(f"def {_NAME}({', '.join(_ARGS)}):\n    return {name}({', '.join(_ARGS)})\n",
+        # on one line, so that a traceback through the stand-in shows the stock function's first line
+        stub = compile(f"def {_NAME}({', '.join(_ARGS)}): return {name}({', '.join(_ARGS)})\n",
                        nested.co_filename, "exec")
         stub = next(c for c in stub.co_consts if isinstance(c, types.CodeType))
         where = {"co_firstlineno": nested.co_firstlineno}

@@ -3,10 +3,11 @@
 Every stock diffusers processor ends in ``torch.nn.functional.scaled_dot_product_attention``, called through
 its module's ``F`` (``AttnProcessor2_0``, ``JointAttnProcessor2_0``, ``CogVideoXAttnProcessor2_0`` …), or in
 the attention dispatcher's ``dispatch_attention_fn`` (``FluxAttnProcessor``, ``WanAttnProcessor`` …).
-``routed`` copies a stock processor's ``__call__`` with those two globals pointing elsewhere, so nothing is
-patched globally and nothing else in the processor pays for the routing (a ``TorchFunctionMode`` around the
-call would intercept every torch call in it, at a host cost per attention module; ``RouteToInt8`` does that
-only where torch.compile traces it away). ``int8_sdpa`` is SDPA's signature on the INT8 op.
+``routed`` copies a stock processor's ``__call__`` with those two globals pointing elsewhere (and Wan's nested
+rotary embedding run as one launch, ``rotary``), so nothing is patched globally and nothing else in the processor
+pays for the routing (a ``TorchFunctionMode`` around the call would intercept every torch call in it, at a host cost
+per attention module; ``RouteToInt8`` does that only where torch.compile traces it away). ``int8_sdpa`` is SDPA's
+signature on the INT8 op.
 """
 
 from __future__ import annotations
