@@ -56,7 +56,7 @@ def test_rotate_pairs_at_other_shapes(kdev, shape):
     assert torch.equal(rope.rotate_pairs(x, cos[0], sin[0], out=out), wan_stock(x, cos, sin))
 
 
-def test_rotate_pairs_refuses_what_it_does_not_take(kdev):
+def test_rotate_pairs_refuses_what_it_does_not_take(kdev, monkeypatch):
     x, cos, sin = inputs(kdev, torch.float16, torch.float32)
     for bad in [(x[..., :-1], cos[..., :-1], sin[..., :-1]),  # odd head dim
                 (x, cos[..., :8], sin[..., :8]),  # tables of another head dim
@@ -66,6 +66,10 @@ def test_rotate_pairs_refuses_what_it_does_not_take(kdev):
         assert not rope.rotate_pairs_takes(*bad)
         with pytest.raises(ValueError, match="rotate_pairs does not run these inputs: "):
             rope.rotate_pairs(*bad)
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")  # the setting that keeps every kernel off
+    with pytest.raises(ValueError, match="DIFFUSION_INT8_BACKEND=emulation"):
+        rope.rotate_pairs(x, cos, sin)
+    monkeypatch.delenv("DIFFUSION_INT8_BACKEND")
     with pytest.raises(ValueError, match="out must be"):
         rope.rotate_pairs(x, cos, sin, out=torch.empty_like(x, dtype=torch.float32))
 

@@ -667,9 +667,9 @@ def split_options(pv: PV, dp: int, split: bool) -> dict:
     refresh) takes its FP8 loop at padded head dim 64 to about 215 registers a thread at CogVideoX's launch (unit
     channel strides, head dim a multiple of 16): two CTAs an SM where the dense and the block-listed loops (168, 166)
     have three. Capped at ``_SPLIT_MAXNREG`` it spills nothing there with Triton 3.6 (8 bytes with 3.9; a few dozen
-    at head dims off 16). Not yet timed in this form: the same cap on an earlier layout of the kernel, which spilled
-    32-56 bytes, ran the refresh 9-10% faster (H100, Triton 3.6). A cap at 168 cost a dense 16-bit P·V loop 15%, so
-    it stays with FP8; other head dims and GPUs were not measured."""
+    at head dims off 16), and the refresh runs at 1.00-1.02x the dense call at CogVideoX's shape (H100, Triton 3.6;
+    uncapped, 1.12-1.14x). A cap at 168 cost a dense 16-bit P·V loop 15%, so it stays with FP8; other head dims and
+    GPUs were not measured."""
     return dict(maxnreg=_SPLIT_MAXNREG) if split and pv is PV.FP8 and dp == 64 else {}
 
 

@@ -192,7 +192,7 @@ def select_backend(device: torch.device) -> Backend:
     ``DIFFUSION_INT8_BACKEND`` = ``triton`` | ``emulation`` | ``auto`` (default) overrides the choice.
     Asking for ``triton`` where it cannot run raises, naming the device and what is missing.
     """
-    requested = os.environ.get(ENV_BACKEND, "auto").lower()
+    requested = _requested_backend()
     if requested not in ("auto", "triton", "emulation"):
         raise ValueError(f"{ENV_BACKEND} must be auto, triton or emulation, got {requested!r}")
     if requested == "emulation":
@@ -204,6 +204,18 @@ def select_backend(device: torch.device) -> Backend:
         raise RuntimeError(f"{ENV_BACKEND}=triton, but {reason}")
     _warn_fallback(reason)
     return Backend.EMULATION
+
+
+def _requested_backend() -> str:
+    return os.environ.get(ENV_BACKEND, "auto").lower()
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why a Triton kernel should not run on ``device``'s tensors (``select_backend`` would not pick it), or None;
+    never raises nor warns, for launches that have a stock alternative (``rope``)."""
+    if _requested_backend() == "emulation":
+        return f"{ENV_BACKEND}=emulation"
+    return _triton_support(device.type, device.index, interpreting())
 
 
 def is_sm90(device: torch.device) -> bool:

@@ -9,13 +9,11 @@ the kernel is compiled without fused multiply-adds, so the result is the stock f
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .config import ENV_BACKEND, _triton_support, interpreting
+from .config import triton_unavailable
 
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the dtypes taken, and the kernel's constexpr
 
@@ -87,9 +85,7 @@ def _refusal(x, freqs_cos, freqs_sin) -> str | None:
                     f"got {tuple(t.shape)} on {t.device}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, freqs_cos, freqs_sin)):
         return "it has no backward: call it without gradients (torch.no_grad())"
-    if os.environ.get(ENV_BACKEND, "auto").lower() == "emulation":
-        return f"{ENV_BACKEND}=emulation"
-    return _triton_support(x.device.type, x.device.index, interpreting())
+    return triton_unavailable(x.device)
 
 
 def rotate_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,

@@ -72,11 +72,10 @@ def _is_wan_rotary(code: types.CodeType) -> bool:
     """Whether nested ``code`` is Wan's rotary embedding, instruction for instruction (WanAttnProcessor's own, or a
     processor's copy of it: SkyReels-V2, ChronoEdit, ...)."""
     wan = stock_wan_rotary()
-    wan = None if wan is None else wan.__code__
     fields = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_kwonlyargcount", "co_flags",
               "co_freevars")
     return (wan is not None and code.co_name == _NAME and not code.co_freevars  # a stand-in takes no closure
-            and all(getattr(code, f) == getattr(wan, f) for f in fields))
+            and all(getattr(code, f) == getattr(wan.__code__, f) for f in fields))
 
 
 def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeType, dict]:
