@@ -120,7 +120,7 @@ def sparse_variants() -> int:
     # the carried blocks' merge, with and without the forecast, into fp16 and bf16
     for forecast, dt in ((False, "fp16"), (True, "bf16")):
         compile_kernel(Mg._merge_kernel, dict(A=f"*{dt}", LA="*fp32", B=f"*{dt}", LB="*fp32", P=f"*{dt}", LP="*fp32",
-                                              O=f"*{dt}"), {"step"}, dict(FORECAST=forecast, BLOCK_S=64, DP=128))
+                                              O=f"*{dt}"), {"step"}, dict(FORECAST=forecast, BLOCK_S=16, DP=128))
     return 13
 
 
