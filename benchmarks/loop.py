@@ -117,6 +117,8 @@ def main() -> None:
     p.add_argument("--blocks", default="", help="model=blocks[,...]: wan=N (at most 30), hunyuanvideo=D+S (at most "
                    "the 2 + 4 the benchmark builds)")
     p.add_argument("--bound", action="store_true", help="add the stock model with attention taking no time")
+    p.add_argument("--no-int8", action="store_true", help="leave out the dense int8 variant (to keep a long compiled "
+                   "run within a time limit)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     try:
@@ -141,7 +143,7 @@ def main() -> None:
         what += f"; {resolution}, {frames} x {height} x {width} latents"
         model, x = to_dtype(model, dtype, "cuda").eval(), cast(x, dtype)
         negative = {"encoder_hidden_states": torch.randn_like(x["encoder_hidden_states"])} if guidance else None
-        variants = {"stock": None, "int8": diffusion_int8.Int8Config("int8")}
+        variants = {"stock": None} if args.no_int8 else {"stock": None, "int8": diffusion_int8.Int8Config("int8")}
         for tau, every in carried:
             variants[f"int8 sparsity {tau:g} carried (refresh every {every})"] = diffusion_int8.Int8Config(
                 "int8", sparsity=tau, refresh_every=every)
