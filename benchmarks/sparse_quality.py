@@ -3,6 +3,7 @@
     python benchmarks/sparse_quality.py --levels 0.99,0.95,0.9,0.8 --out bench_out/sparse_quality.json
     python benchmarks/sparse_quality.py --levels 0.8,0.6,0.4 --from-steps 0,10,14,17   # sparse from step s on
     python benchmarks/sparse_quality.py --levels 0.3,0.2,0.1 --refresh-every 2,3        # skipped blocks carried
+    python benchmarks/sparse_quality.py --steps 50 --levels 0.2 --refresh-every 3,5      # at a video loop's 50 steps
 
 For each level τ, the images of ``enable(pipe, "int8", sparsity=τ)`` (INT8 forced) against FP16 from the same
 seeds: PSNR and the fraction of blocks skipped, with the masks the calls predict (``int8_attention(...,
