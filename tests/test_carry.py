@@ -53,12 +53,14 @@ def test_merging_two_disjoint_key_sets_is_attention_over_both():
     torch.testing.assert_close(merged.double(), full, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_the_merge_kernel_matches_its_reference(kdev, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype, S", [(torch.float16, 77), (torch.bfloat16, 77), (torch.bfloat16, 9),
+                                      (torch.float16, 64)])
+def test_the_merge_kernel_matches_its_reference(kdev, monkeypatch, dtype, S):
     """The one-launch merge (Triton; the interpreter on CPU) against ``merge_reference``, with and without a
-    forecast, on BHSD views of BSHD memory at an odd length and head dim, rows without keys in either set included."""
+    forecast, on BHSD views of BSHD memory at an odd head dim and lengths with a partial last row tile, less than
+    one tile and whole tiles, rows without keys in either set included."""
     monkeypatch.delenv("DIFFUSION_INT8_BACKEND")
-    B, H, S, D = 2, 3, 77, 40
+    B, H, D = 2, 3, 40
     g = torch.Generator().manual_seed(0)
 
     def bhsd():  # a view of (B, S, H, D) memory, as the processor's calls give them
