@@ -12,7 +12,8 @@ of key blocks per query block holding τ of it. Where the oracle loses as much q
 skipped, the model's attention, not the predictor, sets the limit. With ``--from-steps``, each level also runs
 from a later denoising step on (dense INT8 before it: a ``PrecisionSchedule`` rule over the lower noise levels),
 to show which steps tolerate sparsity. With ``--refresh-every``, each level also runs with its skipped blocks
-carried instead of dropped (``enable(..., refresh_every=k)``, the predictor's masks).
+carried instead of dropped (``enable(..., refresh_every=k)``, the predictor's masks), at each of
+``--forecast-gains``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import diffusion_int8.plugin.processor as P
 from diffusion_int8.embedded import load_pipeline
 from diffusion_int8.eval.metrics import psnr
 from diffusion_int8.kernels.config import SPARSE_BLOCK
+from diffusion_int8.plugin.carry import BlockCarry
 from diffusion_int8.schedule import PrecisionSchedule, Rule
 
 
@@ -66,6 +68,8 @@ def main():
     ap.add_argument("--from-steps", default="0", help="denoising steps (0-based) from which each level applies")
     ap.add_argument("--refresh-every", default="", help="also each level with its skipped blocks carried, refreshed "
                                                         "every k steps: comma-separated k >= 2")
+    ap.add_argument("--forecast-gains", default=str(BlockCarry.gain),
+                    help="with --refresh-every, each interval at these gains of the forecast's step (BlockCarry.gain)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -112,15 +116,21 @@ def main():
                                      psnr_min=p.min().item(), skipped=skipped))
     finally:
         P.int8_core = predictor
-    for every in [int(k) for k in args.refresh_every.split(",") if k]:
-        for tau in map(float, args.levels.split(",")):
-            handle = diffusion_int8.enable(pipe, "int8", speed_gate=False, record=True, sparsity=tau,
-                                           refresh_every=every)
-            p = psnr(generate(), ref)
-            skipped = handle.state.skipped_blocks()["overall"]
-            handle.disable()
-            rows.append(dict(masks=f"predictor, carried every {every}", tau=tau, from_step=0,
-                             psnr_mean=p.mean().item(), psnr_min=p.min().item(), skipped=skipped))
+    default_gain = BlockCarry.gain
+    try:
+        for gain in map(float, args.forecast_gains.split(",")):
+            BlockCarry.gain = gain
+            for every in [int(k) for k in args.refresh_every.split(",") if k]:
+                for tau in map(float, args.levels.split(",")):
+                    handle = diffusion_int8.enable(pipe, "int8", speed_gate=False, record=True, sparsity=tau,
+                                                   refresh_every=every)
+                    p = psnr(generate(), ref)
+                    skipped = handle.state.skipped_blocks()["overall"]
+                    handle.disable()
+                    rows.append(dict(masks=f"predictor, carried every {every}, gain {gain:g}", tau=tau, from_step=0,
+                                     psnr_mean=p.mean().item(), psnr_min=p.min().item(), skipped=skipped))
+    finally:
+        BlockCarry.gain = default_gain
     print("| masks | τ | from step | PSNR mean (min) dB | skipped |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['masks']} | {r['tau']} | {r['from_step']} | {r['psnr_mean']:.2f} ({r['psnr_min']:.2f}) "

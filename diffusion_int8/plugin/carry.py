@@ -68,7 +68,12 @@ class BlockCarry:
 
     Args:
         every: a refresh every ``every`` denoising steps, >= 2.
+
+    ``gain`` (a class attribute) scales the forecast's first-order step: 1, the best of 0.5 to 2 on the shipped model's
+    images (BENCHMARKS.md), extrapolates the last two refreshes' change in full; 0 would hold the last refresh.
     """
+
+    gain = 1.0
 
     def __init__(self, every: int):
         if isinstance(every, bool) or not isinstance(every, int) or every < 2:
@@ -133,5 +138,5 @@ class BlockCarry:
         if site.before is None or site.before[0] == at:  # one refresh so far: its skipped blocks as they were
             return merge_forecast(out_k, lse_k, out_c, lse_c), site.kept
         was, out_p, lse_p = site.before
-        step = (noise - at) / (at - was)
+        step = self.gain * (noise - at) / (at - was)
         return merge_forecast(out_k, lse_k, out_c, lse_c, out_p, lse_p, step), site.kept
