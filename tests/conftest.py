@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -70,3 +71,14 @@ def _seed():
     torch.manual_seed(seed)
     print(f"torch seed {seed}")
     yield
+
+
+@pytest.fixture
+def dynamo_warnings(monkeypatch):
+    """The warnings raised while the test runs, dynamo's once-per-process ones included (its cache emptied)."""
+    import torch._dynamo.utils
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("mode", ["int8", "int8_fp16v"])
-def test_torch_compile_fullgraph(mode):
+def test_torch_compile_fullgraph(mode, dynamo_warnings):
     q, k, v = realistic_qkv(2, 8, 1000, 1000, 64, layout="BSHD", device="cuda")
 
     def block(q, k, v):
@@ -21,6 +21,7 @@ def test_torch_compile_fullgraph(mode):
 
     compiled = torch.compile(block, fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), block(q, k, v), atol=0, rtol=0)
+    assert not [w for w in dynamo_warnings if "lru_cache" in str(w.message)]  # dynamo traced through a cache
 
 
 @pytest.mark.parametrize("mode", ["int8", "int8_fp16v"])
@@ -55,7 +56,7 @@ def test_memory_is_linear_in_sequence():
 
 
 @pytest.mark.parametrize("family", ["dit", "flux", "wan"])
-def test_processor_on_gpu_and_compiled(family):
+def test_processor_on_gpu_and_compiled(family, dynamo_warnings):
     import diffusion_int8
     from tiny_models import build
 
@@ -78,6 +79,7 @@ def test_processor_on_gpu_and_compiled(family):
     # inductor fuses the fp16 ops around the kernel (norms, RoPE) with other roundings, and a flipped
     # INT8 rounding moves single outputs by ~1e-3: compare the compiled model as a whole
     assert rel(compiled, stock) < 0.02 and rel(compiled, eager) < 0.005, (rel(compiled, stock), rel(compiled, eager))
+    assert not [w for w in dynamo_warnings if "lru_cache" in str(w.message)]  # dynamo traced through a cache
 
 
 def test_100k_tokens_against_emulation():

@@ -263,16 +263,19 @@ def test_flux_pipeline_schedule_and_disable(tmp_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_compiles_without_graph_breaks(family):
-    """torch.compile(fullgraph=True) traces every family with the INT8 processors (dynamo only: backend "eager")."""
+@pytest.mark.parametrize("speed_gate", [True, False], ids=["gated", "forced"])
+def test_compiles_without_graph_breaks(family, speed_gate, dynamo_warnings):
+    """torch.compile(fullgraph=True) traces every family with the INT8 processors (dynamo only: backend "eager"),
+    without dynamo warning about our code."""
     model, x = build(family)
-    handle = enable(model, mode="int8")
+    handle = enable(model, mode="int8", speed_gate=speed_gate)
     with torch.no_grad():
         eager = run(model, x)
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, backend="eager")(**x, return_dict=False)[0]
     handle.disable()
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    assert not [w for w in dynamo_warnings if "lru_cache" in str(w.message)]  # dynamo traced through a cache
 
 
 def test_stale_handle_disable_is_a_no_op():
@@ -564,7 +567,7 @@ def test_joint_attention_always_keeps_the_text_key_blocks(monkeypatch, family, f
         assert keep.dtype == torch.bool and int(keep.sum()) == 1 and bool(keep[0] if first else keep[-1])
 
 
-def test_sparse_processors_compile_without_graph_breaks(kernel_calls):
+def test_sparse_processors_compile_without_graph_breaks(kernel_calls, dynamo_warnings):
     """The predictor and the always-kept text blocks trace whole (dynamo only, backend "eager")."""
     model, x = long_dit()
     x = {**x, "timestep": torch.tensor([500, 500])}
@@ -576,6 +579,7 @@ def test_sparse_processors_compile_without_graph_breaks(kernel_calls):
     handle.disable()
     assert all(c["sparsity"] == 0.5 for c in kernel_calls)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    assert not [w for w in dynamo_warnings if "lru_cache" in str(w.message)]  # dynamo traced through a cache
     model, x = build("flux")
     g = torch.Generator().manual_seed(2)
     x = {**x, "hidden_states": torch.randn(1, 300, 16, generator=g), "img_ids": torch.randn(300, 3, generator=g)}

@@ -128,6 +128,22 @@ class TileConfig:
     k_groups: int
 
 
+def fixed_answer(fn):
+    """``functools.lru_cache(maxsize=None)`` for a question whose answer is fixed for the process (a device's
+    capability, an environment setting, a type's signature; arguments and answer plain Python constants), which
+    ``torch.compile`` takes as a constant: dynamo calls it while tracing instead of tracing through the cache, which
+    it warns about. ``cache_clear`` as lru_cache's."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @torch.compiler.assume_constant_result
+    @functools.wraps(fn)
+    def answer(*args):
+        return cached(*args)
+
+    answer.cache_clear = cached.cache_clear
+    return answer
+
+
 def padded_head_dim(head_dim: int) -> int:
     """Head dim the kernels compute with: the next power of two, at least 32 (INT8 MMA K-width)."""
     return max(32, 1 << (head_dim - 1).bit_length())
@@ -158,7 +174,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@fixed_answer
 def _triton_support(device_type: str, index: int | None, interpret: bool) -> str | None:
     """None when the Triton kernels can run on this device, else the reason they cannot."""
     try:
@@ -176,7 +192,7 @@ def _triton_support(device_type: str, index: int | None, interpret: bool) -> str
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@fixed_answer
 def _warn_fallback(reason: str) -> None:
     warnings.warn(
         f"diffusion_int8: {reason}; using the PyTorch emulation of the INT8 kernel (same numerics, "
@@ -224,12 +240,12 @@ def is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and _is_sm90(device.index)
 
 
-@functools.lru_cache(maxsize=None)
+@fixed_answer
 def _is_sm90(index: int | None) -> bool:  # asked once per device, not per call
     return torch.version.hip is None and torch.cuda.get_device_capability(index) == (9, 0)
 
 
-@functools.lru_cache(maxsize=None)
+@fixed_answer
 def _has_fp8(device_type: str, index: int | None) -> bool:
     return device_type != "cuda" or torch.cuda.get_device_capability(index) >= (8, 9)
 

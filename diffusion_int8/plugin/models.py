@@ -11,6 +11,8 @@ import typing
 
 import torch
 
+from ..kernels.config import fixed_answer
+
 # The calls a stock processor reaches attention through: ``routing`` sends both to the INT8 op
 _ATTENTION_CALLS = frozenset({"scaled_dot_product_attention", "dispatch_attention_fn"})
 # ... and the ones attention without a processor is computed through (torch's multi-head attention, transformers'
@@ -76,12 +78,13 @@ def text_position(processor) -> str | None:
     return "first" if name in _TEXT_FIRST else "last" if name in _TEXT_LAST else None
 
 
-@functools.lru_cache(maxsize=None)
-def call_params(processor_type: type) -> tuple[frozenset[str], bool]:
-    """A processor's keyword parameter names, and whether it takes ``**kwargs``."""
+@fixed_answer
+def call_params(processor_type: type) -> tuple[tuple[str, ...], bool]:
+    """A processor's parameter names but ``self`` and ``attn`` (a tuple: dynamo keeps it as a constant), and
+    whether it takes ``**kwargs``."""
     params = inspect.signature(processor_type.__call__).parameters
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    return frozenset(params) - {"self", "attn"}, var_kw
+    return tuple(name for name in params if name not in ("self", "attn")), var_kw
 
 
 @functools.lru_cache(maxsize=None)
