@@ -4,6 +4,7 @@
     python benchmarks/sparse_quality.py --levels 0.8,0.6,0.4 --from-steps 0,10,14,17   # sparse from step s on
     python benchmarks/sparse_quality.py --levels 0.3,0.2,0.1 --refresh-every 2,3        # skipped blocks carried
     python benchmarks/sparse_quality.py --steps 50 --levels 0.2 --refresh-every 3,5      # at a video loop's 50 steps
+    python benchmarks/sparse_quality.py --steps 50 --levels 0.2 --refresh-every 5 --forecast-gains 0.5,1,1.5
 
 For each level τ, the images of ``enable(pipe, "int8", sparsity=τ)`` (INT8 forced) against FP16 from the same
 seeds: PSNR and the fraction of blocks skipped, with the masks the calls predict (``int8_attention(...,
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
@@ -69,7 +71,8 @@ def main():
     ap.add_argument("--refresh-every", default="", help="also each level with its skipped blocks carried, refreshed "
                                                         "every k steps: comma-separated k >= 2")
     ap.add_argument("--forecast-gains", default=str(BlockCarry.gain),
-                    help="with --refresh-every, each interval at these gains of the forecast's step (BlockCarry.gain)")
+                    help="with --refresh-every, each interval at these gains of the forecast's step "
+                         "(BlockCarry.gain): comma-separated, >= 0")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -77,6 +80,14 @@ def main():
         ap.error(f"--from-steps must be steps in 0..{args.steps - 1}, got {args.from_steps}")
     if any(int(k) < 2 for k in args.refresh_every.split(",") if k):
         ap.error(f"--refresh-every takes intervals >= 2, got {args.refresh_every}")
+    try:
+        gains = [float(g) for g in args.forecast_gains.split(",")]
+    except ValueError:
+        gains = []
+    if not gains or not all(math.isfinite(g) and g >= 0 for g in gains):
+        ap.error(f"--forecast-gains takes comma-separated finite numbers >= 0, got {args.forecast_gains}")
+    if args.forecast_gains != ap.get_default("forecast_gains") and not args.refresh_every:
+        ap.error("--forecast-gains applies to the carried runs: give --refresh-every too")
     pipe = load_pipeline(variant="long", device=args.device)
     labels = [i % len(pipe.labels) for i in range(args.classes)]
 
@@ -118,7 +129,7 @@ def main():
         P.int8_core = predictor
     default_gain = BlockCarry.gain
     try:
-        for gain in map(float, args.forecast_gains.split(",")):
+        for gain in gains:
             BlockCarry.gain = gain
             for every in [int(k) for k in args.refresh_every.split(",") if k]:
                 for tau in map(float, args.levels.split(",")):
@@ -128,7 +139,8 @@ def main():
                     skipped = handle.state.skipped_blocks()["overall"]
                     handle.disable()
                     rows.append(dict(masks=f"predictor, carried every {every}, gain {gain:g}", tau=tau, from_step=0,
-                                     psnr_mean=p.mean().item(), psnr_min=p.min().item(), skipped=skipped))
+                                     refresh_every=every, gain=gain, psnr_mean=p.mean().item(),
+                                     psnr_min=p.min().item(), skipped=skipped))
     finally:
         BlockCarry.gain = default_gain
     print("| masks | τ | from step | PSNR mean (min) dB | skipped |\n|---|---|---|---|---|")

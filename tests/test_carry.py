@@ -129,6 +129,26 @@ def test_the_forecast_follows_the_skipped_blocks_linearly_in_the_noise_level():
     assert cos(forecast, reference) > cos(dense, reference) - 5e-4  # about as close as the dense INT8 call
 
 
+def test_a_gain_of_zero_holds_the_last_refresh_and_one_half_steps_halfway(monkeypatch):
+    q, k, v0 = local_qkv(1, 1, 512, 512, 64, seed=3)
+    v1 = v0 + 0.5 * torch.randn_like(v0, dtype=torch.float32).half()
+
+    def forecast_at(gain):
+        monkeypatch.setattr(BlockCarry, "gain", gain)
+        carry = BlockCarry(2)
+        for noise, v in ((1.0, v0), (0.8, v0), (0.6, v1)):  # refreshes at 1.0 and 0.6
+            carry(run_for(q, k, v), q, k, tau=0.3, scale=None, noise=noise)
+        return carry(run_for(q, k, v1), q, k, tau=0.3, scale=None, noise=0.4)[0], carry._gen.sites[0]
+
+    held, site = forecast_at(0.0)
+    kept = int8_core(Mode.INT8, q, k, v1, None, None, None, block_mask=site.mask, return_lse=True)
+    assert torch.equal(held, merge_forecast(*kept, site.last[1], site.last[2]))
+    # noise 0.6 -> 0.4 after 1.0 -> 0.6: the full step is 0.5 of the refreshes' change, half a gain 0.25
+    half, _ = forecast_at(0.5)
+    assert torch.equal(half, merge_forecast(*kept, site.last[1], site.last[2], site.before[1], site.before[2], 0.25))
+    assert not torch.equal(half, held)
+
+
 def test_a_new_generation_predicts_its_mask_again_and_refreshes():
     q, k, v = local_qkv(1, 2, 600, 600, 64, seed=4)
     carry = BlockCarry(3)

@@ -130,15 +130,15 @@ class TileConfig:
 
 def fixed_answer(fn):
     """``functools.lru_cache(maxsize=None)`` for a question whose answer is fixed for the process (a device's
-    capability, an environment setting, a type's signature; arguments and answer plain Python constants), which
+    capability, a type's signature; arguments and answer plain Python constants) or a warning given once, which
     ``torch.compile`` takes as a constant: dynamo calls it while tracing instead of tracing through the cache, which
-    it warns about. ``cache_clear`` as lru_cache's."""
+    it warns about. ``cache_clear`` as lru_cache's. Adds one frame to a warning's stack."""
     cached = functools.lru_cache(maxsize=None)(fn)
 
     @torch.compiler.assume_constant_result
     @functools.wraps(fn)
-    def answer(*args):
-        return cached(*args)
+    def answer(*args, **kwargs):
+        return cached(*args, **kwargs)
 
     answer.cache_clear = cached.cache_clear
     return answer
@@ -198,7 +198,7 @@ def _warn_fallback(reason: str) -> None:
         f"diffusion_int8: {reason}; using the PyTorch emulation of the INT8 kernel (same numerics, "
         f"much slower). Set {ENV_BACKEND}=emulation to silence this.",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 

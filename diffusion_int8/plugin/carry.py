@@ -69,8 +69,9 @@ class BlockCarry:
     Args:
         every: a refresh every ``every`` denoising steps, >= 2.
 
-    ``gain`` (a class attribute) scales the forecast's first-order step: 1, the best of 0.5 to 2 on the shipped model's
-    images (BENCHMARKS.md), extrapolates the last two refreshes' change in full; 0 would hold the last refresh.
+    ``gain`` (a class attribute) scales the forecast's first-order step: 1 extrapolates the last two refreshes' change
+    in full (of 0.5 to 2, the best mean PSNR on the shipped model at every interval: BENCHMARKS.md); 0 would hold the
+    last refresh.
     """
 
     gain = 1.0
