@@ -19,3 +19,32 @@ def test_kernels_compile_for_sm90():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "compiled" in proc.stdout
+
+
+def test_every_launch_states_its_fma_contraction():
+    """Triton 3.9 warns at a process's first compile that 3.10 turns FMA contraction off by default; the kernels'
+    rounding, which the emulation mirrors, is measured with it on. So every launch in ``kernels`` says which it
+    wants (``config.FP_FUSION``): a ``kernel[grid](...)`` call by keyword, a ``runner.launch`` in its options."""
+    import ast
+    import pathlib
+
+    import diffusion_int8.kernels
+
+    def states(keywords) -> bool:  # the keyword given, or options passed through (**options) from a caller that does
+        return any(k.arg in ("enable_fp_fusion", None) for k in keywords)
+
+    unstated = []
+    for path in sorted(pathlib.Path(diffusion_int8.kernels.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            if isinstance(node.func, ast.Subscript):  # kernel[grid](...)
+                ok = states(node.keywords)
+            elif isinstance(node.func, ast.Attribute) and node.func.attr == "launch" and len(node.args) == 4:
+                options = node.args[3]  # runner.launch(fn, grid, args, options)
+                ok = isinstance(options, ast.Call) and states(options.keywords)
+            else:
+                continue
+            if not ok:
+                unstated.append(f"{path.name}:{node.lineno}")
+    assert not unstated, f"launches without enable_fp_fusion: {unstated}"

@@ -413,7 +413,7 @@ def block_lists(block_mask: torch.Tensor, B: int, H: int, Sq: int, Sk: int, runn
     idx = runner.empty((B * H * nqb, nkb), torch.int32, block_mask.device)
     runner.launch(_block_list_kernel, (B * H * nqb,), (
         mask, *mask.stride(), counts, idx, H, nqb, nkb, triton.next_power_of_2(nkb), split,
-    ), {})
+    ), dict(enable_fp_fusion=FP_FUSION))
     return counts, idx
 
 
@@ -469,8 +469,9 @@ def key_mask_plan(key_mask: torch.Tensor, Sk: int, block_n: int, runner: Runner 
     tiles = runner.empty((rows, nt), torch.int32, dev)
     runner.launch(_key_bias_kernel, (sk_pad // block_n, rows), (
         mask, mask.stride(0), mask.stride(1), mask.stride(2), bias, kind, Hm, Sk, sk_pad, nt,
-        key_mask.dtype == torch.bool, block_n), {})
-    runner.launch(_key_list_kernel, (rows,), (kind, counts, clean, tiles, nt, triton.next_power_of_2(nt)), {})
+        key_mask.dtype == torch.bool, block_n), dict(enable_fp_fusion=FP_FUSION))
+    runner.launch(_key_list_kernel, (rows,), (kind, counts, clean, tiles, nt, triton.next_power_of_2(nt)),
+                  dict(enable_fp_fusion=FP_FUSION))
     return KeyMaskPlan(bias, counts, clean, tiles, Hm if Bm > 1 else 0, 1 if Hm > 1 else 0)
 
 

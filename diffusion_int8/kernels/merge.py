@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import Backend, select_backend
+from .config import FP_FUSION, Backend, select_backend
 from .layout import cdiv
 
 
@@ -100,5 +100,5 @@ def merge_forecast(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     _merge_kernel[(cdiv(S, BLOCK_S) * B * H,)](
         out_a, lse_a, out_b, lse_b, before_out, before_lse, out, float(step), H, B * H, S, D,
         *out_a.stride()[:3], *out_b.stride()[:3], *before_out.stride()[:3], *out.stride()[:3],
-        FORECAST=forecast, BLOCK_S=BLOCK_S, DP=triton.next_power_of_2(D), num_warps=4)
+        FORECAST=forecast, BLOCK_S=BLOCK_S, DP=triton.next_power_of_2(D), num_warps=4, enable_fp_fusion=FP_FUSION)
     return out

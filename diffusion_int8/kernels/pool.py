@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import SPARSE_BLOCK, padded_head_dim
+from .config import FP_FUSION, SPARSE_BLOCK, padded_head_dim
 from .launch import EAGER, Runner
 from .layout import cdiv
 
@@ -98,7 +98,7 @@ def block_sums(x: torch.Tensor, channels_first: bool = False):
     # 4 warps: at Wan's shape 0.056 ms a pass (1.8 TB/s) against 0.078 with 8 warps; tiles of fewer tokens, looped
     # over, were slower still (0.08-0.13 ms)
     _pool_kernel[(nb, B * H)](x, sums, sq, *x.stride(), H, S, D, nb, DP=dp, CHANNELS_FIRST=channels_first,
-                              num_warps=4)
+                              num_warps=4, enable_fp_fusion=FP_FUSION)
     return sums, sq
 
 
@@ -209,7 +209,7 @@ def predict(pooled: Pooled, B: int, Hq: int, Sq: int, Sk: int, sm_scale: float, 
     runner.launch(_scores_kernel, (cdiv(nqb, bm), cdiv(nkb, bn), B * Hq), (
         pooled.qsum, pooled.qsq, pooled.ksum, pooled.ksq, logits, sim_q, sim_k, Hq, Hq // hkv, Sq, Sk, nqb, nkb,
         float(sm_scale), dp, bm, bn, 16,  # DP, BM, BN, DC
-    ), dict(num_warps=4))
+    ), dict(num_warps=4, enable_fp_fusion=FP_FUSION))
     counts = idx = None
     if lists:
         counts = runner.empty((B * Hq * nqb,), torch.int32, dev)
@@ -221,7 +221,7 @@ def predict(pooled: Pooled, B: int, Hq: int, Sq: int, Sk: int, sm_scale: float, 
         mask.view(torch.int8), mask if counts is None else counts, mask if idx is None else idx,
         Hq, nqb, nkb, float(tau), float(min_similarity) if guard else 0.0,
         nkb_p2, guard, keep is not None, lists,  # NKB_P2, GUARD, HAS_KEEP, LISTS
-    ), dict(num_warps=1 if nkb_p2 <= 256 else 4))  # a row of up to 256 sorted within one warp
+    ), dict(num_warps=1 if nkb_p2 <= 256 else 4, enable_fp_fusion=FP_FUSION))  # up to 256 sorted within a warp
     return (counts, idx) if lists else None
 
 
