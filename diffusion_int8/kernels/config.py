@@ -132,15 +132,21 @@ def fixed_answer(fn):
     """``functools.lru_cache(maxsize=None)`` for a question whose answer is fixed for the process (a device's
     capability, a type's signature; arguments and answer plain Python constants) or a warning given once, which
     ``torch.compile`` takes as a constant: dynamo calls it while tracing instead of tracing through the cache, which
-    it warns about. ``cache_clear`` as lru_cache's. Adds one frame to a warning's stack."""
-    cached = functools.lru_cache(maxsize=None)(fn)
+    it warns about. ``cache_clear`` as lru_cache's. One Python frame (a warning's stack counts it); a dict of its own
+    rather than a wrapped lru_cache, so an eager call pays one lookup, not two calls."""
+    cache: dict = {}
 
     @torch.compiler.assume_constant_result
     @functools.wraps(fn)
     def answer(*args, **kwargs):
-        return cached(*args, **kwargs)
+        key = (args, tuple(kwargs.items())) if kwargs else args
+        try:
+            return cache[key]
+        except KeyError:
+            cache[key] = value = fn(*args, **kwargs)
+            return value
 
-    answer.cache_clear = cached.cache_clear
+    answer.cache_clear = cache.clear
     return answer
 
 
