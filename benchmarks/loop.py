@@ -42,7 +42,6 @@ import torch
 from pipeline import cast, models, to_dtype
 
 import diffusion_int8
-from diffusion_int8.plugin.carry import BlockCarry
 
 CONFIGS = {  # model -> (guidance scale or None for guidance-distilled, scheduler shift)
     "wan": (5.0, 3.0),
@@ -110,9 +109,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="wan,hunyuanvideo")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--carried", default="0.2:3,0.2:5",
-                   help="carried settings, tau:k[:w][,...] ('' for none): level tau, a refresh every k steps, the first "
-                        "w steps all refreshes (BlockCarry.warmup, default 0)")
+    p.add_argument("--carried", default="0.2:3,0.2:5", help="carried settings, tau:k[,tau:k...] ('' for none)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--compiled-only", action="store_true", help="with --compile, only the compiled rows")
     p.add_argument("--resolution", choices=("default", "720p"), default="default",
@@ -125,12 +122,9 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     try:
-        carried = [(float(t), int(k), int(w[0]) if w else 0)
-                   for t, k, *w in (c.split(":") for c in args.carried.split(",") if c) if len(w) <= 1]
-        if len(carried) != len([c for c in args.carried.split(",") if c]):
-            raise ValueError
+        carried = [(float(t), int(k)) for t, k in (c.split(":") for c in args.carried.split(",") if c)]
     except ValueError:
-        p.error(f"--carried takes tau:k or tau:k:w separated by commas (e.g. 0.2:2,0.1:4:3), got {args.carried!r}")
+        p.error(f"--carried takes tau:k pairs separated by commas (e.g. 0.2:2,0.2:3), got {args.carried!r}")
     blocks = dict(b.split("=", 1) for b in args.blocks.split(",") if "=" in b)
     pattern = {"wan": r"\d+", "hunyuanvideo": r"\d+\+\d+"}
     if len(blocks) != len([b for b in args.blocks.split(",") if b]) or not all(
@@ -150,20 +144,16 @@ def main() -> None:
         model, x = to_dtype(model, dtype, "cuda").eval(), cast(x, dtype)
         negative = {"encoder_hidden_states": torch.randn_like(x["encoder_hidden_states"])} if guidance else None
         variants = {"stock": None} if args.no_int8 else {"stock": None, "int8": diffusion_int8.Int8Config("int8")}
-        warmups = {}
-        for tau, every, warmup in carried:
-            label = f"int8 sparsity {tau:g} carried (refresh every {every}" + (f", first {warmup} steps" if warmup
-                                                                              else "") + ")"
-            variants[label] = diffusion_int8.Int8Config("int8", sparsity=tau, refresh_every=every)
-            warmups[label] = warmup
+        for tau, every in carried:
+            variants[f"int8 sparsity {tau:g} carried (refresh every {every})"] = diffusion_int8.Int8Config(
+                "int8", sparsity=tau, refresh_every=every)
         if args.bound:
             variants[NO_ATTENTION] = None
-        runs = [] if args.compiled_only else [(n, n, c, False) for n, c in variants.items()]
+        runs = [] if args.compiled_only else [(n, c, False) for n, c in variants.items()]
         if args.compile or args.compiled_only:
-            runs += [(f"{n}, compiled", n, c, True) for n, c in variants.items()]
+            runs += [(f"{n}, compiled", c, True) for n, c in variants.items()]
         rows = {}
-        for label, variant, config, compiled in runs:
-            BlockCarry.warmup = warmups.get(variant, 0)
+        for label, config, compiled in runs:
             handle = diffusion_int8.enable(model, config, record=True) if config is not None else None
             run = torch.compile(model) if compiled else model
             with no_attention() if label.startswith(NO_ATTENTION) else contextlib.nullcontext():
@@ -172,8 +162,6 @@ def main() -> None:
                     handle.state.reset()
                 seconds = loop(run, x, negative, args.steps, guidance, shift)
             row = {"seconds": seconds}
-            if variant in warmups:
-                row["warmup"] = warmups[variant]
             if handle is not None:  # eager runs count the calls and blocks; compiled graphs do not
                 skipped = handle.state.skipped_blocks()
                 if not compiled:

@@ -5,7 +5,6 @@
     python benchmarks/sparse_quality.py --levels 0.3,0.2,0.1 --refresh-every 2,3        # skipped blocks carried
     python benchmarks/sparse_quality.py --steps 50 --levels 0.2 --refresh-every 3,5      # at a video loop's 50 steps
     python benchmarks/sparse_quality.py --steps 50 --levels 0.2 --refresh-every 5 --forecast-gains 0.5,1,1.5
-    python benchmarks/sparse_quality.py --steps 50 --levels 0.1 --refresh-every 4,6 --warmups 0,3,6
 
 For each level τ, the images of ``enable(pipe, "int8", sparsity=τ)`` (INT8 forced) against FP16 from the same
 seeds: PSNR and the fraction of blocks skipped, with the masks the calls predict (``int8_attention(...,
@@ -15,7 +14,7 @@ skipped, the model's attention, not the predictor, sets the limit. With ``--from
 from a later denoising step on (dense INT8 before it: a ``PrecisionSchedule`` rule over the lower noise levels),
 to show which steps tolerate sparsity. With ``--refresh-every``, each level also runs with its skipped blocks
 carried instead of dropped (``enable(..., refresh_every=k)``, the predictor's masks), at each of
-``--forecast-gains`` and ``--warmups`` (the first steps all refreshes: ``BlockCarry.warmup``).
+``--forecast-gains``.
 """
 
 from __future__ import annotations
@@ -74,9 +73,6 @@ def main():
     ap.add_argument("--forecast-gains", default=str(BlockCarry.gain),
                     help="with --refresh-every, each interval at these gains of the forecast's step "
                          "(BlockCarry.gain): comma-separated, >= 0")
-    ap.add_argument("--warmups", default=str(BlockCarry.warmup),
-                    help="with --refresh-every, each interval after these many first steps that all refresh "
-                         "(BlockCarry.warmup): comma-separated, >= 0")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -92,11 +88,6 @@ def main():
         ap.error(f"--forecast-gains takes comma-separated finite numbers >= 0, got {args.forecast_gains}")
     if args.forecast_gains != ap.get_default("forecast_gains") and not args.refresh_every:
         ap.error("--forecast-gains applies to the carried runs: give --refresh-every too")
-    warmups = [int(w) for w in args.warmups.split(",") if w.strip().isdigit()]
-    if len(warmups) != len(args.warmups.split(",")) or any(w >= args.steps for w in warmups):
-        ap.error(f"--warmups takes comma-separated step counts in 0..{args.steps - 1}, got {args.warmups}")
-    if args.warmups != ap.get_default("warmups") and not args.refresh_every:
-        ap.error("--warmups applies to the carried runs: give --refresh-every too")
     pipe = load_pipeline(variant="long", device=args.device)
     labels = [i % len(pipe.labels) for i in range(args.classes)]
 
@@ -136,23 +127,22 @@ def main():
                                      psnr_min=p.min().item(), skipped=skipped))
     finally:
         P.int8_core = predictor
-    defaults = BlockCarry.gain, BlockCarry.warmup
+    default_gain = BlockCarry.gain
     try:
         for gain in gains:
-            for warmup in warmups:
-                BlockCarry.gain, BlockCarry.warmup = gain, warmup
-                for every in [int(k) for k in args.refresh_every.split(",") if k]:
-                    for tau in map(float, args.levels.split(",")):
-                        handle = diffusion_int8.enable(pipe, "int8", speed_gate=False, record=True, sparsity=tau,
-                                                       refresh_every=every)
-                        p = psnr(generate(), ref)
-                        skipped = handle.state.skipped_blocks()["overall"]
-                        handle.disable()
-                        rows.append(dict(masks=f"predictor, carried every {every}, gain {gain:g}, warm-up {warmup}",
-                                         tau=tau, from_step=0, refresh_every=every, gain=gain, warmup=warmup,
-                                         psnr_mean=p.mean().item(), psnr_min=p.min().item(), skipped=skipped))
+            BlockCarry.gain = gain
+            for every in [int(k) for k in args.refresh_every.split(",") if k]:
+                for tau in map(float, args.levels.split(",")):
+                    handle = diffusion_int8.enable(pipe, "int8", speed_gate=False, record=True, sparsity=tau,
+                                                   refresh_every=every)
+                    p = psnr(generate(), ref)
+                    skipped = handle.state.skipped_blocks()["overall"]
+                    handle.disable()
+                    rows.append(dict(masks=f"predictor, carried every {every}, gain {gain:g}", tau=tau, from_step=0,
+                                     refresh_every=every, gain=gain, psnr_mean=p.mean().item(),
+                                     psnr_min=p.min().item(), skipped=skipped))
     finally:
-        BlockCarry.gain, BlockCarry.warmup = defaults
+        BlockCarry.gain = default_gain
     print("| masks | τ | from step | PSNR mean (min) dB | skipped |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['masks']} | {r['tau']} | {r['from_step']} | {r['psnr_mean']:.2f} ({r['psnr_min']:.2f}) "

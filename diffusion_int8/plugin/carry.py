@@ -61,8 +61,6 @@ class _Generation(threading.local):
         self.noise: float | None = None  # the denoising step's noise level
         self.step = 0  # denoising steps since the generation began
         self.calls = 0  # calls in this denoising step: the index of the next call site
-        self.refresh = True  # this step computes every block
-        self.refreshed = 0  # the last step that did
 
 
 class BlockCarry:
@@ -74,13 +72,9 @@ class BlockCarry:
     ``gain`` (a class attribute) scales the forecast's first-order step: 1 extrapolates the last two refreshes' change
     in full (of 0.5 to 2, the best mean PSNR on the shipped model at every interval: BENCHMARKS.md); 0 would hold the
     last refresh.
-
-    ``warmup`` (a class attribute) makes the first ``warmup`` denoising steps refresh, each of them, before the
-    interval starts counting: the noisiest steps, where attention moves fastest and the forecast errs most.
     """
 
     gain = 1.0
-    warmup = 0
 
     def __init__(self, every: int):
         if isinstance(every, bool) or not isinstance(every, int) or every < 2:
@@ -106,9 +100,6 @@ class BlockCarry:
             else:
                 gen.step += 1
             gen.noise, gen.calls = noise, 0
-            gen.refresh = gen.step < max(self.warmup, 1) or gen.step - gen.refreshed >= self.every
-            if gen.refresh:
-                gen.refreshed = gen.step
         gen.calls += 1
         return gen, gen.calls - 1
 
@@ -138,7 +129,7 @@ class BlockCarry:
             mask = predict_block_mask(query, key, tau, sm_scale=scale, keep_kv_blocks=keep_kv_blocks,
                                       min_similarity=None)
             site = gen.sites[index] = _Site(mask, shape)
-        if gen.refresh or site.last is None:
+        if gen.step % self.every == 0 or site.last is None:
             # rows whose every block is kept have an empty complement: -inf, and a zero weight in later merges
             out, out_c, lse_c = run(block_mask=site.mask, return_skipped=True)
             site.before, site.last = site.last, (noise, out_c, lse_c)
