@@ -1,7 +1,7 @@
 """Whole denoising loops of video DiTs at real configurations (random weights, no download): the wall time of a
 flow-matching loop with the timestep moving, as a user runs it, stock against INT8 variants.
 
-    python benchmarks/loop.py --out bench_out/loop.json [--models wan,hunyuanvideo] [--steps 50] [--carried 0.2:3,0.2:5]
+    python benchmarks/loop.py --out bench_out/loop.json [--models wan,hunyuanvideo] [--steps 50] [--carried 0.05:4,0.2:5]
         [--compile] [--resolution 720p] [--blocks wan=6,hunyuanvideo=1+2] [--bound]
 
 - **Wan2.1-T2V-1.3B** at 480p × 81 frames: all 30 blocks, 21 × 60 × 104 latents (32,760 tokens), CFG as
@@ -20,7 +20,7 @@ The timesteps come from diffusers' ``FlowMatchEulerDiscreteScheduler`` (shift 3 
 a schedule or a carried variant sees them move as in the pipelines. Variants: stock; ``int8`` (``enable()``'s
 defaults: the speed gate, the Q·Kᵀ balance where a module needs it); ``int8`` with block sparsity whose skipped
 blocks are carried, one variant per ``--carried tau:k`` (sparsity level tau, a refresh every k steps; by default
-0.2:3 and 0.2:5, which hold about 36.5 and 30.3 dB on the long shipped model at 50 steps, BENCHMARKS.md "Skipped
+0.05:4 and 0.2:5, which hold about 33.3 and 30.3 dB on the long shipped model at 50 steps, BENCHMARKS.md "Skipped
 blocks carried"). Each variant runs a 3-step warm-up loop, then the timed loop (host clock,
 synchronized at both ends). ``--compile`` adds each variant with ``torch.compile(model)`` after ``enable`` (the
 warm-up compiles; a carried variant's bookkeeping runs eagerly between graphs). ``--bound`` adds *no attention*:
@@ -109,7 +109,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="wan,hunyuanvideo")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--carried", default="0.2:3,0.2:5", help="carried settings, tau:k[,tau:k...] ('' for none)")
+    p.add_argument("--carried", default="0.05:4,0.2:5", help="carried settings, tau:k[,tau:k...] ('' for none)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--compiled-only", action="store_true", help="with --compile, only the compiled rows")
     p.add_argument("--resolution", choices=("default", "720p"), default="default",
