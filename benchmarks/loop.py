@@ -1,8 +1,9 @@
 """Whole denoising loops of video DiTs at real configurations (random weights, no download): the wall time of a
 flow-matching loop with the timestep moving, as a user runs it, stock against INT8 variants.
 
-    python benchmarks/loop.py --out bench_out/loop.json [--models wan,hunyuanvideo] [--steps 50] [--carried 0.05:4,0.2:5]
-        [--compile] [--resolution 720p] [--blocks wan=6,hunyuanvideo=1+2] [--bound]
+    python benchmarks/loop.py --out bench_out/loop.json [--models wan,hunyuanvideo] [--steps 50]
+        [--carried 0.05:4,0.2:5] [--compile | --compiled-only] [--no-int8] [--resolution 720p]
+        [--blocks wan=6,hunyuanvideo=1+2] [--bound]
 
 - **Wan2.1-T2V-1.3B** at 480p × 81 frames: all 30 blocks, 21 × 60 × 104 latents (32,760 tokens), CFG as
   diffusers' ``WanPipeline`` runs it: two denoiser calls a step (prompt, negative prompt), guidance 5.
@@ -111,7 +112,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--carried", default="0.05:4,0.2:5", help="carried settings, tau:k[,tau:k...] ('' for none)")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--compiled-only", action="store_true", help="with --compile, only the compiled rows")
+    p.add_argument("--compiled-only", action="store_true", help="only the compiled rows (implies --compile)")
     p.add_argument("--resolution", choices=("default", "720p"), default="default",
                    help="default: Wan 480p, HunyuanVideo 544p; 720p: both at 1280 x 720")
     p.add_argument("--blocks", default="", help="model=blocks[,...]: wan=N (at most 30), hunyuanvideo=D+S (at most "
