@@ -964,13 +964,19 @@ def test_a_carried_level_is_chosen_where_it_computes_fewer_blocks():
     noise = [1.0, 0.75, 0.5, 0.25, 0.0]
     # dropped (the crafted levels): 0.95, 0.8, 0.8 and dense over the four INT8 steps, computing 0.6, 0.3, 0.3 and
     # 1 of the blocks (mean 0.55). Carried 0.8 every 2 computes 1, 0.3, 1, 0.3 (mean 0.65: dropping wins), every 4
-    # 1, 0.3, 0.3, 0.3 (0.475: chosen), every 8 less still but over the budget at the fourth step
+    # 1, 0.3, 0.3, 0.3 (0.475: chosen), every 8 less still but over the carry budget: each INT8 step removes a
+    # quarter of the noise, so the errors along the trajectory are 0.01, 0.0225 and 0.035
     carried = {(0.8, 2): ([[0.0, 0.02, 0.0, 0.02, 0.0]] * 2, [[1, 0.3, 1, 0.3, 1]] * 2),
                (0.8, 4): ([[0.0, 0.02, 0.03, 0.04, 0.0]] * 2, [[1, 0.3, 0.3, 0.3, 1]] * 2),
-               (0.8, 8): ([[0.0, 0.02, 0.03, 0.09, 0.0]] * 2, [[1, 0.3, 0.3, 0.3, 0.3]] * 2)}  # 0.09: over budget
+               (0.8, 8): ([[0.0, 0.02, 0.03, 0.09, 0.0]] * 2, [[1, 0.2, 0.2, 0.2, 0.2]] * 2)}
     cal = crafted_carried(carried, noise)
-    s = PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05)
-    assert s.refresh_every == 4 and "carried every 4" in s.name
+    s = PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=0.03)
+    assert s.refresh_every == 4 and "carried every 4, trajectory<=0.03" in s.name
+    assert PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=0.04).refresh_every == 8
+    assert PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=None).refresh_every is None
+    for bad in (0, -1, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="carry_budget must be a number > 0 or None"):
+            PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=bad)
     assert [s.tau_for(t * 1000) for t in noise] == [0.8] * 4 + [None]  # one level wherever INT8 runs
     assert PrecisionSchedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s
     config = Int8Config("int8", schedule=s)
@@ -990,6 +996,27 @@ def test_a_carried_level_is_chosen_where_it_computes_fewer_blocks():
         PrecisionSchedule.from_dict(dict(s.to_dict(), schema_version=3))
 
 
+def test_step_weights_are_the_noise_each_step_removes():
+    cal = crafted_carried({}, [1.0, 0.8, 0.4, 0.1, 0.02])
+    torch.testing.assert_close(cal.step_weights(), torch.tensor([0.2, 0.4, 0.3, 0.08, 0.02]))
+    cal.noise = torch.tensor([0.4, 1.0, 0.1, 0.8, 0.02])  # in any order: each step against the next lower level
+    torch.testing.assert_close(cal.step_weights(), torch.tensor([0.3, 0.2, 0.08, 0.4, 0.02]))
+    cal.noise = torch.full((5,), 0.0)
+    torch.testing.assert_close(cal.step_weights(), torch.full((5,), 0.2))
+
+
+def test_carried_errors_are_weighed_by_the_noise_each_step_removes():
+    """A forecast error at a step that removes little noise costs little: every 4 errs 0.30 at the third step, which
+    removes 5% of the noise (0.032 along the trajectory), every 8 errs 0.05 at the steps that remove 85% of it
+    (0.0435): at a carry budget of 0.04 every 4 passes and every 8 does not, though every 4's worst step is worse."""
+    noise = [1.0, 0.9, 0.5, 0.45, 0.0]
+    carried = {(0.8, 4): ([[0.0, 0.02, 0.30, 0.02, 0.0]] * 2, [[1, 0.3, 0.3, 0.3, 1]] * 2),
+               (0.8, 8): ([[0.0, 0.05, 0.02, 0.05, 0.0]] * 2, [[1, 0.2, 0.2, 0.2, 0.2]] * 2)}
+    cal = crafted_carried(carried, noise)
+    assert PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=0.04).refresh_every == 4
+    assert PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=0.045).refresh_every == 8
+
+
 def test_calibrate_cli_with_carried_levels(tmp_path):
     res = run_cli(CLI_ARGS[:3] + ["--class-labels", "red circle", "--steps", "4", "--sparsity-levels", "0.5",
                                   "--refresh-every", "2,3", "--sparsity-budget", "1", "--out", "cal"], tmp_path)
@@ -998,6 +1025,14 @@ def test_calibrate_cli_with_carried_levels(tmp_path):
     assert "carried, refresh every 2" in res.stdout and "carried, refresh every 3" in res.stdout
     summary = (tmp_path / "cal" / "summary.md").read_text()
     assert "## Error of each level with its skipped blocks carried" in summary and "| 0.5 | 3 |" in summary
+    assert "along the trajectory" in summary and "along the trajectory" in res.stdout
+    for every in (2, 3):  # the summary's figure is the steps' errors weighted by the noise each removes
+        want = float((cal.carry_error(0.5, every).mean(0) * cal.step_weights()).sum())
+        got = json.loads((tmp_path / "cal" / "summary.json").read_text())["carried"][f"0.5/{every}"]
+        assert got["trajectory_rel_l1"] == pytest.approx(want) and want < got["max_rel_l1"]
+    res = run_cli(CLI_ARGS[:3] + ["--class-labels", "red circle", "--sparsity-levels", "0.5", "--refresh-every", "2",
+                                  "--carry-budget", "0", "--out", "c3"], tmp_path, check=False)
+    assert res.returncode == 2 and "--carry-budget" in res.stderr and not (tmp_path / "c3").exists()
     res = run_cli(CLI_ARGS[:3] + ["--class-labels", "red circle", "--refresh-every", "2", "--out", "c2"], tmp_path,
                   check=False)
     assert res.returncode == 2 and "--refresh-every carries the blocks a sparsity level skips" in res.stderr

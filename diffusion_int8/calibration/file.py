@@ -424,6 +424,19 @@ class Calibration:
         """(L, T) the fraction of block pairs computed at each step when carrying (1 at a refresh)."""
         return self._carried("carry.kept", tau, every)
 
+    def step_weights(self) -> torch.Tensor:
+        """(T,) each calibrated step's share of the noise it removes: its noise level less the next lower one's (the
+        lowest step's: less 0), normalized to sum 1 (equal shares where every level is the same). An Euler step moves
+        the latents by that share of the noise times the prediction, so an error at one step reaches the image
+        about in proportion to it: a trajectory's mean error weighs its steps by these."""
+        noise = self.noise.double()
+        order = noise.argsort(descending=True)
+        ordered = noise[order]
+        share = torch.empty_like(noise)
+        share[order] = (ordered - torch.cat([ordered[1:], ordered.new_zeros(1)])).clamp_min(0)
+        total = float(share.sum())
+        return (share / total if total > 0 else torch.full_like(noise, 1 / max(len(noise), 1))).float()
+
     def _carried(self, what: str, tau: float, every: int) -> torch.Tensor:
         if (float(tau), int(every)) not in self.carry_settings():
             raise ValueError(f"level {tau} refreshed every {every} steps was not calibrated; the calibrated pairs are "

@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import pipelines
 from ..calibration import calibrate, write_outputs
 from ..calibration.run import OUTPUTS
-from ..schedule import PrecisionSchedule
+from ..schedule import CARRY_BUDGET, PrecisionSchedule
 from .common import add_model_args, check_model, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, command, output_set
 from .summaries import print_calibration
@@ -35,7 +35,7 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
                       guidance_scale: float | None = None, device: str | None = None, overwrite: bool = False,
                       percentile: float = 99.0, budget: float = DEFAULT_BUDGET, per_layer: bool = False,
                       sparsity_levels: list[float] | None = None, sparsity_budget: float | None = None,
-                      refresh_every: list[int] | None = None) -> int:
+                      refresh_every: list[int] | None = None, carry_budget: float = CARRY_BUDGET) -> int:
     """The command with its arguments as keywords. Returns the exit status."""
     if refresh_every and not sparsity_levels:
         raise UsageError("--refresh-every carries the blocks a sparsity level skips: give --sparsity-levels too")
@@ -59,7 +59,8 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
                     model=pipelines.model_id(model), shards=shards)
     calibrating = time.time() - t0
     if shards.is_main:
-        schedule = PrecisionSchedule.from_calibration(cal, budget, per_layer=per_layer, sparsity_budget=sparsity_budget)
+        schedule = PrecisionSchedule.from_calibration(cal, budget, per_layer=per_layer, sparsity_budget=sparsity_budget,
+                                                      carry_budget=carry_budget)
         with output_set(out, OUTPUTS, overwrite) as tmp:
             summary = write_outputs(cal, schedule, tmp, budget)
         print_calibration(summary, schedule, out, calibrating, time.time() - t0 - calibrating)
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                              guidance_scale=args.guidance_scale, device=args.device, overwrite=args.overwrite,
                              percentile=args.percentile, budget=args.budget, per_layer=args.per_layer,
                              sparsity_levels=args.sparsity_levels, sparsity_budget=args.sparsity_budget,
-                             refresh_every=args.refresh_every)
+                             refresh_every=args.refresh_every, carry_budget=args.carry_budget)
 
 
 def add_parser(sub) -> None:
@@ -92,7 +93,11 @@ def add_parser(sub) -> None:
     p.add_argument("--refresh-every", type=refresh_intervals, default=None, metavar="K,...",
                    help="with --sparsity-levels: also measure carrying each level's skipped blocks, computed every K-th "
                         "step and forecast in between, e.g. 2,3,4; the schedule carries one level at one interval "
-                        "where that computes fewer blocks within --sparsity-budget than dropping them")
+                        "where that computes fewer blocks within --carry-budget than dropping them")
+    p.add_argument("--carry-budget", type=positive_float, default=CARRY_BUDGET,
+                   help="largest relative L1 attention error of a carried setting, averaged along the trajectory "
+                        "(each step weighted by the noise it removes) (default: %(default)s, about 33 dB against "
+                        "FP16 on the long shipped model at 50 steps)")
     p.add_argument("--sparsity-budget", type=positive_float, default=None,
                    help="largest relative L1 attention error block sparsity may add, on top of --budget's "
                         f"(default with --sparsity-levels: {DEFAULT_SPARSITY_BUDGET})")

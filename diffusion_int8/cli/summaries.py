@@ -25,7 +25,8 @@ def print_calibration(summary: dict, schedule, out: Path, calibrating: float, wr
     print(f"  schedule {schedule.name}: {' '.join(summary['schedule']['per_step'])}")
     for e in summary.get("carried", {}).values():
         print(f"  tau {e['tau']:<9g} carried, refresh every {e['refresh_every']}: skips {e['skipped']:.1%} of the "
-              f"blocks, rel L1 mean {e['mean_rel_l1']:.4f}, worst {e['max_rel_l1']:.4f}")
+              f"blocks, rel L1 along the trajectory {e['trajectory_rel_l1']:.4f}, mean {e['mean_rel_l1']:.4f}, "
+              f"worst {e['max_rel_l1']:.4f}")
     if "tau_per_step" in summary["schedule"]:
         every = summary["schedule"].get("refresh_every")
         print("  levels per step: " + " ".join("dense" if t is None else f"{t:g}"
