@@ -194,13 +194,13 @@ class PrecisionSchedule:
                 so the attention's error is about ``budget + sparsity_budget`` where both are spent. None: dense.
             carry_budget: with ``sparsity_budget``, where the calibration also measured carrying
                 (``calibrate(..., refresh_every=...)``): the largest accepted error of a level carried at an
-                interval, averaged along the trajectory (over the layers and the INT8 steps, each step weighted
-                by the noise it removes, ``Calibration.step_weights``). Of the settings within it, the one whose
-                steps compute the fewest blocks (a refresh computes all of them) is taken over dropping if it
-                computes fewer than dropping does. Along the trajectory rather than at the worst step: the
-                forecast's error peaks at the noisiest steps and at the last, nearly noiseless ones, and on the
-                long shipped model the trajectory's mean ranks the settings' PSNR where the worst step does not
-                (BENCHMARKS.md, "The setting calibration chooses"). None: never carry.
+                interval (same metric; the default is a relative L1), averaged along the trajectory (over the
+                layers and the INT8 steps, each step weighted by the noise it removes, ``Calibration.step_weights``).
+                Of the settings within it, the one whose steps compute the fewest blocks (a refresh computes all of
+                them) is taken over dropping if it computes fewer than dropping does. Along the trajectory rather
+                than at the worst step: the forecast's error peaks at the noisiest steps and at the last, nearly
+                noiseless ones, and on the long shipped model the trajectory's mean ranks the settings' PSNR where
+                the worst step does not (BENCHMARKS.md, "The setting calibration chooses"). None: never carry.
 
         Each calibrated step covers the noise levels half-way to its neighbours, so the schedule applies
         to any number of steps. Modes are tried in the order ``int8``, ``int8_fp16v``, ``fp16``; sparsity
@@ -209,12 +209,12 @@ class PrecisionSchedule:
         """
         if metric not in ("rel_l1", "cos"):
             raise ValueError(f"metric must be 'rel_l1' or 'cos', got {metric!r}")
+        if not (carry_budget is None or (_is_number(carry_budget) and carry_budget > 0)):
+            raise ValueError(f"carry_budget must be a number > 0 or None (never carry), got {carry_budget!r}")
         levels = []
         if sparsity_budget is not None:
             if not (_is_number(sparsity_budget) and sparsity_budget > 0):
                 raise ValueError(f"sparsity_budget must be a number > 0 or None, got {sparsity_budget!r}")
-            if not (carry_budget is None or (_is_number(carry_budget) and carry_budget > 0)):
-                raise ValueError(f"carry_budget must be a number > 0 or None (never carry), got {carry_budget!r}")
             levels = calibration.sparsity_levels()
             if not levels:
                 raise ValueError("sparsity_budget needs a calibration with sparsity levels: run "

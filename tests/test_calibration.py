@@ -975,8 +975,9 @@ def test_a_carried_level_is_chosen_where_it_computes_fewer_blocks():
     assert PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=0.04).refresh_every == 8
     assert PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=None).refresh_every is None
     for bad in (0, -1, float("nan"), True, "0.1"):
-        with pytest.raises(ValueError, match="carry_budget must be a number > 0 or None"):
-            PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=bad)
+        for sparsity_budget in (0.05, None):
+            with pytest.raises(ValueError, match="carry_budget must be a number > 0 or None"):
+                PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=sparsity_budget, carry_budget=bad)
     assert [s.tau_for(t * 1000) for t in noise] == [0.8] * 4 + [None]  # one level wherever INT8 runs
     assert PrecisionSchedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s
     config = Int8Config("int8", schedule=s)
@@ -1003,6 +1004,12 @@ def test_step_weights_are_the_noise_each_step_removes():
     torch.testing.assert_close(cal.step_weights(), torch.tensor([0.3, 0.2, 0.08, 0.4, 0.02]))
     cal.noise = torch.full((5,), 0.0)
     torch.testing.assert_close(cal.step_weights(), torch.full((5,), 0.2))
+    cal.noise = torch.tensor([0.8, 0.6, 0.2, 0.1, 0.05])  # a trajectory that starts below 1: normalized
+    torch.testing.assert_close(cal.step_weights(), torch.tensor([0.25, 0.5, 0.125, 0.0625, 0.0625]))
+    cal.noise = torch.tensor([1.0, 0.5, 0.5, 0.25, 0.0])  # two calls at one level share its gap
+    torch.testing.assert_close(cal.step_weights(), torch.tensor([0.5, 0.125, 0.125, 0.25, 0.0]))
+    cal.noise = torch.tensor([0.7])
+    torch.testing.assert_close(cal.step_weights(), torch.tensor([1.0]))
 
 
 def test_carried_errors_are_weighed_by_the_noise_each_step_removes():
@@ -1015,6 +1022,17 @@ def test_carried_errors_are_weighed_by_the_noise_each_step_removes():
     cal = crafted_carried(carried, noise)
     assert PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=0.04).refresh_every == 4
     assert PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=0.045).refresh_every == 8
+
+
+def test_carried_errors_are_averaged_over_the_int8_steps_alone():
+    """The last step runs FP16 (crafted_sparse) and removes a fifth of the noise: its forecast error (1.0) does not
+    count, and the four INT8 steps' weights are renormalized (0.3125, 0.3125, 0.25, 0.125), so 0.04 at steps 1-3
+    averages 0.0275, not the 0.022 of the weights over all five steps."""
+    noise = [1.0, 0.75, 0.5, 0.3, 0.2]
+    carried = {(0.8, 4): ([[0.0, 0.04, 0.04, 0.04, 1.0]] * 2, [[1, 0.3, 0.3, 0.3, 1]] * 2)}
+    cal = crafted_carried(carried, noise)
+    assert [PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=b).refresh_every
+            for b in (0.025, 0.03)] == [None, 4]
 
 
 def test_calibrate_cli_with_carried_levels(tmp_path):
@@ -1033,6 +1051,10 @@ def test_calibrate_cli_with_carried_levels(tmp_path):
     res = run_cli(CLI_ARGS[:3] + ["--class-labels", "red circle", "--sparsity-levels", "0.5", "--refresh-every", "2",
                                   "--carry-budget", "0", "--out", "c3"], tmp_path, check=False)
     assert res.returncode == 2 and "--carry-budget" in res.stderr and not (tmp_path / "c3").exists()
+    res = run_cli(CLI_ARGS[:3] + ["--class-labels", "red circle", "--sparsity-levels", "0.5", "--carry-budget", "0.1",
+                                  "--out", "c4"], tmp_path, check=False)
+    assert res.returncode == 2 and "--carry-budget bounds the carried settings --refresh-every measures" in res.stderr
+    assert not (tmp_path / "c4").exists()
     res = run_cli(CLI_ARGS[:3] + ["--class-labels", "red circle", "--refresh-every", "2", "--out", "c2"], tmp_path,
                   check=False)
     assert res.returncode == 2 and "--refresh-every carries the blocks a sparsity level skips" in res.stderr

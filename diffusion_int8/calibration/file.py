@@ -425,15 +425,15 @@ class Calibration:
         return self._carried("carry.kept", tau, every)
 
     def step_weights(self) -> torch.Tensor:
-        """(T,) each calibrated step's share of the noise it removes: its noise level less the next lower one's (the
-        lowest step's: less 0), normalized to sum 1 (equal shares where every level is the same). An Euler step moves
-        the latents by that share of the noise times the prediction, so an error at one step reaches the image
-        about in proportion to it: a trajectory's mean error weighs its steps by these."""
+        """(T,) each calibrated step's share of the noise it removes: its noise level less the next lower level (the
+        lowest: less 0), split evenly among steps at the same level, normalized to sum 1 (equal shares where every
+        level is 0). A flow-matching Euler step moves the latents by that share of the noise times the prediction,
+        so an error at one step reaches the image about in proportion to it; for DDPM-style models the noise level
+        is the timestep's fraction (``schedule.noise_level``) and the shares are timestep gaps."""
         noise = self.noise.double()
-        order = noise.argsort(descending=True)
-        ordered = noise[order]
-        share = torch.empty_like(noise)
-        share[order] = (ordered - torch.cat([ordered[1:], ordered.new_zeros(1)])).clamp_min(0)
+        levels, which, count = torch.unique(noise, sorted=True, return_inverse=True, return_counts=True)  # ascending
+        gaps = levels - torch.cat([levels.new_zeros(1), levels[:-1]])
+        share = (gaps / count)[which].clamp_min(0)
         total = float(share.sum())
         return (share / total if total > 0 else torch.full_like(noise, 1 / max(len(noise), 1))).float()
 

@@ -40,7 +40,8 @@ def summarize(cal: Calibration, schedule=None, top: int = 8) -> dict:
         e, skipped = cal.carry_error(tau, every), 1 - cal.carry_kept(tau, every)
         carried[f"{tau}/{every}"] = {
             "tau": tau, "refresh_every": every, "mean_rel_l1": float(e.mean()), "max_rel_l1": float(e.max()),
-            "trajectory_rel_l1": float((e.mean(0) * weights).sum()),  # what from_calibration's carry_budget bounds
+            # what from_calibration's carry_budget bounds where every step runs INT8
+            "trajectory_rel_l1": float((e.mean(0) * weights).sum()),
             "per_step_max_rel_l1": [float(x) for x in e.amax(0)],
             "skipped": float(skipped.mean()), "per_step_skipped": [float(x) for x in skipped.mean(0)],
         }
@@ -80,7 +81,8 @@ def write_markdown(summary: dict, path: Path) -> None:
         lines += ["", "## Error of each level with its skipped blocks carried", "",
                   "The skipped blocks computed every K-th step and forecast in between (`refresh_every=K`): the blocks "
                   "skipped over the steps (none at a refresh) and the error against all pairs; *along the trajectory* "
-                  "weighs each step by the noise it removes (what `--carry-budget` bounds).", "",
+                  "weighs each step by the noise it removes (what `--carry-budget` bounds where every step runs "
+                  "INT8).", "",
                   "| tau | refresh every | blocks skipped | along the trajectory | mean rel L1 | worst layer·step |",
                   "|---|---|---|---|---|---|"]
         for e in summary["carried"].values():

@@ -35,12 +35,18 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
                       guidance_scale: float | None = None, device: str | None = None, overwrite: bool = False,
                       percentile: float = 99.0, budget: float = DEFAULT_BUDGET, per_layer: bool = False,
                       sparsity_levels: list[float] | None = None, sparsity_budget: float | None = None,
-                      refresh_every: list[int] | None = None, carry_budget: float = CARRY_BUDGET) -> int:
+                      refresh_every: list[int] | None = None, carry_budget: float | None = None) -> int:
     """The command with its arguments as keywords. Returns the exit status."""
     if refresh_every and not sparsity_levels:
         raise UsageError("--refresh-every carries the blocks a sparsity level skips: give --sparsity-levels too")
     if sparsity_budget is not None and not sparsity_levels:
         raise UsageError("--sparsity-budget needs --sparsity-levels: the levels to measure and choose from")
+    if carry_budget is not None and (isinstance(carry_budget, bool) or not isinstance(carry_budget, (int, float))
+                                     or not carry_budget > 0):
+        raise UsageError(f"--carry-budget must be a number > 0, got {carry_budget!r}")
+    if carry_budget is not None and not refresh_every:
+        raise UsageError("--carry-budget bounds the carried settings --refresh-every measures: give --refresh-every "
+                         "(and --sparsity-levels) too")
     if sparsity_levels and sparsity_budget is None:
         sparsity_budget = DEFAULT_SPARSITY_BUDGET
     check_out(out, OUTPUTS, overwrite)
@@ -59,6 +65,7 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
                     model=pipelines.model_id(model), shards=shards)
     calibrating = time.time() - t0
     if shards.is_main:
+        carry_budget = CARRY_BUDGET if carry_budget is None else carry_budget
         schedule = PrecisionSchedule.from_calibration(cal, budget, per_layer=per_layer, sparsity_budget=sparsity_budget,
                                                       carry_budget=carry_budget)
         with output_set(out, OUTPUTS, overwrite) as tmp:
@@ -92,12 +99,14 @@ def add_parser(sub) -> None:
                         "--sparsity-budget per step (and layer)")
     p.add_argument("--refresh-every", type=refresh_intervals, default=None, metavar="K,...",
                    help="with --sparsity-levels: also measure carrying each level's skipped blocks, computed every K-th "
-                        "step and forecast in between, e.g. 2,3,4; the schedule carries one level at one interval "
-                        "where that computes fewer blocks within --carry-budget than dropping them")
-    p.add_argument("--carry-budget", type=positive_float, default=CARRY_BUDGET,
+                        "step and forecast in between, e.g. 3,4,5; the schedule carries one level at one interval "
+                        "where a setting within --carry-budget computes fewer blocks than dropping the levels within "
+                        "--sparsity-budget")
+    p.add_argument("--carry-budget", type=positive_float, default=None,
                    help="largest relative L1 attention error of a carried setting, averaged along the trajectory "
-                        "(each step weighted by the noise it removes) (default: %(default)s, about 33 dB against "
-                        "FP16 on the long shipped model at 50 steps)")
+                        f"over the layers and the steps, each step weighted by the noise it removes; with "
+                        f"--refresh-every (default: {CARRY_BUDGET}; on the long shipped model at 50 steps, the "
+                        "settings within it held 30-37 dB against FP16)")
     p.add_argument("--sparsity-budget", type=positive_float, default=None,
                    help="largest relative L1 attention error block sparsity may add, on top of --budget's "
                         f"(default with --sparsity-levels: {DEFAULT_SPARSITY_BUDGET})")
