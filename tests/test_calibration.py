@@ -688,6 +688,20 @@ def test_plots_run_the_noise_the_same_way_and_name_the_layers(tmp_path, monkeypa
         assert labels[0] == names[0] and labels[-1] == names[-1]
         assert labels == names if len(names) <= 8 else (len(labels) == 8 and set(labels) <= set(names))
         assert (tmp_path / "ranges.png").stat().st_size > 0
+    # carried settings: a second panel, one line each, labelled with its error along the trajectory, the chosen thick
+    T = len(cal.noise)
+    for st in cal.layers.values():
+        for every in (2, 3):
+            st[f"carry.rel_l1@0.5/{every}"] = torch.full((2, T), 0.01 * every)
+            st[f"carry.kept@0.5/{every}"] = torch.full((2, T), 0.5)
+    cal.meta["carry"] = [[0.5, 2], [0.5, 3]]
+    summary.plot(cal, tmp_path, budget=0.02, carried=(0.5, 3))
+    modes_ax, carried_ax = saved["errors.png"].axes
+    assert modes_ax.xaxis_inverted() and carried_ax.xaxis_inverted()
+    labels = [t.get_text() for t in carried_ax.get_legend().get_texts()]
+    assert labels == ["τ 0.5 every 2: 0.020", "τ 0.5 every 3: 0.030 (the schedule's)"]
+    widths = [line.get_linewidth() for line in carried_ax.get_lines()]
+    assert widths[1] > widths[0]
 
 
 def test_library_calibrate_gives_the_cli_file(tmp_path, monkeypatch):

@@ -110,12 +110,16 @@ def write_markdown(summary: dict, path: Path) -> None:
             lines += [f"| {i} | {n:.3f} | {m} |" for i, (n, m) in enumerate(zip(summary["noise"], s["per_step"]))]
     lines += ["", "Plots: `ranges.png` (Q, K and V ranges against the noise level, one line per layer, coloured by "
               "depth) and `errors.png` (error per step and mode), both with the noise level falling from left to "
-              "right, as denoising proceeds.", ""]
+              "right, as denoising proceeds" + ("; with carried settings, `errors.png` shows each one's error per step "
+              "beside the modes'." if summary.get("carried") else "."), ""]
     path.write_text("\n".join(lines))
 
 
-def plot(cal: Calibration, out_dir: Path, budget: float | None = None) -> list[Path]:
-    """``ranges.png`` and ``errors.png``; nothing (and no error) without matplotlib."""
+def plot(cal: Calibration, out_dir: Path, budget: float | None = None,
+         carried: tuple[float, int] | None = None) -> list[Path]:
+    """``ranges.png`` and ``errors.png``; nothing (and no error) without matplotlib. Where ``cal`` measured carrying,
+    ``errors.png`` has a second panel: each carried setting's error per step, ``carried`` (level, interval), the
+    schedule's choice, drawn thick."""
     try:
         import matplotlib
 
@@ -148,7 +152,9 @@ def plot(cal: Calibration, out_dir: Path, budget: float | None = None) -> list[P
         fig.savefig(ranges, dpi=110, bbox_inches="tight")
         plt.close(fig)
 
-        fig, ax = plt.subplots(figsize=(6.5, 3.6))
+        settings = cal.carry_settings()
+        fig, axes = plt.subplots(1, 2 if settings else 1, figsize=(12 if settings else 6.5, 3.6), squeeze=False)
+        ax = axes[0, 0]
         for i, m in enumerate(cal.modes()):
             e = cal.error(m)
             ax.plot(noise, e.amax(0).numpy(), marker="o", ms=3, color=f"C{i}", label=f"{m} (worst layer)")
@@ -159,9 +165,24 @@ def plot(cal: Calibration, out_dir: Path, budget: float | None = None) -> list[P
         ax.set_ylabel("relative L1 of attention output")
         ax.invert_xaxis()  # the same direction as ranges.png
         ax.legend(fontsize=8)
+        if settings:
+            ax = axes[0, 1]
+            levels, weights = sorted({tau for tau, _ in settings}), cal.step_weights()
+            styles = ["-", "--", ":", "-."]
+            for tau, every in settings:
+                e = cal.carry_error(tau, every).mean(0)
+                chosen = (tau, every) == carried
+                ax.plot(noise, e.numpy(), lw=2.4 if chosen else 1, color=f"C{levels.index(tau) % 10}",
+                        ls="-" if chosen else styles[every % len(styles)],
+                        label=f"τ {tau:g} every {every}: {float((e * weights).sum()):.3f}"
+                              + (" (the schedule's)" if chosen else ""))
+            ax.set_xlabel("noise level σ (denoising runs left to right)")
+            ax.set_title("carried: error per step, mean over layers (legend: along the trajectory)", fontsize=9)
+            ax.invert_xaxis()
+            ax.legend(fontsize=7, ncol=2 if len(settings) > 12 else 1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         errors = out_dir / "errors.png"
-        fig.savefig(errors, dpi=110)
+        fig.savefig(errors, dpi=110, bbox_inches="tight")
         plt.close(fig)
     return [ranges, errors]
 
@@ -170,5 +191,6 @@ def write_all(cal: Calibration, schedule, out_dir: Path, budget: float | None) -
     summary = summarize(cal, schedule)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     write_markdown(summary, out_dir / "summary.md")
-    plot(cal, out_dir, budget)
+    every = getattr(schedule, "refresh_every", None)
+    plot(cal, out_dir, budget, carried=None if every is None else (schedule.carried_tau(), every))
     return summary
