@@ -5,6 +5,7 @@
     python benchmarks/sparse_quality.py --levels 0.3,0.2,0.1 --refresh-every 2,3        # skipped blocks carried
     python benchmarks/sparse_quality.py --steps 50 --levels 0.2 --refresh-every 3,5      # at a video loop's 50 steps
     python benchmarks/sparse_quality.py --steps 50 --levels 0.2 --refresh-every 5 --forecast-gains 0.5,1,1.5
+    python benchmarks/sparse_quality.py --steps 50 --levels 0.05 --refresh-every 4 --seeds-on cpu   # eval's images
 
 For each level τ, the images of ``enable(pipe, "int8", sparsity=τ)`` (INT8 forced) against FP16 from the same
 seeds: PSNR and the fraction of blocks skipped, with the masks the calls predict (``int8_attention(...,
@@ -73,6 +74,9 @@ def main():
     ap.add_argument("--forecast-gains", default=str(BlockCarry.gain),
                     help="with --refresh-every, each interval at these gains of the forecast's step "
                          "(BlockCarry.gain): comma-separated, >= 0")
+    ap.add_argument("--seeds-on", choices=("device", "cpu"), default="device",
+                    help="where each image's generator draws its noise: on --device, or on the CPU as `diffusion-int8 "
+                         "eval` draws it (the same seeds, other images)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -92,7 +96,8 @@ def main():
     labels = [i % len(pipe.labels) for i in range(args.classes)]
 
     def generate():
-        gens = [torch.Generator(args.device).manual_seed(i) for i in range(len(labels))]
+        gens = [torch.Generator(args.device if args.seeds_on == "device" else "cpu").manual_seed(i)
+                for i in range(len(labels))]
         return pipe(class_labels=labels, num_inference_steps=args.steps, generator=gens, output_type="pt").images
 
     ref = generate()
@@ -149,7 +154,8 @@ def main():
               f"| {r['skipped']:.1%} |")
     if args.out:
         meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                "date": time.strftime("%Y-%m-%d"), "classes": args.classes, "steps": args.steps}
+                "date": time.strftime("%Y-%m-%d"), "classes": args.classes, "steps": args.steps,
+                "seeds_on": args.seeds_on}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -39,8 +39,8 @@ from .kernels import Mode
 from .kernels.sparsity import check_tau
 
 SCHEMA_VERSION = 4
-# from_calibration's carry_budget: on the long shipped model, at 20 and at 50 steps, the carried settings within it
-# held 30.2 dB or more against FP16 and those above it 29.7 dB or less (BENCHMARKS.md "The setting calibration chooses")
+# from_calibration's carry_budget: about the 30 dB line against FP16 on the long shipped model at 20 and 50 steps
+# (BENCHMARKS.md "The setting calibration chooses")
 CARRY_BUDGET = 0.12
 # 1: no sparsity levels (no default_tau, no rule tau); 2: no balance_layers; 3: no refresh_every
 READABLE_SCHEMAS = (1, 2, 3, 4)

@@ -105,8 +105,8 @@ def add_parser(sub) -> None:
     p.add_argument("--carry-budget", type=positive_float, default=None,
                    help="largest relative L1 attention error of a carried setting, averaged along the trajectory "
                         f"over the layers and the steps, each step weighted by the noise it removes; with "
-                        f"--refresh-every (default: {CARRY_BUDGET}; on the long shipped model at 20 and 50 steps, "
-                        "the settings within it held 30 dB or more against FP16, those above it less)")
+                        f"--refresh-every (default: {CARRY_BUDGET}, about the 30 dB line against FP16 on the long "
+                        "shipped model at 20 and 50 steps)")
     p.add_argument("--sparsity-budget", type=positive_float, default=None,
                    help="largest relative L1 attention error block sparsity may add, on top of --budget's "
                         f"(default with --sparsity-levels: {DEFAULT_SPARSITY_BUDGET})")
