@@ -195,9 +195,10 @@ class PrecisionSchedule:
             carry_budget: with ``sparsity_budget``, where the calibration also measured carrying
                 (``calibrate(..., refresh_every=...)``): the largest accepted error of a level carried at an
                 interval (same metric; the default is a relative L1), averaged along the trajectory (over the
-                layers and the INT8 steps, each step weighted by the noise it removes, ``Calibration.step_weights``).
-                Of the settings within it, the one whose steps compute the fewest blocks (a refresh computes all of
-                them) is taken over dropping if it computes fewer than dropping does. Along the trajectory rather
+                layers and the INT8 steps, each step weighted by the noise it removes:
+                ``Calibration.carry_trajectory_error``). Of the settings within it, the one whose steps compute
+                the fewest blocks (a refresh computes all of them) is taken over dropping if it computes fewer than
+                dropping does. Along the trajectory rather
                 than at the worst step: the forecast's error peaks at the noisiest steps and at the last, nearly
                 noiseless ones, and on the long shipped model the trajectory's mean ranks the settings' PSNR where
                 the worst step does not (BENCHMARKS.md, "The setting calibration chooses"). None: never carry.
@@ -376,8 +377,6 @@ def _carried_choice(calibration, budget: float, carry_budget: float, metric: str
     would refresh on other steps than measured."""
     if not steps or steps != list(range(len(steps))) or not calibration.carry_settings():
         return None
-    weights = calibration.step_weights()[steps]
-    weights = weights / weights.sum() if float(weights.sum()) > 0 else torch.full_like(weights, 1 / len(steps))
 
     def cost(kept: torch.Tensor) -> float:  # (L, T) fractions computed: mean over the layers and the INT8 steps
         return float(kept[:, steps].mean())
@@ -388,9 +387,8 @@ def _carried_choice(calibration, budget: float, carry_budget: float, metric: str
         dropped_kept.append(1.0 if tau is None else float(calibration.kept(tau)[:, t].mean()))
     best, best_cost = None, sum(dropped_kept) / len(dropped_kept)
     for tau, every in calibration.carry_settings():
-        err = calibration.carry_error(tau, every, metric)
-        err = 1 - err if metric == "cos" else err
-        if float((err[:, steps].mean(0) * weights).sum()) > carry_budget:
+        err = calibration.carry_trajectory_error(tau, every, metric, steps)
+        if (1 - err if metric == "cos" else err) > carry_budget:
             continue
         c = cost(calibration.carry_kept(tau, every))
         if c < best_cost - 1e-9 or (best is not None and abs(c - best_cost) <= 1e-9 and every > best[1]):

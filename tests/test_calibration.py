@@ -1047,6 +1047,8 @@ def test_carried_errors_are_averaged_over_the_int8_steps_alone():
     cal = crafted_carried(carried, noise)
     assert [PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=b).refresh_every
             for b in (0.025, 0.03)] == [None, 4]
+    assert cal.carry_trajectory_error(0.8, 4, steps=[0, 1, 2, 3]) == pytest.approx(0.0275)
+    assert cal.carry_trajectory_error(0.8, 4) == pytest.approx(0.022 + 0.2 * 1.0)  # all five steps
 
 
 def test_calibrate_cli_with_carried_levels(tmp_path):

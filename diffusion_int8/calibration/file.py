@@ -437,6 +437,19 @@ class Calibration:
         total = float(share.sum())
         return (share / total if total > 0 else torch.full_like(noise, 1 / max(len(noise), 1))).float()
 
+    def carry_trajectory_error(self, tau: float, every: int, metric: str = "rel_l1",
+                               steps: list[int] | None = None) -> float:
+        """The error of ``tau`` carried with a refresh every ``every`` steps along the trajectory: the layers' mean
+        at each of ``steps`` (None: all), weighted by ``step_weights`` renormalized over them (equal weights where
+        they remove no noise). ``cos``: the weighted mean cosine similarity."""
+        err = self.carry_error(tau, every, metric).mean(0)
+        weights = self.step_weights()
+        if steps is not None:
+            err, weights = err[steps], weights[steps]
+        total = float(weights.sum())
+        weights = weights / total if total > 0 else torch.full_like(weights, 1 / max(len(weights), 1))
+        return float((err * weights).sum())
+
     def _carried(self, what: str, tau: float, every: int) -> torch.Tensor:
         if (float(tau), int(every)) not in self.carry_settings():
             raise ValueError(f"level {tau} refreshed every {every} steps was not calibrated; the calibrated pairs are "

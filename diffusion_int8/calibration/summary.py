@@ -35,13 +35,13 @@ def summarize(cal: Calibration, schedule=None, top: int = 8) -> dict:
             "per_step_max_rel_l1": [float(x) for x in e.amax(0)],
             "skipped": float(skipped.mean()), "per_step_skipped": [float(x) for x in skipped.mean(0)],
         }
-    carried, weights = {}, cal.step_weights()
+    carried = {}
     for tau, every in cal.carry_settings():
         e, skipped = cal.carry_error(tau, every), 1 - cal.carry_kept(tau, every)
         carried[f"{tau}/{every}"] = {
             "tau": tau, "refresh_every": every, "mean_rel_l1": float(e.mean()), "max_rel_l1": float(e.max()),
             # what from_calibration's carry_budget bounds where every step runs INT8
-            "trajectory_rel_l1": float((e.mean(0) * weights).sum()),
+            "trajectory_rel_l1": cal.carry_trajectory_error(tau, every),
             "per_step_max_rel_l1": [float(x) for x in e.amax(0)],
             "skipped": float(skipped.mean()), "per_step_skipped": [float(x) for x in skipped.mean(0)],
         }
@@ -167,14 +167,14 @@ def plot(cal: Calibration, out_dir: Path, budget: float | None = None,
         ax.legend(fontsize=8)
         if settings:
             ax = axes[0, 1]
-            levels, weights = sorted({tau for tau, _ in settings}), cal.step_weights()
+            levels = sorted({tau for tau, _ in settings})
             styles = ["-", "--", ":", "-."]
             for tau, every in settings:
                 e = cal.carry_error(tau, every).mean(0)
                 chosen = (tau, every) == carried
                 ax.plot(noise, e.numpy(), lw=2.4 if chosen else 1, color=f"C{levels.index(tau) % 10}",
                         ls="-" if chosen else styles[every % len(styles)],
-                        label=f"τ {tau:g} every {every}: {float((e * weights).sum()):.3f}"
+                        label=f"τ {tau:g} every {every}: {cal.carry_trajectory_error(tau, every):.3f}"
                               + (" (the schedule's)" if chosen else ""))
             ax.set_xlabel("noise level σ (denoising runs left to right)")
             ax.set_title("carried: error per step, mean over layers (legend: along the trajectory)", fontsize=9)
