@@ -399,9 +399,9 @@ def test_schedule_from_crafted_calibration():
     assert back == per_layer
 
 
-def run_cli(args, tmp_path, launcher=None, timeout=600, check=True):
+def run_cli(args, tmp_path, launcher=None, timeout=600, check=True, env=None):
     cmd = (launcher or [sys.executable, "-m"]) + ["diffusion_int8", *args]
-    res = subprocess.run(cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run(cmd, cwd=tmp_path, env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0 or not check, res.stdout[-3000:] + res.stderr[-3000:]
     return res
 
@@ -434,10 +434,13 @@ def test_calibrate_cli_end_to_end(tmp_path):
 
 def test_two_processes_merge_exactly(tmp_path):
     """``accelerate launch`` with 2 CPU processes (gloo) gives the single-process calibration, bit for bit."""
-    run_cli(CLI_ARGS + ["--out", "single"], tmp_path)
+    # one CPU thread in every process (accelerate's default for each of its processes): a CPU GEMM's sums may
+    # depend on its thread count, and what this compares is the sharding
+    env = {**cli_env(), "OMP_NUM_THREADS": "1"}
+    run_cli(CLI_ARGS + ["--out", "single"], tmp_path, env=env)
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29513", "-m"]
-    res = run_cli(CLI_ARGS + ["--out", "double"], tmp_path, launcher=launcher)
+    res = run_cli(CLI_ARGS + ["--out", "double"], tmp_path, launcher=launcher, env=env)
     assert "2 process(es)" in res.stdout
     one, two = Calibration.load(tmp_path / "single"), Calibration.load(tmp_path / "double")
     assert two.meta.pop("processes") == 2 and one.meta.pop("processes") == 1

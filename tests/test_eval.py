@@ -235,12 +235,16 @@ def test_folder_round_trip_and_mismatch(tmp_path):
 
 
 def test_eval_sharded_across_two_processes_matches_one(tmp_path):
+    # accelerate gives each process one CPU thread unless OMP_NUM_THREADS says otherwise, and a CPU GEMM's sums
+    # may depend on its thread count, so both runs get one thread: what differs is only the sharding
+    env = {**cli_env(), "OMP_NUM_THREADS": "1"}
     args = ["--model", "embedded", "--class-labels", "0", "5", "10", "--steps", "2", "--batch-size", "1", "--modes", "int8"]
-    one = run_eval(args + ["--out", "one"], tmp_path)
+    one = subprocess.run([sys.executable, "-m", "diffusion_int8", "eval", *args, "--out", "one"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
     assert one.returncode == 0, one.stderr[-3000:]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                 "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517", "-m", "diffusion_int8", "eval"]
-    two = subprocess.run(launcher + args + ["--out", "two"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
+    two = subprocess.run(launcher + args + ["--out", "two"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     a, b = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
     assert b["baseline"]["speed"]["processes"] == 2
