@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ from diffusion_int8.calibration import Calibration, Collector, merge
 from diffusion_int8.calibration.file import evaluate_fit, fit_quadratic
 from diffusion_int8.calibration.stats import input_stats, quantile_lastdim
 from diffusion_int8.compare import rel_l1
+from processes import accelerate_launch, cli_env, one_thread_env
 from tiny_models import build
 
 
@@ -24,14 +24,6 @@ SCHEMA_4 = ("q_cmax", "k_cmax", "fit.qc", "fit.kc")  # the per-channel Q/K maxim
 @pytest.fixture(autouse=True)
 def _emulation(monkeypatch):
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
-
-
-def cli_env() -> dict:
-    """The CLIs' environment: this checkout first on the path, the emulation backend (no interpreter)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return {**env, "PYTHONPATH": path, "DIFFUSION_INT8_BACKEND": "emulation", "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 1000, 4099])
@@ -434,13 +426,9 @@ def test_calibrate_cli_end_to_end(tmp_path):
 
 def test_two_processes_merge_exactly(tmp_path):
     """``accelerate launch`` with 2 CPU processes (gloo) gives the single-process calibration, bit for bit."""
-    # one CPU thread in every process (accelerate's default for each of its processes): a CPU GEMM's sums may
-    # depend on its thread count, and what this compares is the sharding
-    env = {**cli_env(), "OMP_NUM_THREADS": "1"}
+    env = one_thread_env()  # what differs is the sharding alone
     run_cli(CLI_ARGS + ["--out", "single"], tmp_path, env=env)
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29513", "-m"]
-    res = run_cli(CLI_ARGS + ["--out", "double"], tmp_path, launcher=launcher, env=env)
+    res = run_cli(CLI_ARGS + ["--out", "double"], tmp_path, launcher=accelerate_launch(2) + ["-m"], env=env)
     assert "2 process(es)" in res.stdout
     one, two = Calibration.load(tmp_path / "single"), Calibration.load(tmp_path / "double")
     assert two.meta.pop("processes") == 2 and one.meta.pop("processes") == 1

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import pytest
 import torch
+from processes import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,12 +27,6 @@ CASES = [  # (mode, when enable() runs relative to enable_parallelism, the split
     ("int8", "before", "ring"),
     ("int8", "after", "ring"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_path: str) -> None:
@@ -176,7 +170,7 @@ def test_processor_under_context_parallelism(tmp_path):
     import torch.multiprocessing as mp
 
     out_path = str(tmp_path / "results.json")
-    mp.spawn(_worker, args=(_free_port(), out_path), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), out_path), nprocs=2)
     with open(out_path) as f:
         got = json.load(f)
     assert got["int8_vs_stock"] > 1e-4  # INT8 is measurably not stock here, so "equal" below says something

@@ -15,7 +15,7 @@ import torch
 
 from diffusion_int8.eval import metrics as M
 from diffusion_int8.eval.score import Scorer, load_folder, save_images
-from test_calibration import cli_env
+from processes import accelerate_launch, cli_env, one_thread_env
 
 
 def test_psnr_and_ssim_are_per_image_float64():
@@ -182,8 +182,9 @@ def check_html_in_chromium(path):
 
 
 def run_eval(args, cwd):
-    return subprocess.run([sys.executable, "-m", "diffusion_int8", "eval", *args], cwd=cwd, env=cli_env(),
-                          capture_output=True, text=True, timeout=900)
+    """The eval CLI in ``cwd``, with no metric weights (an empty ``TORCH_HOME``) whatever this machine caches."""
+    return subprocess.run([sys.executable, "-m", "diffusion_int8", "eval", *args], cwd=cwd,
+                          env=cli_env(TORCH_HOME=str(cwd / "torch-home")), capture_output=True, text=True, timeout=900)
 
 
 def test_eval_cli_end_to_end(tmp_path):
@@ -235,15 +236,12 @@ def test_folder_round_trip_and_mismatch(tmp_path):
 
 
 def test_eval_sharded_across_two_processes_matches_one(tmp_path):
-    # accelerate gives each process one CPU thread unless OMP_NUM_THREADS says otherwise, and a CPU GEMM's sums
-    # may depend on its thread count, so both runs get one thread: what differs is only the sharding
-    env = {**cli_env(), "OMP_NUM_THREADS": "1"}
+    env = one_thread_env()  # what differs is the sharding alone
     args = ["--model", "embedded", "--class-labels", "0", "5", "10", "--steps", "2", "--batch-size", "1", "--modes", "int8"]
     one = subprocess.run([sys.executable, "-m", "diffusion_int8", "eval", *args, "--out", "one"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=900)
     assert one.returncode == 0, one.stderr[-3000:]
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517", "-m", "diffusion_int8", "eval"]
+    launcher = accelerate_launch(2) + ["-m", "diffusion_int8", "eval"]
     two = subprocess.run(launcher + args + ["--out", "two"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     a, b = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))

@@ -11,22 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from processes import accelerate_launch, free_port
 
 WORLDS = [n for n in (2, 4) if n <= torch.cuda.device_count()]
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.timeout(900),
               pytest.mark.skipif(not WORLDS, reason="needs 2 or more CUDA GPUs")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(name: str):
@@ -116,7 +110,7 @@ def test_context_parallel_int8_against_one_gpu(tmp_path, world):
     import torch.multiprocessing as mp
 
     out_path = str(tmp_path / "results.json")
-    mp.spawn(_worker, args=(world, _free_port(), out_path), nprocs=world)
+    mp.spawn(_worker, args=(world, free_port(), out_path), nprocs=world)
     with open(out_path) as f:
         got = json.load(f)
     for name in ("wan ulysses", "ltx ulysses"):  # every token of its heads on each GPU: one process's output
@@ -137,10 +131,9 @@ def test_context_parallel_int8_against_one_gpu(tmp_path, world):
 
 def _launch(processes: int, args: list[str]) -> None:
     """``diffusion_int8`` with ``args``, in one process or under ``accelerate launch`` over ``processes`` GPUs."""
-    launch = [sys.executable] if processes == 1 else [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
-    env = dict(os.environ, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
+    launch = [sys.executable] if processes == 1 else accelerate_launch(processes)
+    # one CPU thread in every process, as accelerate gives each: the metrics and merges on the CPU then sum alike
+    env = dict(os.environ, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"), OMP_NUM_THREADS="1")
     subprocess.run(launch + ["-m", "diffusion_int8", *args], check=True, env=env, timeout=600)
 
 
