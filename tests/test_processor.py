@@ -70,6 +70,29 @@ def test_set_attn_processor_the_diffusers_way(family):
     handle.disable()
 
 
+def test_a_schedule_without_the_timestep_runs_exact_with_one_warning():
+    """The diffusers way gives a processor no timestep, so a schedule's modes never apply: the processor runs
+    exact attention and says so once, instead of silently. ``enable`` feeds the timestep: no warning there."""
+    model, x = build("pixart")
+    stock = run(model, x)
+    model.set_attn_processor(Int8DiffusionProcessor(schedule="balanced", speed_gate=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(model, x)
+        run(model, x)
+    said = [w for w in caught if "precision schedule" in str(w.message)]
+    assert len(said) == 1 and "enable()" in str(said[0].message) and said[0].category is RuntimeWarning
+    assert torch.equal(got, stock)
+    model, x = build("pixart")
+    handle = enable(model, "int8", schedule="balanced", speed_gate=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(model, x)
+    assert not [w for w in caught if "precision schedule" in str(w.message)]
+    assert handle.state.timestep is not None
+    handle.disable()
+
+
 def test_enable_refuses_twice_and_compiled():
     model, _ = build("dit")
     handle = enable(model, "int8")

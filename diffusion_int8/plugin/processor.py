@@ -67,7 +67,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
         self.sparsity, self.qk_balance, self.qk_rotate = config.sparsity, config.qk_balance, config.qk_rotate
         self.carry = None if config.refresh_every is None else BlockCarry(config.refresh_every)
         attention_dispatch()  # imported now, not while torch.compile traces a call
-        self._warned_carry = False
+        self._warned_carry = self._warned_schedule = False
         self.inner = inner
         self.state = state if state is not None else Int8State()
         self.name = name
@@ -103,7 +103,12 @@ class Int8DiffusionProcessor(DispatcherCalls):
 
     @torch.compiler.disable
     def _scheduled_mode(self) -> Mode:
-        if self.state.timestep is None:
+        if self.state.timestep is None:  # exact until a step is known: said once, not silent
+            if not self._warned_schedule:
+                self._warned_schedule = True
+                warnings.warn("diffusion_int8: a precision schedule chooses each call's mode from the denoiser's "
+                              "timestep, which this processor has not been given (diffusion_int8.enable() reads it); "
+                              "until it is, every call runs exact attention (fp16)", RuntimeWarning, stacklevel=5)
             return Mode.FP16
         if isinstance(self.schedule, PrecisionSchedule):
             return self.schedule.mode_for(self.state.timestep, self.name, self.state.timestep_scale)
