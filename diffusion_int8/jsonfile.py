@@ -1,10 +1,14 @@
 """Reading the JSON files the package is given (schedules, crossover tables, calibration metadata): plain JSON,
-bounded in nesting, without the non-standard NaN and Infinity that Python's parser accepts."""
+bounded in nesting, without the non-standard NaN and Infinity that Python's parser accepts; and writing one file
+atomically."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
+from pathlib import Path
 
 MAX_DEPTH = 64  # the package's own files nest 5 deep
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -29,3 +33,18 @@ def loads(text: str, source: str):
         return json.loads(text, parse_constant=constant)
     except json.JSONDecodeError as e:
         raise ValueError(f"{source}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+
+
+def write(path: str | Path, data) -> None:
+    """Write ``data`` as indented JSON to ``path`` atomically: a reader sees the old file or the new one, never half
+    of one (an interrupted write leaves the old file). The temporary file is made new under a random name beside
+    ``path`` (``O_EXCL``), so nothing planted there is followed or written."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

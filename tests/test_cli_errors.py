@@ -436,6 +436,30 @@ def test_check_refuses_shapes_it_cannot_run_before_any_work(tmp_path, capsys, no
                        "choose a smaller B, H or S")
 
 
+def test_check_says_which_kernel_ran_and_replaces_its_json_only_when_asked(tmp_path, capsys, monkeypatch):
+    from diffusion_int8.cli import check
+
+    asked = []
+    real = check.kernel_info
+    monkeypatch.setattr(check, "kernel_info", lambda *a, **kw: asked.append(kw.get("head_dim")) or real(*a, **kw))
+    assert main(["check", "--shape", "1", "2", "48", "40", "--device", "cpu", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert asked == [40, 40, 40]  # the head dim of --shape, not a default
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  ") and "cos=" in ln}
+    assert "kernel=emulation" in lines["int8"] and "kernel=sdpa" in lines["fp16"], out
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert {r["mode"]: r["kernel"] for r in rows} == {"int8": "emulation", "int8_fp16v": "emulation", "fp16": "sdpa"}
+    # the file is there now: replaced only when asked
+    argv = ["check", "--shape", "1", "2", "48", "40", "--device", "cpu", "--json", tmp_path / "r.json"]
+    (tmp_path / "r.json").write_text("mine")
+    code, err = cli(argv, capsys)
+    assert_usage_error(code, err, "check", f"--json {tmp_path / 'r.json'} exists; pass --overwrite to replace it")
+    assert (tmp_path / "r.json").read_text() == "mine"
+    assert main([str(a) for a in argv] + ["--overwrite"]) == 0
+    assert len(json.loads((tmp_path / "r.json").read_text())) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary file left beside it
+
+
 def test_check_json_destination_is_checked_before_any_work(tmp_path, capsys, no_check_work, monkeypatch):
     missing = tmp_path / "missing" / "r.json"
     code, err = cli(["check", "--device", "cpu", "--json", missing], capsys)

@@ -4,12 +4,12 @@ report which kernel ran, its accuracy against float64 attention and, on a GPU, i
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import warnings
 
 import torch
 
+from .. import jsonfile
 from ..kernels import Mode, attention_ref, int8_attention, kernel_info
 from ..kernels.config import MAX_HEAD_DIM
 from ..compare import cos_l1
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     B, H, S, D = args.shape
     check_shape(args.shape, device)
     if args.json:
-        check_out_file(args.json, "--json", overwrite=True)
+        check_out_file(args.json, "--json", overwrite=args.overwrite)
     q, k, v = realistic_qkv(B, H, S, S, D, dtype=torch.float16, layout="BSHD", device=device, seed=0)
     ref = attention_ref(q, k, v, layout="BSHD")
     print(f"attention (B={B}, H={H}, S={S}, D={D}) fp16 on {device}"
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message="diffusion_int8: .*using the PyTorch emulation")  # said just above
     rows = []
     for mode in Mode:
-        info = kernel_info(device, mode)
+        info = kernel_info(device, mode, head_dim=D)
         out = int8_attention(q, k, v, mode=mode, layout="BSHD")
         row = dict(info)
         row["cos"], row["rel_l1"] = cos_l1(out, ref)
@@ -59,11 +59,14 @@ def run(args: argparse.Namespace) -> int:
             row["ms"] = (time.perf_counter() - t0) / n * 1e3
         rows.append(row)
         speed = f"  {row['ms']:.3f} ms" if "ms" in row else ""
-        print(f"  {mode.value:11s} backend={info['backend']:9s} P·V={str(info['pv']):5s} "
+        print(f"  {mode.value:11s} kernel={info['kernel']:10s} P·V={str(info['pv']):5s} "
               f"cos={row['cos']:.6f} rel_L1={row['rel_l1']:.4f}{speed}")
+        if info["reason"]:
+            print(f"  {'':11s} ({info['reason']})")
     if args.json:
-        with user_errors(OSError), open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        check_out_file(args.json, "--json", overwrite=args.overwrite)  # again: it may have appeared meanwhile
+        with user_errors(OSError):
+            jsonfile.write(args.json, rows)
         print(f"wrote {args.json}")
     return 0
 
@@ -79,4 +82,5 @@ def add_parser(sub) -> None:
                    help="batch, heads, sequence length, head dim (default: 1 4 1024 64)")
     p.add_argument("--device", type=device_arg, default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file (its directory must exist)")
+    p.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     p.set_defaults(func=command(run))

@@ -11,11 +11,9 @@ and caches it (``cache_path``). The gate never benchmarks inside a call.
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import re
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -162,18 +160,10 @@ class CrossoverTable:
                            "rows": list(g.rows), "speedup": [list(r) for r in g.speedup]} for g in self.grids]}
 
     def save(self, path: str | Path) -> None:
-        """Write atomically: a reader sees the old file or the new one, never half of one. The temporary file is
-        made new under a random name (``O_EXCL``), so nothing planted beside ``path`` is followed or written."""
+        """Write atomically (``jsonfile.write``), making the directory if missing."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.to_json(), indent=1) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        jsonfile.write(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "CrossoverTable":
