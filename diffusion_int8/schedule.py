@@ -39,6 +39,11 @@ from .kernels import Mode
 from .kernels.sparsity import check_tau
 
 SCHEMA_VERSION = 4
+# from_calibration's budget, and the calibrate command's
+BUDGET = 0.02
+# the sparsity budget `diffusion-int8 calibrate` applies where it measured sparsity levels (from_calibration takes it
+# as given: None there is dense)
+SPARSITY_BUDGET = 0.05
 # from_calibration's carry_budget: about the 30 dB line against FP16 on the long shipped model at 20 and 50 steps
 # (BENCHMARKS.md "The setting calibration chooses")
 CARRY_BUDGET = 0.12
@@ -177,7 +182,7 @@ class PrecisionSchedule:
         return self._decide(timestep, layer, scale)[1]
 
     @classmethod
-    def from_calibration(cls, calibration, budget: float = 0.05, *, metric: str = "rel_l1",
+    def from_calibration(cls, calibration, budget: float = BUDGET, *, metric: str = "rel_l1",
                          per_layer: bool = False, sparsity_budget: float | None = None,
                          carry_budget: float | None = CARRY_BUDGET, name: str | None = None) -> "PrecisionSchedule":
         """The cheapest mode per calibrated step (and layer) whose measured attention error is within ``budget``,
@@ -191,7 +196,8 @@ class PrecisionSchedule:
             sparsity_budget: the largest accepted error of block-sparse attention (exact attention over the
                 predicted blocks against all blocks, same metric): the smallest calibrated ``tau``
                 (``calibrate(..., sparsity_levels=...)``) within it, else dense. The two errors add up roughly,
-                so the attention's error is about ``budget + sparsity_budget`` where both are spent. None: dense.
+                so the attention's error is about ``budget + sparsity_budget`` where both are spent. None: dense
+                (the ``calibrate`` command uses ``SPARSITY_BUDGET``, 0.05, where it measured levels).
             carry_budget: with ``sparsity_budget``, where the calibration also measured carrying
                 (``calibrate(..., refresh_every=...)``): the largest accepted error of a level carried at an
                 interval (same metric; the default is a relative L1), averaged along the trajectory (over the

@@ -19,16 +19,12 @@ from pathlib import Path
 from .. import pipelines
 from ..calibration import calibrate, write_outputs
 from ..calibration.run import OUTPUTS
-from ..schedule import CARRY_BUDGET, PrecisionSchedule
+from ..schedule import BUDGET as DEFAULT_BUDGET, CARRY_BUDGET, SPARSITY_BUDGET as DEFAULT_SPARSITY_BUDGET, PrecisionSchedule
 from .common import add_model_args, check_model, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, command, output_set
 from .summaries import print_calibration
 from .usage import (UsageError, percentile as percentile_arg, positive_float, refresh_intervals,
                     sparsity_levels as levels_arg)
-
-DEFAULT_BUDGET = 0.02
-DEFAULT_SPARSITY_BUDGET = 0.05
-
 
 def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | None = None,
                       class_labels: list[str] | None = None, steps: int = 20, batch_size: int = 8, seed: int = 0,
