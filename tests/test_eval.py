@@ -115,7 +115,9 @@ def chromium_body(path) -> str:
                               f"--window-size={WINDOW[0]},{WINDOW[1]}", "--virtual-time-budget=5000",
                               "--dump-dom", path.resolve().as_uri()], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    return re.search(r"<body[^>]*>", res.stdout).group(0)
+    body = re.search(r"<body[^>]*>", res.stdout)
+    assert body, f"Chromium printed no <body> tag: {res.stdout[:500]!r} {res.stderr[-2000:]}"
+    return body.group(0)
 
 
 def page_width(body: str) -> int:
