@@ -93,6 +93,36 @@ def test_a_schedule_without_the_timestep_runs_exact_with_one_warning():
     handle.disable()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_timestep_is_read_where_forward_declares_it_also_positionally(family):
+    """Flux, SD3, PixArt and CogVideoX take the timestep third or fourth: a positional call is read there."""
+    import inspect
+
+    model, x = build(family)
+    names = list(inspect.signature(model.forward).parameters)
+    given = names[: max(names.index(k) for k in x) + 1]
+    args = [x.get(n) for n in given]
+    handle = enable(model, "int8", record=True)
+    with torch.no_grad():
+        model(*args, return_dict=False)
+    assert handle.state.timestep == float(x["timestep"].flatten()[0])
+    handle.disable()
+
+
+def test_a_forward_without_a_named_timestep_is_read_at_its_second_argument():
+    from diffusion_int8.plugin.install import timestep_argument
+
+    class Denoiser(torch.nn.Module):
+        def forward(self, x, t):
+            return x
+
+    class Anything(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return args
+
+    assert timestep_argument(Denoiser()) == timestep_argument(Anything()) == ("timestep", 1)
+
+
 def test_enable_refuses_twice_and_compiled():
     model, _ = build("dit")
     handle = enable(model, "int8")

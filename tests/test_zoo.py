@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import diffusion_int8
+from diffusion_int8.plugin.install import TIMESTEP_ARGUMENTS
 from diffusion_int8.plugin.models import attention_modules
 from diffusion_int8.plugin.routing import kernel_takes
 from diffusion_int8.plugin.speed_gate import CrossoverTable, SpeedGate
@@ -158,10 +159,15 @@ def conformance(model, x, name: str, cos_bound: float) -> None:
     assert all(name in str(w.message) for w in left)
     assert same(run(model, x), stock), "fp16 mode differs from stock"
     handle.disable()
-    # every call sent to SDPA by the speed gate (a table that covers nothing): stock bit for bit, no keyword lost
-    handle = diffusion_int8.enable(model, "int8", speed_gate=SpeedGate(NO_TABLE))
+    # every call sent to SDPA by the speed gate (a table that covers nothing): stock bit for bit, no keyword lost;
+    # and the timestep read from the model's own argument for it (what schedules and carrying go by)
+    handle = diffusion_int8.enable(model, "int8", speed_gate=SpeedGate(NO_TABLE), record=True)
     assert same(run(model, x), stock), "int8 with every call gated differs from stock"
     assert handle.state.int8_calls == 0
+    given = next((x[n] for n in TIMESTEP_ARGUMENTS if n in x), None)
+    if isinstance(given, torch.Tensor):
+        given = float(given.flatten()[0])
+    assert handle.state.timestep == (None if given is None else float(given)), "the timestep was not read"
     handle.disable()
 
     for cycle, mode in enumerate(("int8", "int8_fp16v")):

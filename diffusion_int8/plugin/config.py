@@ -29,7 +29,7 @@ class Int8Config:
             when no ``schedule`` is given; kept as a ``Mode``.
         schedule: a ``PrecisionSchedule`` (per noise level and layer), a preset name or schedule file
             (``PrecisionSchedule.load``; kept loaded), or any callable ``timestep -> mode``; evaluated at every
-            call from the timestep ``enable`` reads. Until a timestep is known, ``fp16`` runs.
+            call from the timestep ``enable`` reads. Until a timestep is known, ``fp16`` runs (one warning says so).
         calibration: a ``Calibration`` or its file or directory (``diffusion-int8 calibrate``; kept loaded): its
             fitted per-head ranges at the current noise level and K means become the kernel's static ranges and
             smoothing vector (no statistics pass over K and V). Needs the timestep.

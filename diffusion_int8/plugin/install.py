@@ -4,6 +4,7 @@ that takes it off again."""
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,7 +112,8 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
             options (schedule, calibration, speed gate, sparsity, carrying, outlier handling) are documented there;
             a calibration is also checked against the model (layer names, heads, head dims). With a schedule, a
             calibration or carrying, the timestep the denoiser receives (the first element of a CFG batch) is read
-            by a forward pre-hook, once per denoiser call (one host read per step).
+            by a forward pre-hook, once per denoiser call (one host read per step), from the argument of
+            ``forward`` named as in ``TIMESTEP_ARGUMENTS``.
         record: keep a trace of ``(step, timestep, layer, mode)`` in ``handle.state.trace``, and count the
             (query block, key block) pairs computed per step: ``handle.state.skipped_blocks()``.
         observer: see ``Int8DiffusionProcessor``; the calibration collector passes one.
@@ -157,17 +159,41 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
     hook = None
     if (config.schedule is not None or record or config.calibration is not None or observer is not None
             or config.refresh_every is not None):
-        hook = model.register_forward_pre_hook(functools.partial(_read_timestep, state), with_kwargs=True)
+        hook = model.register_forward_pre_hook(functools.partial(_read_timestep, state, timestep_argument(model)),
+                                               with_kwargs=True)
     handle = Int8Handle(model, state, originals, skipped, hook)
     model.__dict__["_diffusion_int8_handle"] = handle
     return handle
 
 
+# the names diffusers' denoisers give their timestep argument, the first one a model's forward declares taken:
+# timesteps (HiDream), timestep_ratio (Stable Cascade), timestep_img (UniDiffuser's image), vision_timesteps (Cosmos 3)
+TIMESTEP_ARGUMENTS = ("timestep", "timesteps", "timestep_ratio", "timestep_img", "vision_timesteps")
+
+
+def timestep_argument(model: torch.nn.Module) -> tuple[str, int | None]:
+    """(name, index among the positional arguments or None) of ``model.forward``'s timestep argument. A forward
+    that declares none of ``TIMESTEP_ARGUMENTS`` (``forward(x, t)``, ``forward(*args, **kwargs)``) is read at the
+    keyword ``timestep`` or else its second positional argument."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    name = next((n for n in TIMESTEP_ARGUMENTS if n in {p.name for p in params}), None)
+    if name is None:
+        return "timestep", 1
+    return name, positional.index(name) if name in positional else None
+
+
 @torch.compiler.disable
-def _read_timestep(state: Int8State, module, args, kwargs):
+def _read_timestep(state: Int8State, argument: tuple[str, int | None], module, args, kwargs):
     # outside any compiled graph (one graph break at the denoiser's start): traced, its reads of the state would
     # guard the graph on each step's timestep and recompile it at every step
-    t = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+    name, index = argument
+    t = kwargs.get(name)
+    if t is None and index is not None and index < len(args):
+        t = args[index]
     if t is None:
         return None
     t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)

@@ -107,8 +107,9 @@ class Int8DiffusionProcessor(DispatcherCalls):
             if not self._warned_schedule:
                 self._warned_schedule = True
                 warnings.warn("diffusion_int8: a precision schedule chooses each call's mode from the denoiser's "
-                              "timestep, which this processor has not been given (diffusion_int8.enable() reads it); "
-                              "until it is, every call runs exact attention (fp16)", RuntimeWarning, stacklevel=5)
+                              "timestep, which this processor has not been given (diffusion_int8.enable() reads it "
+                              "from the denoiser's timestep argument; set_attn_processor gives it none); until it "
+                              "is, every call runs exact attention (fp16)", RuntimeWarning, stacklevel=6)
             return Mode.FP16
         if isinstance(self.schedule, PrecisionSchedule):
             return self.schedule.mode_for(self.state.timestep, self.name, self.state.timestep_scale)
