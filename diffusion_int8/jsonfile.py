@@ -37,11 +37,19 @@ def loads(text: str, source: str):
 
 def write(path: str | Path, data) -> None:
     """Write ``data`` as indented JSON to ``path`` atomically: a reader sees the old file or the new one, never half
-    of one (an interrupted write leaves the old file). The temporary file is made new under a random name beside
-    ``path`` (``O_EXCL``), so nothing planted there is followed or written."""
-    path = Path(path)
+    of one (an interrupted write leaves the old file). A symbolic link is written through (its target replaced), and
+    the file keeps the old one's permissions, or gets a new file's. The temporary file is made new under a random
+    name beside it (``O_EXCL``), so nothing planted there is followed or written."""
+    path = Path(os.path.realpath(path))
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(data, indent=1) + "\n")
         os.replace(tmp, path)

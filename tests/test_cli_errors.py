@@ -460,6 +460,28 @@ def test_check_says_which_kernel_ran_and_replaces_its_json_only_when_asked(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary file left beside it
 
 
+def test_json_outputs_keep_permissions_follow_links_and_refuse_devices(tmp_path, capsys, no_check_work):
+    import stat
+
+    from diffusion_int8 import jsonfile
+
+    old = os.umask(0o022)
+    try:
+        jsonfile.write(tmp_path / "new.json", [1])
+        assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o644  # a new file's, not mkstemp's 0600
+        (tmp_path / "kept.json").write_text("{}")
+        (tmp_path / "kept.json").chmod(0o640)
+        jsonfile.write(tmp_path / "kept.json", [2])
+        assert stat.S_IMODE((tmp_path / "kept.json").stat().st_mode) == 0o640
+    finally:
+        os.umask(old)
+    (tmp_path / "link.json").symlink_to(tmp_path / "kept.json")
+    jsonfile.write(tmp_path / "link.json", [3])
+    assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "kept.json").read_text()) == [3]
+    code, err = cli(["check", "--device", "cpu", "--json", "/dev/null", "--overwrite"], capsys)
+    assert_usage_error(code, err, "check", "--json /dev/null is not a regular file; give a file name")
+
+
 def test_check_json_destination_is_checked_before_any_work(tmp_path, capsys, no_check_work, monkeypatch):
     missing = tmp_path / "missing" / "r.json"
     code, err = cli(["check", "--device", "cpu", "--json", missing], capsys)

@@ -72,6 +72,8 @@ def check_out_file(path: Path, flag: str, overwrite: bool, make_parents: bool = 
         raise UsageError(f"{flag} {path}: cannot write in {parent} (permission denied)")
     if _present(path) and not overwrite:
         raise UsageError(f"{flag} {path} exists; pass --overwrite to replace it")
+    if path.exists() and not path.is_file():
+        raise UsageError(f"{flag} {path} is not a regular file; give a file name")
     if _present(path) and not os.access(path, os.W_OK):
         raise UsageError(f"{flag} {path}: cannot replace it (permission denied)")
 
