@@ -238,7 +238,7 @@ def test_folder_round_trip_and_mismatch(tmp_path):
 
 
 def test_eval_sharded_across_two_processes_matches_one(tmp_path):
-    env = one_thread_env()  # what differs is the sharding alone
+    env = one_thread_env(cli_env(TORCH_HOME=str(tmp_path / "torch-home")))  # what differs is the sharding alone
     args = ["--model", "embedded", "--class-labels", "0", "5", "10", "--steps", "2", "--batch-size", "1", "--modes", "int8"]
     one = subprocess.run([sys.executable, "-m", "diffusion_int8", "eval", *args, "--out", "one"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=900)

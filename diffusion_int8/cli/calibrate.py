@@ -26,6 +26,7 @@ from .summaries import print_calibration
 from .usage import (UsageError, percentile as percentile_arg, positive_float, refresh_intervals,
                     sparsity_levels as levels_arg)
 
+
 def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | None = None,
                       class_labels: list[str] | None = None, steps: int = 20, batch_size: int = 8, seed: int = 0,
                       guidance_scale: float | None = None, device: str | None = None, overwrite: bool = False,
