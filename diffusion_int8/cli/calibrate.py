@@ -19,7 +19,8 @@ from pathlib import Path
 from .. import pipelines
 from ..calibration import calibrate, write_outputs
 from ..calibration.run import OUTPUTS
-from ..schedule import BUDGET as DEFAULT_BUDGET, CARRY_BUDGET, SPARSITY_BUDGET as DEFAULT_SPARSITY_BUDGET, PrecisionSchedule
+from ..schedule import (BUDGET as DEFAULT_BUDGET, CARRY_BUDGET, SPARSITY_BUDGET as DEFAULT_SPARSITY_BUDGET,
+                        PrecisionSchedule)
 from .common import add_model_args, check_model, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, command, output_set
 from .summaries import print_calibration
