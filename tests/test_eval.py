@@ -15,7 +15,7 @@ import torch
 
 from diffusion_int8.eval import metrics as M
 from diffusion_int8.eval.score import Scorer, load_folder, save_images
-from processes import accelerate_launch, cli_env, one_thread_env
+from processes import accelerate_launch, cli_env
 
 
 def test_psnr_and_ssim_are_per_image_float64():
@@ -183,10 +183,12 @@ def check_html_in_chromium(path):
     assert page_width(body) <= WINDOW[0], body  # no horizontal scrolling in a 1280-pixel window
 
 
-def run_eval(args, cwd):
-    """The eval CLI in ``cwd``, with no metric weights (an empty ``TORCH_HOME``) whatever this machine caches."""
-    return subprocess.run([sys.executable, "-m", "diffusion_int8", "eval", *args], cwd=cwd,
-                          env=cli_env(TORCH_HOME=str(cwd / "torch-home")), capture_output=True, text=True, timeout=900)
+def run_eval(args, cwd, launcher=(sys.executable,), **env):
+    """The eval CLI in ``cwd`` (under ``launcher``), with no metric weights (an empty ``TORCH_HOME``) whatever this
+    machine caches; ``env``: more environment variables."""
+    return subprocess.run([*launcher, "-m", "diffusion_int8", "eval", *args], cwd=cwd,
+                          env=cli_env(TORCH_HOME=str(cwd / "torch-home"), **env), capture_output=True, text=True,
+                          timeout=900)
 
 
 def test_eval_cli_end_to_end(tmp_path):
@@ -238,13 +240,11 @@ def test_folder_round_trip_and_mismatch(tmp_path):
 
 
 def test_eval_sharded_across_two_processes_matches_one(tmp_path):
-    env = one_thread_env(cli_env(TORCH_HOME=str(tmp_path / "torch-home")))  # what differs is the sharding alone
+    threads = "1"  # in every process, as accelerate gives each (processes.one_thread_env): only the sharding differs
     args = ["--model", "embedded", "--class-labels", "0", "5", "10", "--steps", "2", "--batch-size", "1", "--modes", "int8"]
-    one = subprocess.run([sys.executable, "-m", "diffusion_int8", "eval", *args, "--out", "one"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=900)
+    one = run_eval(args + ["--out", "one"], tmp_path, OMP_NUM_THREADS=threads)
     assert one.returncode == 0, one.stderr[-3000:]
-    launcher = accelerate_launch(2) + ["-m", "diffusion_int8", "eval"]
-    two = subprocess.run(launcher + args + ["--out", "two"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    two = run_eval(args + ["--out", "two"], tmp_path, accelerate_launch(2), OMP_NUM_THREADS=threads)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     a, b = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
     assert b["baseline"]["speed"]["processes"] == 2
