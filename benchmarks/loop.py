@@ -13,9 +13,9 @@ flow-matching loop with the timestep moving, as a user runs it, stock against IN
 
 ``--resolution 720p`` runs both at 1280 × 720, the published sparse-attention results' setting: Wan × 81 frames
 (21 × 90 × 160 latents, 75,600 tokens), HunyuanVideo × 129 frames (33 × 90 × 160, 118,800 video tokens).
-``--blocks`` cuts a model to fewer of its blocks (Wan: N of 30; HunyuanVideo: double+single), each block with the
-full model's shapes, to keep the long runs short: the ratio then counts the embeddings and the output layer a little
-more than the full model does.
+``--blocks`` sets how many of its blocks a model runs (Wan: N of 30; HunyuanVideo: D+S double and single blocks, up
+to the full 20+40), each block with the full model's shapes: fewer keep the long runs short, and the ratio then
+counts the embeddings and the output layer a little more than the full model does.
 
 The timesteps come from diffusers' ``FlowMatchEulerDiscreteScheduler`` (shift 3 for Wan, 7 for HunyuanVideo), so
 a schedule or a carried variant sees them move as in the pipelines. Variants: stock; ``int8`` (``enable()``'s
@@ -57,19 +57,24 @@ LATENTS = {  # (model, resolution) -> latent (frames, height, width)
 DEFAULT_RESOLUTION = {"wan": "480p", "hunyuanvideo": "544p"}
 
 
-def cut(model, name: str, blocks: str) -> str:
-    """Keep only ``model``'s first blocks, ``N`` of Wan's or ``D+S`` double and single blocks of HunyuanVideo's (at
-    least one of each, at most as many as it has), and say which it kept."""
-    lists = ("blocks",) if name == "wan" else ("transformer_blocks", "single_transformer_blocks")
-    counts = [int(n) for n in blocks.split("+")]
-    for attr, n in zip(lists, counts):
-        if not 1 <= n <= len(getattr(model, attr)):
-            raise SystemExit(f"--blocks {name}={blocks}: {attr} takes 1 to {len(getattr(model, attr))}")
-    for attr, n in zip(lists, counts):
-        setattr(model, attr, getattr(model, attr)[:n])
-    if name == "wan":
-        return f"{counts[0]} of 30 blocks"
-    return f"{counts[0]} of 20 double + {counts[1]} of 40 single blocks"
+FULL_BLOCKS = {"wan": (30,), "hunyuanvideo": (20, 40)}  # Wan's blocks; HunyuanVideo's double and single blocks
+
+
+def build(builder, name: str, blocks: str | None):
+    """``name``'s model and inputs with ``blocks`` of its blocks (``N`` of Wan's, ``D+S`` double and single of
+    HunyuanVideo's; None: the benchmark's default), and what it holds. Built on the GPU: the full HunyuanVideo's 13B
+    parameters take minutes to initialize on the CPU."""
+    counts = tuple(int(n) for n in blocks.split("+")) if blocks else None
+    if counts is not None and not all(1 <= n <= full for n, full in zip(counts, FULL_BLOCKS[name])):
+        raise SystemExit(f"--blocks {name}={blocks}: takes 1 to {'+'.join(map(str, FULL_BLOCKS[name]))}")
+    with torch.device("cuda"):
+        if name == "hunyuanvideo" and counts is not None:
+            return builder(*counts)
+        model, x, dtype, what = builder()
+    if counts is not None:  # Wan is built whole: keep its first N blocks
+        model.blocks = model.blocks[:counts[0]]
+        what = f"{counts[0]} of 30 blocks"
+    return model, x, dtype, what
 
 
 NO_ATTENTION = "no attention (bound)"
@@ -115,8 +120,8 @@ def main() -> None:
     p.add_argument("--compiled-only", action="store_true", help="only the compiled rows (implies --compile)")
     p.add_argument("--resolution", choices=("default", "720p"), default="default",
                    help="default: Wan 480p, HunyuanVideo 544p; 720p: both at 1280 x 720")
-    p.add_argument("--blocks", default="", help="model=blocks[,...]: wan=N (at most 30), hunyuanvideo=D+S (at most "
-                   "the 2 + 4 the benchmark builds)")
+    p.add_argument("--blocks", default="", help="model=blocks[,...]: wan=N (at most 30; default 30), "
+                   "hunyuanvideo=D+S (at most 20+40; default 2+4)")
     p.add_argument("--bound", action="store_true", help="add the stock model with attention taking no time")
     p.add_argument("--no-int8", action="store_true", help="leave out the dense int8 variant (to keep a long compiled "
                    "run within a time limit)")
@@ -137,9 +142,7 @@ def main() -> None:
         guidance, shift = CONFIGS[name]
         resolution = DEFAULT_RESOLUTION[name] if args.resolution == "default" else args.resolution
         frames, height, width = LATENTS[name, resolution]
-        model, x, dtype, what = builders[name]()
-        if name in blocks:  # the full model's block counts stay in the label; the padding note after the ';'
-            what = cut(model, name, blocks[name]) + (what[what.index(";"):] if ";" in what else "")
+        model, x, dtype, what = build(builders[name], name, blocks.get(name))
         x["hidden_states"] = torch.randn(*x["hidden_states"].shape[:2], frames, height, width)
         what += f"; {resolution}, {frames} x {height} x {width} latents"
         model, x = to_dtype(model, dtype, "cuda").eval(), cast(x, dtype)

@@ -114,18 +114,19 @@ def models():
         mask[:, :n_valid] = 1
         return mask
 
-    def hunyuanvideo():
-        # HunyuanVideo: 20 double + 40 single blocks, 24 heads x 128; cut to 2 + 4. 544x960 x 61 frames: latent
-        # 16 x 68 x 120 -> 32640 video tokens + 256 text (a 180-token prompt: 76 padded), joint attention masked.
+    def hunyuanvideo(double=2, single=4):
+        # HunyuanVideo: 20 double + 40 single blocks, 24 heads x 128; cut to 2 + 4 unless asked for more. 544x960 x
+        # 61 frames: latent 16 x 68 x 120 -> 32640 video tokens + 256 text (a 180-token prompt: 76 padded), joint
+        # attention masked.
         m = d.HunyuanVideoTransformer3DModel(in_channels=16, out_channels=16, num_attention_heads=24,
-                                             attention_head_dim=128, num_layers=2, num_single_layers=4,
+                                             attention_head_dim=128, num_layers=double, num_single_layers=single,
                                              num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
                                              qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096,
                                              pooled_projection_dim=768, rope_theta=256.0, rope_axes_dim=(16, 56, 56))
         x = dict(hidden_states=torch.randn(1, 16, 16, 68, 120), timestep=torch.tensor([500.0]),
                  encoder_hidden_states=torch.randn(1, 256, 4096), encoder_attention_mask=padded(256, 180, torch.long),
                  pooled_projections=torch.randn(1, 768), guidance=torch.tensor([6000.0]))
-        return m, x, torch.bfloat16, "2 of 20 double + 4 of 40 single blocks; 76 of 256 text tokens padding"
+        return m, x, torch.bfloat16, f"{double} of 20 double + {single} of 40 single blocks; 76 of 256 text tokens padding"
 
     def ltx():
         # LTX-Video 0.9: 28 blocks, 32 heads x 64; cut to 8. 768x512 x 121 frames: latent 16 x 16 x 24 -> 6144
