@@ -9,7 +9,8 @@ flow-matching loop with the timestep moving, as a user runs it, stock against IN
   diffusers' ``WanPipeline`` runs it: two denoiser calls a step (prompt, negative prompt), guidance 5.
 - **HunyuanVideo** at 544 × 960 × 61 frames (32,640 video tokens + 256 text, 76 of them padding): 2 of its 20
   double and 4 of its 40 single blocks (every block has the full model's attention shape; the full model's step
-  adds the other blocks), guidance-distilled: one call a step.
+  adds the other blocks; ``--blocks hunyuanvideo=20+40`` runs them all, 13B parameters), guidance-distilled: one
+  call a step.
 
 ``--resolution 720p`` runs both at 1280 × 720, the published sparse-attention results' setting: Wan × 81 frames
 (21 × 90 × 160 latents, 75,600 tokens), HunyuanVideo × 129 frames (33 × 90 × 160, 118,800 video tokens).
