@@ -15,11 +15,14 @@ def cli_env(**overrides: str) -> dict:
     return {**env, "PYTHONPATH": path, "DIFFUSION_INT8_BACKEND": "emulation", "PYTHONUNBUFFERED": "1", **overrides}
 
 
+# one CPU thread, as ``accelerate launch`` gives each of its processes unless ``OMP_NUM_THREADS`` is set: a CPU matrix
+# product's sums can depend on its thread count, so a run compared bit for bit with launched ones needs the same count
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 def one_thread_env(base: dict | None = None) -> dict:
-    """``base`` (the CLIs' environment) with one CPU thread, as ``accelerate launch`` gives each of its processes
-    unless ``OMP_NUM_THREADS`` is set: a CPU matrix product's sums can depend on its thread count, so a run compared
-    bit for bit with launched ones needs the same count."""
-    return {**(cli_env() if base is None else base), "OMP_NUM_THREADS": "1"}
+    """``base`` (the CLIs' environment; None: ``cli_env()``) with one CPU thread (``ONE_THREAD``)."""
+    return {**(cli_env() if base is None else base), **ONE_THREAD}
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ import torch
 
 from diffusion_int8.eval import metrics as M
 from diffusion_int8.eval.score import Scorer, load_folder, save_images
-from processes import accelerate_launch, cli_env
+from processes import ONE_THREAD, accelerate_launch, cli_env
 
 
 def test_psnr_and_ssim_are_per_image_float64():
@@ -240,11 +240,11 @@ def test_folder_round_trip_and_mismatch(tmp_path):
 
 
 def test_eval_sharded_across_two_processes_matches_one(tmp_path):
-    threads = "1"  # in every process, as accelerate gives each (processes.one_thread_env): only the sharding differs
     args = ["--model", "embedded", "--class-labels", "0", "5", "10", "--steps", "2", "--batch-size", "1", "--modes", "int8"]
-    one = run_eval(args + ["--out", "one"], tmp_path, OMP_NUM_THREADS=threads)
+    # every process one thread, as accelerate gives each: only the sharding differs
+    one = run_eval(args + ["--out", "one"], tmp_path, **ONE_THREAD)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = run_eval(args + ["--out", "two"], tmp_path, accelerate_launch(2), OMP_NUM_THREADS=threads)
+    two = run_eval(args + ["--out", "two"], tmp_path, accelerate_launch(2), **ONE_THREAD)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     a, b = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
     assert b["baseline"]["speed"]["processes"] == 2
