@@ -19,7 +19,8 @@ to the full 20+40), each block with the full model's shapes: fewer keep the long
 counts the embeddings and the output layer a little more than the full model does.
 
 The timesteps come from diffusers' ``FlowMatchEulerDiscreteScheduler`` (shift 3 for Wan, 7 for HunyuanVideo), so
-a schedule or a carried variant sees them move as in the pipelines. Variants: stock; ``int8`` (``enable()``'s
+a schedule or a carried variant sees them move as in the pipelines, and ``enable`` is given the scheduler with the
+denoiser, as a pipeline gives it (the carry's step count). Variants: stock; ``int8`` (``enable()``'s
 defaults: the speed gate, the Q·Kᵀ balance where a module needs it); ``int8`` with block sparsity whose skipped
 blocks are carried, one variant per ``--carried tau:k`` (sparsity level tau, a refresh every k steps; by default
 0.05:4 and 0.2:5, which hold about 33.3 and 30.3 dB on the long shipped model at 50 steps, BENCHMARKS.md "Skipped
@@ -38,9 +39,11 @@ import contextlib
 import json
 import re
 import time
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 from pipeline import cast, models, to_dtype
 
 import diffusion_int8
@@ -91,11 +94,8 @@ def no_attention():
     return mock.patch("torch.nn.functional.scaled_dot_product_attention", attend)
 
 
-def loop(model, x: dict, negative: dict | None, steps: int, guidance: float | None, shift: float) -> float:
+def loop(model, scheduler, x: dict, negative: dict | None, steps: int, guidance: float | None) -> float:
     """Seconds of a ``steps``-step Euler flow-matching loop over ``model`` from ``x``'s latents."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
     scheduler.set_timesteps(steps, device="cuda")
     latents = x["hidden_states"].clone()
     torch.cuda.synchronize()
@@ -158,14 +158,16 @@ def main() -> None:
         if args.compile or args.compiled_only:
             runs += [(f"{n}, compiled", c, True) for n, c in variants.items()]
         rows = {}
+        # what enable() is given of a pipeline: the denoiser, and the scheduler that tells the carry its step count
+        pipe = SimpleNamespace(transformer=model, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift))
         for label, config, compiled in runs:
-            handle = diffusion_int8.enable(model, config, record=True) if config is not None else None
+            handle = diffusion_int8.enable(pipe, config, record=True) if config is not None else None
             run = torch.compile(model) if compiled else model
             with no_attention() if label.startswith(NO_ATTENTION) else contextlib.nullcontext():
-                loop(run, x, negative, 3, guidance, shift)  # warm-up: kernels, plans, compilation
+                loop(run, pipe.scheduler, x, negative, 3, guidance)  # warm-up: kernels, plans, compilation
                 if handle is not None:
                     handle.state.reset()
-                seconds = loop(run, x, negative, args.steps, guidance, shift)
+                seconds = loop(run, pipe.scheduler, x, negative, args.steps, guidance)
             row = {"seconds": seconds}
             if handle is not None:  # eager runs count the calls and blocks; compiled graphs do not
                 skipped = handle.state.skipped_blocks()

@@ -6,6 +6,7 @@
     python benchmarks/sparse_quality.py --steps 50 --levels 0.2 --refresh-every 3,5      # at a video loop's 50 steps
     python benchmarks/sparse_quality.py --steps 50 --levels 0.2 --refresh-every 5 --forecast-gains 0.5,1,1.5
     python benchmarks/sparse_quality.py --steps 50 --levels 0.05 --refresh-every 4 --seeds-on cpu   # eval's images
+    python benchmarks/sparse_quality.py --steps 28 --levels 0.05 --refresh-every 3 --model-alone  # no step count
 
 For each level τ, the images of ``enable(pipe, "int8", sparsity=τ)`` (INT8 forced) against FP16 from the same
 seeds: PSNR and the fraction of blocks skipped, with the masks the calls predict (``int8_attention(...,
@@ -15,7 +16,9 @@ skipped, the model's attention, not the predictor, sets the limit. With ``--from
 from a later denoising step on (dense INT8 before it: a ``PrecisionSchedule`` rule over the lower noise levels),
 to show which steps tolerate sparsity. With ``--refresh-every``, each level also runs with its skipped blocks
 carried instead of dropped (``enable(..., refresh_every=k)``, the predictor's masks), at each of
-``--forecast-gains``.
+``--forecast-gains``. ``--model-alone`` adds each carried setting enabled on the denoiser instead of the pipeline:
+without the scheduler's step count, a refresh every k-th step from the first even where that falls on the last
+step (``BlockCarry.refreshes``).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ def main():
     ap.add_argument("--forecast-gains", default=str(BlockCarry.gain),
                     help="with --refresh-every, each interval at these gains of the forecast's step "
                          "(BlockCarry.gain): comma-separated, >= 0")
+    ap.add_argument("--model-alone", action="store_true",
+                    help="with --refresh-every, each carried setting also enabled on the denoiser alone (no step "
+                         "count: the last step's refresh is not moved)")
     ap.add_argument("--seeds-on", choices=("device", "cpu"), default="device",
                     help="where each image's generator draws its noise: on --device, or on the CPU as `diffusion-int8 "
                          "eval` draws it (the same seeds, other images)")
@@ -90,8 +96,10 @@ def main():
         gains = []
     if not gains or not all(math.isfinite(g) and g >= 0 for g in gains):
         ap.error(f"--forecast-gains takes comma-separated finite numbers >= 0, got {args.forecast_gains}")
-    if args.forecast_gains != ap.get_default("forecast_gains") and not args.refresh_every:
-        ap.error("--forecast-gains applies to the carried runs: give --refresh-every too")
+    for flag, given in (("--forecast-gains", args.forecast_gains != ap.get_default("forecast_gains")),
+                        ("--model-alone", args.model_alone)):
+        if given and not args.refresh_every:
+            ap.error(f"{flag} applies to the carried runs: give --refresh-every too")
     pipe = load_pipeline(variant="long", device=args.device)
     labels = [i % len(pipe.labels) for i in range(args.classes)]
 
@@ -138,14 +146,18 @@ def main():
             BlockCarry.gain = gain
             for every in [int(k) for k in args.refresh_every.split(",") if k]:
                 for tau in map(float, args.levels.split(",")):
-                    handle = diffusion_int8.enable(pipe, "int8", speed_gate=False, record=True, sparsity=tau,
-                                                   refresh_every=every)
-                    p = psnr(generate(), ref)
-                    skipped = handle.state.skipped_blocks()["overall"]
-                    handle.disable()
-                    rows.append(dict(masks=f"predictor, carried every {every}, gain {gain:g}", tau=tau, from_step=0,
-                                     refresh_every=every, gain=gain, psnr_mean=p.mean().item(),
-                                     psnr_min=p.min().item(), skipped=skipped))
+                    for target, alone in [(pipe, False)] + ([(pipe.transformer, True)] if args.model_alone else []):
+                        handle = diffusion_int8.enable(target, "int8", speed_gate=False, record=True, sparsity=tau,
+                                                       refresh_every=every)
+                        p = psnr(generate(), ref)
+                        skipped = handle.state.skipped_blocks()
+                        handle.disable()
+                        rows.append(dict(masks=f"predictor, carried every {every}, gain {gain:g}"
+                                               + (", model alone" if alone else ""),
+                                         tau=tau, from_step=0, refresh_every=every, gain=gain, model_alone=alone,
+                                         steps_skipping_none=[i for i, f in enumerate(skipped["per_step"]) if f == 0],
+                                         psnr_mean=p.mean().item(), psnr_min=p.min().item(),
+                                         skipped=skipped["overall"]))
     finally:
         BlockCarry.gain = default_gain
     print("| masks | τ | from step | PSNR mean (min) dB | skipped |\n|---|---|---|---|---|")

@@ -161,6 +161,66 @@ def test_a_new_generation_predicts_its_mask_again_and_refreshes():
     assert carry._gen.sites[0].mask is not first_mask and carry._gen.sites[0].before is None
 
 
+@pytest.mark.parametrize("every, steps, want", [
+    (7, 50, [0, 7, 14, 21, 28, 35, 42, 48]),  # the last step's refresh runs at the step before
+    (3, 28, [0, 3, 6, 9, 12, 15, 18, 21, 24, 26]),
+    (4, 25, [0, 4, 8, 12, 16, 20, 23]),
+    (4, 50, list(range(0, 50, 4))),  # a refresh at the step before the last already: as it was
+    (5, 50, list(range(0, 50, 5))),  # none on the last step: nothing moves
+    (7, None, list(range(0, 50, 7))),  # the step count unknown: every 7th
+    (2, 2, [0]),
+])
+def test_a_refresh_that_would_fall_on_the_last_step_runs_at_the_step_before(every, steps, want):
+    carry = BlockCarry(every)
+    assert [s for s in range(steps or 50) if carry.refreshes(s, steps)] == want
+
+
+def test_past_the_step_count_it_was_told_the_carry_refreshes_every_kth_step_again():
+    carry = BlockCarry(7)  # a loop longer than its scheduler said
+    assert [s for s in range(45, 64) if carry.refreshes(s, 50)] == [48, 56, 63]
+
+
+def test_the_step_count_is_read_from_the_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler, HeunDiscreteScheduler
+
+    from diffusion_int8.plugin.install import scheduled_steps
+
+    flow = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    flow.set_timesteps(28)
+    first, eleventh = float(flow.timesteps[0]) / 1000, float(flow.timesteps[10]) / 1000
+    assert scheduled_steps(flow, first) == 28
+    assert scheduled_steps(flow, eleventh) == 18  # an img2img run starting partway
+    assert scheduled_steps(flow, float(flow.timesteps[0].to(torch.bfloat16)) / 1000) == 28  # a bf16 timestep
+    levels = flow.timesteps / 1000
+    widest = int((levels[:-1] - levels[1:]).argmax())
+    assert levels[widest] - levels[widest + 1] > 0.02
+    assert scheduled_steps(flow, float(levels[widest] + levels[widest + 1]) / 2) is None  # between two levels
+    heun = HeunDiscreteScheduler()
+    heun.set_timesteps(10)  # each level after the first twice: one carried step each
+    assert len(heun.timesteps) == 19 and scheduled_steps(heun, float(heun.timesteps[0]) / 1000) == 10
+    assert scheduled_steps(None, 1.0) is None and scheduled_steps(object(), 1.0) is None
+
+
+def test_a_pipeline_tells_the_carry_its_step_count():
+    """Five steps refreshed every 2: through the pipeline (its scheduler gives the count) the refresh of the last
+    step runs at the fourth; through the model alone (no count) at steps 1, 3 and 5."""
+    from test_embedded_long import tiny_long_pipeline
+
+    pipe = tiny_long_pipeline()
+    per_step = {}
+    for name, target in (("pipeline", pipe), ("model", pipe.transformer)):
+        handle = enable(target, "int8", sparsity=0.3, refresh_every=2, speed_gate=False, record=True)
+        try:
+            pipe(["red circle"], num_inference_steps=5, generator=torch.Generator().manual_seed(0), output_type="pt")
+            per_step[name] = handle.state.skipped_blocks()["per_step"]
+            steps = handle.state.steps
+        finally:
+            handle.disable()
+        assert steps == (5 if name == "pipeline" else None)
+    assert [p == 0 for p in per_step["pipeline"]] == [True, False, True, True, False], per_step
+    assert [p == 0 for p in per_step["model"]] == [True, False, True, False, True], per_step
+
+
 @pytest.mark.parametrize("every", [1, 0, -2, 2.5, True, "2"])
 def test_bad_refresh_intervals_are_refused_saying_what_is_accepted(every):
     with pytest.raises(ValueError, match="refresh_every must be an integer >= 2"):

@@ -116,7 +116,8 @@ class Collector:
                 out_k, lse_k, out_c, lse_c = split["sides"]
                 return (call.out, out_c, lse_c) if return_skipped else (out_k, lse_k)
 
-            out, computed = carry(run, q, k, tau=tau, scale=scale, noise=call.noise, keep_kv_blocks=call.keep_kv_blocks)
+            out, computed = carry(run, q, k, tau=tau, scale=scale, noise=call.noise, keep_kv_blocks=call.keep_kv_blocks,
+                                  steps=call.steps)
             errs = output_errors(out, call.out)
             total = B * H * -(-q.shape[2] // SPARSE_BLOCK) * -(-k.shape[2] // SPARSE_BLOCK)
             kept = q.new_full((B, H), float(computed) / total)

@@ -7,7 +7,9 @@ forecasts them in between:
 
 - every ``every``-th denoising step (the first included) computes every block, the complement's first, and
   keeps the complement's output and log-sum-exp, which the kernel writes on its way to the dense result: one
-  call (``int8_attention(..., return_skipped=True)``);
+  call (``int8_attention(..., return_skipped=True)``). Where the generation's step count is known (``enable`` on
+  a pipeline reads it from the scheduler), a refresh that would fall on the last step runs at the step before:
+  there it also serves the last step's forecast, where the forecast errs most (BENCHMARKS.md);
 - the steps between run the mask's blocks alone and merge them with the complement's output and log-sum-exp
   forecast from the last two refreshes, linearly in the noise level (a first-order Taylor step; a zeroth-order
   one, the last refresh's, until there are two). The forecast and the merge are one launch
@@ -103,9 +105,17 @@ class BlockCarry:
         gen.calls += 1
         return gen, gen.calls - 1
 
+    def refreshes(self, step: int, steps: int | None = None) -> bool:
+        """Whether denoising step ``step`` (from 0) of a generation of ``steps`` (None: not known) computes the
+        skipped blocks: every ``every``-th, with the last step's refresh moved to the step before it."""
+        if steps is not None and steps >= 3 and step in (steps - 2, steps - 1):
+            return step == steps - 2 and ((steps - 1) % self.every == 0 or step % self.every == 0)
+        return step % self.every == 0
+
     @torch.compiler.disable  # Python state across calls: runs eagerly inside a compiled denoiser
     def __call__(self, run, query: torch.Tensor, key: torch.Tensor, *, tau: float, scale: float | None, noise: float,
-                 keep_kv_blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | int]:
+                 keep_kv_blocks: torch.Tensor | None = None,
+                 steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | int]:
         """One attention call.
 
         Args:
@@ -117,6 +127,7 @@ class BlockCarry:
             scale: the softmax scale (None: D ** -0.5).
             noise: the denoising step's noise level in [0, 1] (``schedule.noise_level``).
             keep_kv_blocks: key blocks always kept (joint text attention).
+            steps: the generation's denoising steps (``Int8State.steps``), or None where not known.
 
         Returns:
             The output in ``query``'s dtype, and the (query block, key block) pairs computed: all of them at a
@@ -129,7 +140,7 @@ class BlockCarry:
             mask = predict_block_mask(query, key, tau, sm_scale=scale, keep_kv_blocks=keep_kv_blocks,
                                       min_similarity=None)
             site = gen.sites[index] = _Site(mask, shape)
-        if gen.step % self.every == 0 or site.last is None:
+        if self.refreshes(gen.step, steps) or site.last is None:
             # rows whose every block is kept have an empty complement: -inf, and a zero weight in later merges
             out, out_c, lse_c = run(block_mask=site.mask, return_skipped=True)
             site.before, site.last = site.last, (noise, out_c, lse_c)

@@ -19,6 +19,7 @@ from .config import Int8Config
 from .observer import Observer
 from .processor import Int8DiffusionProcessor
 from .state import Int8State
+from ..schedule import noise_level
 from ..versions import check_diffusers_version
 
 
@@ -113,7 +114,8 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
             a calibration is also checked against the model (layer names, heads, head dims). With a schedule, a
             calibration or carrying, the timestep the denoiser receives (the first element of a CFG batch) is read
             by a forward pre-hook, once per denoiser call (one host read per step), from the argument of
-            ``forward`` named as in ``TIMESTEP_ARGUMENTS``.
+            ``forward`` named as in ``TIMESTEP_ARGUMENTS``; given a pipeline, the hook also reads the generation's
+            step count from its scheduler at the first step (``scheduled_steps``), which carrying uses.
         record: keep a trace of ``(step, timestep, layer, mode)`` in ``handle.state.trace``, and count the
             (query block, key block) pairs computed per step: ``handle.state.skipped_blocks()``.
         observer: see ``Int8DiffusionProcessor``; the calibration collector passes one.
@@ -159,8 +161,9 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
     hook = None
     if (config.schedule is not None or record or config.calibration is not None or observer is not None
             or config.refresh_every is not None):
-        hook = model.register_forward_pre_hook(functools.partial(_read_timestep, state, timestep_argument(model)),
-                                               with_kwargs=True)
+        scheduler = None if isinstance(pipe_or_model, torch.nn.Module) else getattr(pipe_or_model, "scheduler", None)
+        hook = model.register_forward_pre_hook(
+            functools.partial(_read_timestep, state, timestep_argument(model), scheduler), with_kwargs=True)
     handle = Int8Handle(model, state, originals, skipped, hook)
     model.__dict__["_diffusion_int8_handle"] = handle
     return handle
@@ -187,7 +190,7 @@ def timestep_argument(model: torch.nn.Module) -> tuple[str, int | None]:
 
 
 @torch.compiler.disable
-def _read_timestep(state: Int8State, argument: tuple[str, int | None], module, args, kwargs):
+def _read_timestep(state: Int8State, argument: tuple[str, int | None], scheduler, module, args, kwargs):
     # outside any compiled graph (one graph break at the denoiser's start): traced, its reads of the state would
     # guard the graph on each step's timestep and recompile it at every step
     name, index = argument
@@ -200,6 +203,24 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], module, a
     if state.timestep is None or t > state.timestep:
         # a new generation: denoising starts at its highest noise level, which also tells the scale
         state.step, state.timestep_scale = -1, 1000.0 if t > 1.0 else 1.0
+        state.steps = scheduled_steps(scheduler, noise_level(t, None, state.timestep_scale))
     state.timestep = t
     state.step += 1
     return None
+
+
+def scheduled_steps(scheduler, noise: float) -> int | None:
+    """The distinct noise levels in ``scheduler.timesteps`` from the one nearest ``noise`` (a generation's first, in
+    [0, 1]) to the last: the denoising steps of a generation that starts there, as ``carry.BlockCarry`` counts them
+    (a level repeated by a second-order scheduler counts once; an img2img run starts partway). None where there is
+    no scheduler, it holds no timesteps, or none of them is within 0.005 of ``noise`` (a loop it does not run).
+    Read once per generation: one host read of the timesteps."""
+    timesteps = getattr(scheduler, "timesteps", None)
+    if not isinstance(timesteps, torch.Tensor) or timesteps.numel() == 0:
+        return None
+    t = timesteps.detach().reshape(-1).float().cpu()
+    levels = t[torch.cat([torch.ones(1, dtype=torch.bool), t[1:] != t[:-1]])]
+    levels = levels / (1000.0 if float(levels[0]) > 1.0 else 1.0)  # as noise_level scales the denoiser's timestep
+    distance = (levels - noise).abs()
+    first = int(distance.argmin())
+    return len(levels) - first if float(distance[first]) <= 0.005 else None

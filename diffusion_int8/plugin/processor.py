@@ -287,8 +287,8 @@ class Int8DiffusionProcessor(DispatcherCalls):
             # a key mask that keeps the first n keys is shown cut, as a sparse call runs it (the same computation)
             seen = (key, value, attn_mask) if attn_mask is None else self._key_prefix(query, key, value, attn_mask)
             predict = functools.partial(self.block_mask_for, full_keys=key.shape[2])
-            self.observer(AttentionCall(self.name, self.state.step, self.state.timestep, noise, query, *seen[:2],
-                                        seen[2], scale, exact, self._text_blocks(query, seen[0], key.shape[2]),
+            self.observer(AttentionCall(self.name, self.state.step, self.state.timestep, noise, self.state.steps,
+                                        query, *seen, scale, exact, self._text_blocks(query, seen[0], key.shape[2]),
                                         predict))
         # the counts are kept in eager mode only: torch.compile guards on an int it reads, so counting inside a
         # compiled graph would recompile it at every call
@@ -371,7 +371,8 @@ class Int8DiffusionProcessor(DispatcherCalls):
                                 qk_rotate=self.qk_rotate)
         return self.carry(run, query, key, tau=tau, scale=scale,
                           keep_kv_blocks=self._text_blocks(query, key, full_keys),
-                          noise=noise_level(self.state.timestep, None, self.state.timestep_scale))
+                          noise=noise_level(self.state.timestep, None, self.state.timestep_scale),
+                          steps=self.state.steps)
 
     def _carry_ready(self) -> bool:
         """Whether the skipped blocks can be carried: the denoising step is known (else, one warning, and they
@@ -426,8 +427,8 @@ def _checked_observer(observer):
         inspect.signature(observer).bind(None)
     except TypeError:
         raise TypeError(f"observer {observer!r} cannot be called with one argument: an observer receives one "
-                        f"diffusion_int8.AttentionCall (layer, step, timestep, noise, query, key, value, attn_mask, "
-                        f"scale, out, keep_kv_blocks, block_mask(tau))") from None
+                        f"diffusion_int8.AttentionCall (layer, step, timestep, noise, steps, query, key, value, "
+                        f"attn_mask, scale, out, keep_kv_blocks, block_mask(tau))") from None
     except ValueError:  # a callable without an inspectable signature (a builtin): taken as it is
         pass
     return observer

@@ -17,7 +17,8 @@ class Int8State:
     """The denoising position the processors read, held by the user's handle (no module globals).
 
     ``timestep`` is the value the denoiser was last called with (first element for CFG batches),
-    ``step`` counts denoiser calls since ``reset()``; ``trace``, when a list, records
+    ``step`` counts denoiser calls since ``reset()``; ``steps`` is the number of noise levels this generation runs
+    at, where the pipeline's scheduler tells it (``enable`` on a pipeline), else None; ``trace``, when a list, records
     ``(step, timestep, layer, mode)`` for every attention call (the mode the schedule chose, before the speed
     gate); ``int8_calls`` and ``gated_calls`` count the calls that ran INT8 and those the gate sent to SDPA (in eager
     mode: under ``torch.compile`` the counts stay as they are). While a trace is kept, ``block_counts`` adds up per
@@ -29,6 +30,7 @@ class Int8State:
     step: int = -1
     trace: list | None = None
     timestep_scale: float | None = None  # 1000 or 1: what the timesteps of this generation are out of
+    steps: int | None = None
     int8_calls: int = 0  # attention calls that ran an INT8 mode
     gated_calls: int = 0  # calls the schedule gave an INT8 mode and the speed gate sent to SDPA
     # step -> [pairs computed (a device tensor where a mask was predicted: no host sync per call), all pairs]
@@ -38,7 +40,7 @@ class Int8State:
     _prefix: tuple = field(default=(None, None, None), repr=False, compare=False)
 
     def reset(self) -> None:
-        self.timestep, self.step, self.timestep_scale = None, -1, None
+        self.timestep, self.step, self.timestep_scale, self.steps = None, -1, None, None
         self.int8_calls = self.gated_calls = 0
         self.block_counts.clear()
         self._prefix = (None, None, None)
