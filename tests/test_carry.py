@@ -181,24 +181,31 @@ def test_past_the_step_count_it_was_told_the_carry_refreshes_every_kth_step_agai
 
 
 def test_the_step_count_is_read_from_the_scheduler():
+    from types import SimpleNamespace
+
     from diffusers import FlowMatchEulerDiscreteScheduler, HeunDiscreteScheduler
 
-    from diffusion_int8.plugin.install import scheduled_steps
+    from diffusion_int8.plugin.install import StepCount
 
     flow = FlowMatchEulerDiscreteScheduler(shift=3.0)
     flow.set_timesteps(28)
-    first, eleventh = float(flow.timesteps[0]) / 1000, float(flow.timesteps[10]) / 1000
-    assert scheduled_steps(flow, first) == 28
-    assert scheduled_steps(flow, eleventh) == 18  # an img2img run starting partway
-    assert scheduled_steps(flow, float(flow.timesteps[0].to(torch.bfloat16)) / 1000) == 28  # a bf16 timestep
+    pipe = SimpleNamespace(scheduler=flow)
+    count = StepCount(pipe)
     levels = flow.timesteps / 1000
+    assert count(float(levels[0])) == 28
+    assert count(float(levels[10])) == 18  # an img2img run starting partway
+    assert count(float(flow.timesteps[0].to(torch.bfloat16)) / 1000) == 28  # a bf16 timestep
     widest = int((levels[:-1] - levels[1:]).argmax())
     assert levels[widest] - levels[widest + 1] > 0.02
-    assert scheduled_steps(flow, float(levels[widest] + levels[widest + 1]) / 2) is None  # between two levels
+    assert count(float(levels[widest] + levels[widest + 1]) / 2) is None  # between two levels: not its loop
+    flow.set_timesteps(50)  # the timesteps of the generation that starts, not of the last one
+    assert count(1.0) == 50
     heun = HeunDiscreteScheduler()
     heun.set_timesteps(10)  # each level after the first twice: one carried step each
-    assert len(heun.timesteps) == 19 and scheduled_steps(heun, float(heun.timesteps[0]) / 1000) == 10
-    assert scheduled_steps(None, 1.0) is None and scheduled_steps(object(), 1.0) is None
+    pipe.scheduler = heun  # swapped after the count was made: the pipeline's scheduler now is read
+    assert len(heun.timesteps) == 19 and count(float(heun.timesteps[0]) / 1000) == 10
+    pipe.scheduler = None
+    assert count(1.0) is None and StepCount(SimpleNamespace())(1.0) is None
 
 
 def test_a_pipeline_tells_the_carry_its_step_count():
@@ -219,6 +226,14 @@ def test_a_pipeline_tells_the_carry_its_step_count():
         assert steps == (5 if name == "pipeline" else None)
     assert [p == 0 for p in per_step["pipeline"]] == [True, False, True, True, False], per_step
     assert [p == 0 for p in per_step["model"]] == [True, False, True, False, True], per_step
+    # an observer (the calibration's collector, which carries as the processors do) is told the count too
+    seen = []
+    handle = enable(pipe, "fp16", observer=lambda call: seen.append((call.step, call.steps)))
+    try:
+        pipe(["red circle"], num_inference_steps=3, generator=torch.Generator().manual_seed(0), output_type="pt")
+    finally:
+        handle.disable()
+    assert {s for _, s in seen} == {3} and {step for step, _ in seen} == {0, 1, 2}
 
 
 @pytest.mark.parametrize("every", [1, 0, -2, 2.5, True, "2"])

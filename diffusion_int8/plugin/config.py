@@ -43,11 +43,11 @@ class Int8Config:
             first n keys, as text padding does: the call runs sparse over those keys) and calls of at most one key
             block stay dense; in joint text+image attention the text tokens' key blocks are always kept.
         refresh_every: with ``sparsity``, carry the skipped blocks instead of dropping them (``carry.BlockCarry``):
-            every ``refresh_every``-th denoising step computes them too (one that would fall on the last step runs
-            at the step before, where ``enable`` is given the pipeline and so its step count), the steps between
-            forecast them from the last two such steps; the mask is predicted once per generation. Eager pipelines only. A schedule
-            with one level carries its blocks at its own ``refresh_every`` (a calibrated one chooses it) unless
-            this is given.
+            every ``refresh_every``-th denoising step computes them too (one due on the last step runs at the
+            step before, where ``enable`` is given the pipeline and so its step count), the steps between forecast
+            them from the last two such steps; the mask is predicted once per generation. Eager pipelines only.
+            A schedule with one level carries its blocks at its own ``refresh_every`` (a calibrated one chooses
+            it) unless this is given.
         qk_balance: ``int8_attention``'s Q·Kᵀ channel balance, against outlier channels that Q or K carries
             alone. None (the default) balances where a module needs it: with a calibration, by its static balance;
             with a schedule from a calibration, in the modules its ``balance_layers`` name; else by the module's

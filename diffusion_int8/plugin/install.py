@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,7 +116,7 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
             calibration or carrying, the timestep the denoiser receives (the first element of a CFG batch) is read
             by a forward pre-hook, once per denoiser call (one host read per step), from the argument of
             ``forward`` named as in ``TIMESTEP_ARGUMENTS``; given a pipeline, the hook also reads the generation's
-            step count from its scheduler at the first step (``scheduled_steps``), which carrying uses.
+            step count from its scheduler at the first step (``StepCount``), which carrying uses.
         record: keep a trace of ``(step, timestep, layer, mode)`` in ``handle.state.trace``, and count the
             (query block, key block) pairs computed per step: ``handle.state.skipped_blocks()``.
         observer: see ``Int8DiffusionProcessor``; the calibration collector passes one.
@@ -161,9 +162,9 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
     hook = None
     if (config.schedule is not None or record or config.calibration is not None or observer is not None
             or config.refresh_every is not None):
-        scheduler = None if isinstance(pipe_or_model, torch.nn.Module) else getattr(pipe_or_model, "scheduler", None)
+        steps = None if isinstance(pipe_or_model, torch.nn.Module) else StepCount(pipe_or_model)
         hook = model.register_forward_pre_hook(
-            functools.partial(_read_timestep, state, timestep_argument(model), scheduler), with_kwargs=True)
+            functools.partial(_read_timestep, state, timestep_argument(model), steps), with_kwargs=True)
     handle = Int8Handle(model, state, originals, skipped, hook)
     model.__dict__["_diffusion_int8_handle"] = handle
     return handle
@@ -190,7 +191,8 @@ def timestep_argument(model: torch.nn.Module) -> tuple[str, int | None]:
 
 
 @torch.compiler.disable
-def _read_timestep(state: Int8State, argument: tuple[str, int | None], scheduler, module, args, kwargs):
+def _read_timestep(state: Int8State, argument: tuple[str, int | None], steps: StepCount | None, module, args,
+                   kwargs):
     # outside any compiled graph (one graph break at the denoiser's start): traced, its reads of the state would
     # guard the graph on each step's timestep and recompile it at every step
     name, index = argument
@@ -203,24 +205,39 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], scheduler
     if state.timestep is None or t > state.timestep:
         # a new generation: denoising starts at its highest noise level, which also tells the scale
         state.step, state.timestep_scale = -1, 1000.0 if t > 1.0 else 1.0
-        state.steps = scheduled_steps(scheduler, noise_level(t, None, state.timestep_scale))
+        state.steps = None if steps is None else steps(noise_level(t, None, state.timestep_scale))
     state.timestep = t
     state.step += 1
     return None
 
 
-def scheduled_steps(scheduler, noise: float) -> int | None:
-    """The distinct noise levels in ``scheduler.timesteps`` from the one nearest ``noise`` (a generation's first, in
-    [0, 1]) to the last: the denoising steps of a generation that starts there, as ``carry.BlockCarry`` counts them
-    (a level repeated by a second-order scheduler counts once; an img2img run starts partway). None where there is
-    no scheduler, it holds no timesteps, or none of them is within 0.005 of ``noise`` (a loop it does not run).
-    Read once per generation: one host read of the timesteps."""
-    timesteps = getattr(scheduler, "timesteps", None)
-    if not isinstance(timesteps, torch.Tensor) or timesteps.numel() == 0:
-        return None
-    t = timesteps.detach().reshape(-1).float().cpu()
-    levels = t[torch.cat([torch.ones(1, dtype=torch.bool), t[1:] != t[:-1]])]
-    levels = levels / (1000.0 if float(levels[0]) > 1.0 else 1.0)  # as noise_level scales the denoiser's timestep
-    distance = (levels - noise).abs()
-    first = int(distance.argmin())
-    return len(levels) - first if float(distance[first]) <= 0.005 else None
+class StepCount:
+    """The denoising steps of a generation a pipeline starts (``Int8State.steps``): the distinct noise levels in
+    ``pipe.scheduler.timesteps`` from the one nearest the generation's first to the last, as ``carry.BlockCarry``
+    counts steps (a level a second-order scheduler repeats counts once; an img2img run starts partway). The
+    scheduler is looked up at each generation (one swapped in after ``enable`` is the one read), its levels once per
+    ``set_timesteps`` (one host read). None where it holds no timesteps or none within 0.005 of the first level (a
+    loop it does not describe); a loop that stops early (SDXL's ``denoising_end``) is told the whole schedule's
+    count. The pipeline is held weakly where it can be."""
+
+    def __init__(self, pipe):
+        try:
+            self._pipe = weakref.ref(pipe)
+        except TypeError:  # an object without weak references, standing for a pipeline
+            self._pipe = lambda: pipe
+        self._levels = (None, None)  # (the timesteps read, their distinct levels in [0, 1])
+
+    def __call__(self, noise: float) -> int | None:
+        """The step count of a generation whose first noise level (``schedule.noise_level``) is ``noise``."""
+        timesteps = getattr(getattr(self._pipe(), "scheduler", None), "timesteps", None)
+        if not isinstance(timesteps, torch.Tensor) or timesteps.numel() == 0:
+            return None
+        read, levels = self._levels
+        if read is not timesteps:
+            t = timesteps.detach().reshape(-1).float().cpu()
+            levels = t[torch.cat([torch.ones(1, dtype=torch.bool), t[1:] != t[:-1]])]
+            levels = levels / (1000.0 if float(levels[0]) > 1.0 else 1.0)  # as noise_level scales the timestep
+            self._levels = (timesteps, levels)
+        distance = (levels - noise).abs()
+        first = int(distance.argmin())
+        return len(levels) - first if float(distance[first]) <= 0.005 else None

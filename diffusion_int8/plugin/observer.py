@@ -14,18 +14,17 @@ class AttentionCall:
 
     ``layer``: the module's name (``enable`` names them as ``named_modules`` does); ``step``: the denoiser call
     this one belongs to, from 0 since the generation began, ``timestep`` what the denoiser was given and ``noise``
-    its noise level in [0, 1] (``schedule.noise_level``; both None before the first), ``steps`` the generation's
-    step count where the pipeline's scheduler tells it (``Int8State.steps``), else None. ``query``, ``key``,
+    its noise level in [0, 1] (``schedule.noise_level``; both None before the first). ``query``, ``key``,
     ``value``: (B, H, S, D) as the kernel sees them, after the model's norms and RoPE; ``attn_mask`` and ``scale``
     as SDPA gets them; ``out``: SDPA's exact output (B, H, Sq, D); ``keep_kv_blocks``: (nKB,) bool, the key blocks
-    a block-sparse call always keeps (text tokens in joint attention), or None.
+    a block-sparse call always keeps (text tokens in joint attention), or None; ``steps`` (keyword): the
+    generation's step count where the pipeline's scheduler tells it (``Int8State.steps``), else None.
     """
 
     layer: str | None
     step: int
     timestep: float | None
     noise: float | None
-    steps: int | None
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
@@ -34,6 +33,7 @@ class AttentionCall:
     out: torch.Tensor
     keep_kv_blocks: torch.Tensor | None
     _predict: Callable = field(repr=False, compare=False)
+    steps: int | None = field(default=None, kw_only=True)
 
     def block_mask(self, tau: float) -> torch.Tensor | None:
         """The block mask the processor's INT8 call would predict at sparsity level ``tau``: bool (B, H, nQB, nKB),

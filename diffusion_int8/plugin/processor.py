@@ -287,9 +287,9 @@ class Int8DiffusionProcessor(DispatcherCalls):
             # a key mask that keeps the first n keys is shown cut, as a sparse call runs it (the same computation)
             seen = (key, value, attn_mask) if attn_mask is None else self._key_prefix(query, key, value, attn_mask)
             predict = functools.partial(self.block_mask_for, full_keys=key.shape[2])
-            self.observer(AttentionCall(self.name, self.state.step, self.state.timestep, noise, self.state.steps,
-                                        query, *seen, scale, exact, self._text_blocks(query, seen[0], key.shape[2]),
-                                        predict))
+            self.observer(AttentionCall(self.name, self.state.step, self.state.timestep, noise, query, *seen, scale,
+                                        exact, self._text_blocks(query, seen[0], key.shape[2]), predict,
+                                        steps=self.state.steps))
         # the counts are kept in eager mode only: torch.compile guards on an int it reads, so counting inside a
         # compiled graph would recompile it at every call
         counting = not torch.compiler.is_compiling()
@@ -427,8 +427,8 @@ def _checked_observer(observer):
         inspect.signature(observer).bind(None)
     except TypeError:
         raise TypeError(f"observer {observer!r} cannot be called with one argument: an observer receives one "
-                        f"diffusion_int8.AttentionCall (layer, step, timestep, noise, steps, query, key, value, "
-                        f"attn_mask, scale, out, keep_kv_blocks, block_mask(tau))") from None
+                        f"diffusion_int8.AttentionCall (layer, step, timestep, noise, query, key, value, attn_mask, "
+                        f"scale, out, keep_kv_blocks, block_mask(tau), steps)") from None
     except ValueError:  # a callable without an inspectable signature (a builtin): taken as it is
         pass
     return observer
