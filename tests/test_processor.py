@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import warnings
 
 import pytest
@@ -136,6 +137,79 @@ def test_enable_refuses_twice_and_compiled():
         enable(object(), "int8")
     with pytest.raises(ValueError, match="mode must be one of"):
         enable(model, "int4")
+
+
+def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
+    from types import SimpleNamespace
+
+    from diffusers.models.attention_processor import Attention
+
+    first, x = build("wan")
+    second, _ = build("wan")  # Wan 2.2's second expert, transformer_2
+    encoder = torch.nn.ModuleDict({"attn": Attention(64, heads=2, dim_head=32)})  # attention, no timestep
+    pipe = SimpleNamespace(transformer=first, transformer_2=second, text_encoder=encoder)
+    models = (first, second, encoder)
+
+    def processors():
+        return [{n: m.processor for n, m in attention_modules(model).items()} for model in models]
+
+    stock, before = [run(m, x) for m in (first, second)], processors()
+    handle = enable(pipe, "fp16", record=True)
+    assert list(handle.others) == ["transformer_2"] and handle.others["transformer_2"].state is handle.state
+    now = processors()
+    assert all(isinstance(p, Int8DiffusionProcessor) for d in now[:2] for p in d.values())
+    assert now[2] == before[2]  # not a denoising model
+    assert all(torch.equal(run(m, x), s) for m, s in zip((first, second), stock))
+    assert handle.summary()["others"]["transformer_2"]["model"] == "WanTransformer3DModel"
+    assert "and transformer_2:" in str(handle)
+    with pytest.raises(RuntimeError, match="already enabled on WanTransformer3DModel"):
+        enable(second, "int8")
+    handle.disable()
+    assert processors() == before  # both restored exactly
+
+    handle = enable(pipe, "int8", speed_gate=False)
+    run(first, x)
+    calls = handle.state.int8_calls
+    run(second, x)
+    assert 0 < calls < handle.state.int8_calls  # the second expert runs INT8 too, counted in the one state
+    handle.disable()
+
+    # a calibration or an observer describes one model: the others stay stock, and a warning names them
+    with pytest.warns(RuntimeWarning, match="left transformer_2 on stock attention"):
+        handle = enable(pipe, "int8", observer=lambda call: None)
+    assert handle.others == {} and processors()[1] == before[1]
+    handle.disable()
+    assert processors() == before
+
+
+def test_disable_leaves_a_processor_set_after_enable_with_a_warning():
+    from diffusers.models.attention_processor import AttnProcessor
+
+    model, _ = build("unet")
+    before = {n: m.processor for n, m in attention_modules(model).items()}
+    handle = enable(model, "int8")
+    name, module = next(iter(attention_modules(model).items()))
+    mine = AttnProcessor()  # as load_ip_adapter or set_attn_processor would install
+    module.set_processor(mine)
+    with pytest.warns(RuntimeWarning, match=r"1 attention module\(s\) got another processor after enable"):
+        handle.disable()
+    after = {n: m.processor for n, m in attention_modules(model).items()}
+    assert after[name] is mine and all(after[n] is p for n, p in before.items() if n != name)
+
+
+def test_isinstance_answers_as_for_the_stock_processor():
+    # diffusers finds processors of a kind by isinstance (Qwen-Image 2.1 builds its flex BlockMask only for
+    # QwenImage21FlexAttnProcessor; the zoo runs that model); type() still says what is installed
+    from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
+
+    proc = Int8DiffusionProcessor("int8", inner=AttnProcessor2_0())
+    assert isinstance(proc, AttnProcessor2_0) and isinstance(proc, Int8DiffusionProcessor)
+    assert type(proc).__name__ == "Int8DiffusionProcessor"
+    again = pickle.loads(pickle.dumps(proc))
+    assert isinstance(again, AttnProcessor2_0) and type(again) is type(proc)
+    # not for a stock processor that is an nn.Module, whose parameters and buffers the wrapper does not have
+    ip = Int8DiffusionProcessor("int8", inner=IPAdapterAttnProcessor2_0(64, 32))
+    assert not isinstance(ip, (IPAdapterAttnProcessor2_0, torch.nn.Module))
 
 
 def test_unsupported_head_dims_are_left_alone_with_one_warning():

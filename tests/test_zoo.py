@@ -188,6 +188,21 @@ def conformance(model, x, name: str, cos_bound: float) -> None:
         assert same(run(model, x), stock), f"not stock after disable() (cycle {cycle + 1})"
 
 
+def test_a_processor_the_model_finds_by_isinstance_keeps_its_path():
+    # Qwen-Image 2.1 builds its block-causal flex BlockMask (and keeps the text padding) only where
+    # isinstance(processor, QwenImage21FlexAttnProcessor): a wrapped one must still answer so
+    qwen21 = pytest.importorskip("diffusers.models.transformers.transformer_qwenimage21")
+    if qwen21.BlockMask is None:
+        pytest.skip("this torch has no flex attention")
+    model, x = build("QwenImage21Transformer2DModel")
+    model.set_attn_processor(qwen21.QwenImage21FlexAttnProcessor())
+    stock = run(model, x)
+    for mode, options in (("fp16", {}), ("int8", {"speed_gate": SpeedGate(NO_TABLE)})):
+        handle = diffusion_int8.enable(model, mode, **options)
+        assert same(run(model, x), stock), mode
+        handle.disable()
+
+
 def test_a_model_without_attention_is_refused():
     with pytest.raises(ValueError, match="Linear has no attention module to route"):
         diffusion_int8.enable(torch.nn.Linear(4, 4))

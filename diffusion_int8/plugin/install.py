@@ -1,4 +1,4 @@
-"""``enable``: install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoiser, and the handle
+"""``enable``: install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoisers, and the handle
 that takes it off again."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 from ..kernels import Mode
 from ..kernels.config import MAX_HEAD_DIM
-from .models import (attention_modules, attention_outside_processors, denoiser, head_dim_of, reaches_attention,
-                     set_processor)
+from .models import (TIMESTEP_ARGUMENTS, attention_modules, attention_outside_processors, denoiser, head_dim_of,
+                     other_denoisers, reaches_attention, set_processor)
 from .config import Int8Config
 from .observer import Observer
 from .processor import Int8DiffusionProcessor
@@ -30,22 +30,37 @@ class Int8Handle:
     installed where.
 
     ``originals`` maps each routed module's name to the processor it had; ``skipped`` maps each attention module left
-    on its stock processor to the reason."""
+    on its stock processor to the reason. ``others``: the handles of the pipeline's other denoising models (Wan 2.2's
+    ``transformer_2``, ControlNets), by component name; they share ``state``, and ``disable()`` disables them too."""
 
     model: torch.nn.Module
     state: Int8State
     originals: dict[str, Any]
     skipped: dict[str, str]
     _hook: Any = field(default=None, repr=False)
+    others: dict[str, "Int8Handle"] = field(default_factory=dict)
 
     def disable(self) -> None:
-        """Put back the processors ``enable`` replaced. A handle already disabled does nothing (a later
-        ``enable`` on the model has its own handle, which this one must not touch)."""
+        """Put back the processors ``enable`` replaced, where the INT8 one is still installed: a processor set since
+        (``load_ip_adapter``, ``set_attn_processor``) stays, and a warning says where. A handle already disabled does
+        nothing (a later ``enable`` on the model has its own handle, which this one must not touch)."""
+        for other in self.others.values():
+            other.disable()
         if self.model.__dict__.get("_diffusion_int8_handle") is not self:
             return
         modules = attention_modules(self.model)
+        replaced = []
         for name, proc in self.originals.items():
-            set_processor(modules[name], proc)
+            current = getattr(modules.get(name), "processor", None)
+            if isinstance(current, Int8DiffusionProcessor) and current.inner is proc:
+                set_processor(modules[name], proc)
+            else:
+                replaced.append(name)
+        if replaced:
+            warnings.warn(f"diffusion_int8: {type(self.model).__name__}: {len(replaced)} attention module(s) got "
+                          f"another processor after enable(), which disable() leaves in place: "
+                          f"{', '.join(replaced[:4])}{', ...' if len(replaced) > 4 else ''}", RuntimeWarning,
+                          stacklevel=2)
         if self._hook is not None:
             self._hook.remove()
         del self.model.__dict__["_diffusion_int8_handle"]
@@ -54,7 +69,8 @@ class Int8Handle:
     def summary(self) -> dict:
         """What ``enable`` installed: ``{"model": class name, "routed": {stock processor class: modules},
         "left_stock": {module name: reason}, "qk_balance": {what the module does (``Int8DiffusionProcessor.
-        balance_status``): [module names]}}`` (``routed`` and ``qk_balance`` are empty once disabled)."""
+        balance_status``): [module names]}}`` (``routed`` and ``qk_balance`` are empty once disabled), and
+        ``"others": {component: its summary}`` where the pipeline has other denoising models."""
         routed: dict[str, int] = {}
         for proc in self.originals.values():
             routed[type(proc).__name__] = routed.get(type(proc).__name__, 0) + 1
@@ -65,18 +81,28 @@ class Int8Handle:
                 proc = modules[name].processor
                 if isinstance(proc, Int8DiffusionProcessor):
                     balance.setdefault(proc.balance_status(), []).append(name)
-        return {"model": type(self.model).__name__, "routed": dict(sorted(routed.items())),
-                "left_stock": dict(sorted(self.skipped.items())), "qk_balance": dict(sorted(balance.items()))}
+        out = {"model": type(self.model).__name__, "routed": dict(sorted(routed.items())),
+               "left_stock": dict(sorted(self.skipped.items())), "qk_balance": dict(sorted(balance.items()))}
+        if self.others:
+            out["others"] = {name: other.summary() for name, other in self.others.items()}
+        return out
 
     def __str__(self) -> str:
-        s = self.summary()
-        lines = [f"diffusion_int8 on {s['model']}: {sum(s['routed'].values())} attention module(s) routed to INT8"]
-        lines += [f"  {n} x {cls}" for cls, n in s["routed"].items()]
-        lines += [f"  Q·Kᵀ balance {status}: {len(names)} module(s)" for status, names in s["qk_balance"].items()]
+        return "\n".join(self._lines(self.summary()))
+
+    @staticmethod
+    def _lines(s: dict, indent: str = "") -> list[str]:
+        lines = [f"{indent}diffusion_int8 on {s['model']}: {sum(s['routed'].values())} attention module(s) routed to "
+                 f"INT8"]
+        lines += [f"{indent}  {n} x {cls}" for cls, n in s["routed"].items()]
+        lines += [f"{indent}  Q·Kᵀ balance {status}: {len(names)} module(s)" for status, names in s["qk_balance"].items()]
         if s["left_stock"]:
-            lines.append(f"  {len(s['left_stock'])} left on their stock processor:")
-            lines += [f"    {name}: {why}" for name, why in s["left_stock"].items()]
-        return "\n".join(lines)
+            lines.append(f"{indent}  {len(s['left_stock'])} left on their stock processor:")
+            lines += [f"{indent}    {name}: {why}" for name, why in s["left_stock"].items()]
+        for name, other in s.get("others", {}).items():
+            lines.append(f"{indent}  and {name}:")
+            lines += Int8Handle._lines(other, indent + "    ")
+        return lines
 
 
 def _why_stock(module: torch.nn.Module) -> str | None:
@@ -100,15 +126,19 @@ def _warn_skipped(model: torch.nn.Module, skipped: dict[str, str]) -> None:
             by_reason.setdefault(why, []).append(name)
         listing = "; ".join(f"{', '.join(names)} ({why})" for why, names in by_reason.items())
         warnings.warn(f"diffusion_int8: {type(model).__name__}: left {len(skipped)} attention module(s) on their stock "
-                      f"processor: {listing}", RuntimeWarning, stacklevel=3)
+                      f"processor: {listing}", RuntimeWarning, stacklevel=4)
 
 
 def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: bool = False,
            observer: Observer | None = None, **options) -> Int8Handle:
-    """Install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoiser.
+    """Install ``Int8DiffusionProcessor`` on every attention module of a pipeline's denoisers.
 
     Args:
-        pipe_or_model: a diffusers pipeline (its ``transformer`` or ``unet`` is used) or the model.
+        pipe_or_model: a diffusers pipeline or one model. A pipeline's denoiser (its ``transformer``, ``unet`` or
+            ``prior``) is routed, and so is each other model of it that runs at the denoising steps and has
+            attention (``models.other_denoisers``: Wan 2.2's ``transformer_2``, ControlNets, an unconditional
+            transformer), in ``handle.others``, sharing one ``Int8State``. With a calibration or an observer, which
+            describe one model, the others stay stock and a warning names them.
         mode: an ``Int8Config``, or the mode of one made from ``options``: ``enable(pipe, "int8",
             calibration="calib/")`` is ``enable(pipe, Int8Config("int8", calibration="calib/"))``. The config's
             options (schedule, calibration, speed gate, sparsity, carrying, outlier handling) are documented there;
@@ -131,11 +161,16 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
     with ``torch.compile`` (enable first, compile after).
     """
     model = denoiser(pipe_or_model)
-    if "_diffusion_int8_handle" in model.__dict__:
-        raise RuntimeError("diffusion_int8 is already enabled on this model; call handle.disable() first")
-    if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
-        raise RuntimeError("the model is already compiled: call diffusion_int8.enable() before torch.compile")
     config = Int8Config.of(mode, **options)
+    others = [] if isinstance(pipe_or_model, torch.nn.Module) else other_denoisers(pipe_or_model, model)
+    one_model = config.calibration is not None or observer is not None
+    for m in [model] + ([] if one_model else [m for _, m in others]):
+        if "_diffusion_int8_handle" in m.__dict__:
+            raise RuntimeError(f"diffusion_int8 is already enabled on {type(m).__name__}; call handle.disable() first "
+                               f"(enable(pipe) routes every denoising model of a pipeline)")
+        if hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None:
+            raise RuntimeError(f"{type(m).__name__} is already compiled: call diffusion_int8.enable() before "
+                               f"torch.compile")
     if config.calibration is not None:
         config.calibration.validate(model)
     modules = attention_modules(model)
@@ -148,6 +183,23 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
                          f"model-specific ones){found}; pass a diffusers pipeline or its transformer/unet")
     check_diffusers_version()
     state = Int8State(trace=[] if record else None)
+    steps = None if isinstance(pipe_or_model, torch.nn.Module) else StepCount(pipe_or_model)
+    handle = _install(model, modules, outside, config, state, observer, record, steps)
+    if others and one_model:
+        warnings.warn(f"diffusion_int8: {type(pipe_or_model).__name__}: left {', '.join(n for n, _ in others)} on "
+                      f"stock attention: a calibration or an observer describes one model, the pipeline's denoiser "
+                      f"({type(model).__name__}); enable(pipe.<name>, ...) routes another, with a calibration of its "
+                      f"own", RuntimeWarning, stacklevel=2)
+    elif others:
+        handle.others = {name: _install(m, attention_modules(m), attention_outside_processors(m), config, state, None,
+                                        record, steps) for name, m in others}
+    return handle
+
+
+def _install(model: torch.nn.Module, modules: dict, outside: list[str], config: Int8Config, state: Int8State,
+             observer: Observer | None, record: bool, steps: "StepCount | None") -> Int8Handle:
+    """Route ``model``'s attention ``modules`` (``outside``: its attention with no processor, which stays stock) and
+    hook its forward to read the timestep where anything needs it; the handle that undoes it."""
     originals = {}
     skipped = {name: "attention computed in the module's own forward, with no processor to swap" for name in outside}
     for name, module in modules.items():
@@ -162,17 +214,11 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
     hook = None
     if (config.schedule is not None or record or config.calibration is not None or observer is not None
             or config.refresh_every is not None):
-        steps = None if isinstance(pipe_or_model, torch.nn.Module) else StepCount(pipe_or_model)
         hook = model.register_forward_pre_hook(
             functools.partial(_read_timestep, state, timestep_argument(model), steps), with_kwargs=True)
     handle = Int8Handle(model, state, originals, skipped, hook)
     model.__dict__["_diffusion_int8_handle"] = handle
     return handle
-
-
-# the names diffusers' denoisers give their timestep argument, the first one a model's forward declares taken:
-# timesteps (HiDream), timestep_ratio (Stable Cascade), timestep_img (UniDiffuser's image), vision_timesteps (Cosmos 3)
-TIMESTEP_ARGUMENTS = ("timestep", "timesteps", "timestep_ratio", "timestep_img", "vision_timesteps")
 
 
 def timestep_argument(model: torch.nn.Module) -> tuple[str, int | None]:

@@ -184,6 +184,11 @@ def _code_names(code: types.CodeType) -> frozenset[str]:
     return frozenset(names)
 
 
+# the names diffusers' denoisers give their timestep argument, the first one a model's forward declares taken:
+# timesteps (HiDream), timestep_ratio (Stable Cascade), timestep_img (UniDiffuser's image), vision_timesteps (Cosmos 3)
+TIMESTEP_ARGUMENTS = ("timestep", "timesteps", "timestep_ratio", "timestep_img", "vision_timesteps")
+
+
 def denoiser(pipe_or_model) -> torch.nn.Module:
     """The denoiser of a diffusers pipeline (its ``transformer``, ``unet`` or ``prior``), or the model itself."""
     if isinstance(pipe_or_model, torch.nn.Module):
@@ -204,11 +209,11 @@ def denoiser(pipe_or_model) -> torch.nn.Module:
 _DECLARING: dict[tuple, type] = {}
 
 
-def declaring_subclass(base: type, sig: inspect.Signature) -> type:
-    """The subclass of ``base`` whose ``__call__`` (``base.__call__``'s code) declares ``sig`` (a bound method's,
-    without self), made once per signature; it has ``base``'s name, module and qualified name (``base`` pickles
-    name ``base`` and make the subclass again)."""
-    key = (base, *((p.name, p.kind) for p in sig.parameters.values()))
+def declaring_subclass(base: type, sig: inspect.Signature, also: type | None = None) -> type:
+    """The subclass of ``base`` (and of ``also``, after it in the MRO) whose ``__call__`` (``base.__call__``'s code)
+    declares ``sig`` (a bound method's, without self), made once per signature and ``also``; it has ``base``'s name,
+    module and qualified name (``base`` pickles name ``base`` and make the subclass again)."""
+    key = (base, also, *((p.name, p.kind) for p in sig.parameters.values()))
     cls = _DECLARING.get(key)
     if cls is None:
         fn = base.__call__
@@ -217,6 +222,29 @@ def declaring_subclass(base: type, sig: inspect.Signature) -> type:
         self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
         call.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()],
                                          return_annotation=typing.Any)
-        cls = _DECLARING[key] = type(base.__name__, (base,), {"__call__": call, "__module__": base.__module__,
-                                                              "__qualname__": base.__qualname__})
+        body = {"__call__": call, "__module__": base.__module__, "__qualname__": base.__qualname__}
+        try:
+            cls = type(base.__name__, (base, also) if also is not None else (base,), body)
+        except TypeError:  # no consistent MRO (``also`` derives from ``base``) or layouts that do not combine
+            cls = type(base.__name__, (base,), body)
+        _DECLARING[key] = cls
     return cls
+
+
+def other_denoisers(pipe, main: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(component name, model) of each model of ``pipe`` but ``main`` that runs at the denoising steps and has
+    attention modules: one whose ``forward`` takes a timestep (``TIMESTEP_ARGUMENTS``), such as Wan 2.2's second
+    expert ``transformer_2``, a ControlNet, Ideogram's unconditional transformer or unCLIP's decoder. Text and image
+    encoders and VAEs take none."""
+    found, seen = [], {id(main)}
+    for name, m in list(vars(pipe).items()):
+        if name.startswith("_") or not isinstance(m, torch.nn.Module) or id(m) in seen:
+            continue
+        try:
+            params = inspect.signature(m.forward).parameters
+        except (TypeError, ValueError):
+            continue
+        if any(n in params for n in TIMESTEP_ARGUMENTS) and attention_modules(m):
+            seen.add(id(m))
+            found.append((name, m))
+    return found

@@ -57,8 +57,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
     def __new__(cls, *args, inner: Any = None, **kwargs):
         if cls is not Int8DiffusionProcessor:  # a declaring subclass already
             return super().__new__(cls)
-        sig = stock_signature(type(inner)) if inner is not None else any_stock_signature()
-        return super().__new__(declaring_subclass(Int8DiffusionProcessor, sig))
+        return super().__new__(_subclass_for(inner))
 
     def __init__(self, mode: "Int8Config | str | Mode" = "int8", *, inner: Any = None, state: Int8State | None = None,
                  name: str | None = None, observer: Observer | None = None, **options):
@@ -436,11 +435,22 @@ def _checked_observer(observer):
 
 def _restore(state: dict) -> Int8DiffusionProcessor:
     """An unpickled processor: the declaring subclass of its stock processor's signature, with ``state``."""
-    inner = state.get("inner")
-    sig = stock_signature(type(inner)) if inner is not None else any_stock_signature()
-    proc = object.__new__(declaring_subclass(Int8DiffusionProcessor, sig))
+    proc = object.__new__(_subclass_for(state.get("inner")))
     proc.__setstate__(state)
     return proc
+
+
+def _subclass_for(inner) -> type:
+    """The class of a processor wrapping ``inner`` (None: inferred per module): declaring ``inner``'s signature, and a
+    subclass of ``inner``'s type, so that ``isinstance`` answers as for the stock processor. diffusers' model code and
+    loaders find processors of a kind that way (Qwen-Image 2.1 builds its flex BlockMask only for
+    QwenImage21FlexAttnProcessor) and would otherwise skip the work they do for it. Not of a stock type that is an
+    nn.Module (IP-Adapter), whose state this plain object does not have."""
+    if inner is None:
+        return declaring_subclass(Int8DiffusionProcessor, any_stock_signature())
+    stock = type(inner)
+    return declaring_subclass(Int8DiffusionProcessor, stock_signature(stock),
+                              None if issubclass(stock, torch.nn.Module) else stock)
 
 
 def _sparse(tau: float | None, key, attn_mask) -> bool:
