@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import diffusion_int8
 from diffusion_int8 import Int8DiffusionProcessor, enable
@@ -167,7 +168,10 @@ def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
     handle.disable()
     assert processors() == before  # both restored exactly
 
-    handle = enable(pipe, "int8", speed_gate=False)
+    handle = enable(pipe, "int8", speed_gate=False, sparsity=0.5, refresh_every=3)
+    assert str(handle).startswith("diffusion_int8 on WanTransformer3DModel (int8; sparsity 0.5; skipped blocks "
+                                  "carried, refresh every 3 steps; speed gate off): ")
+    assert handle.summary()["others"]["transformer_2"]["settings"]["refresh_every"] == 3
     run(first, x)
     calls = handle.state.int8_calls
     run(second, x)
@@ -180,6 +184,10 @@ def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
     assert handle.others == {} and processors()[1] == before[1]
     handle.disable()
     assert processors() == before
+    # a pipeline whose denoiser has another name (Würstchen's and Stable Cascade's decoder pipelines)
+    handle = enable(SimpleNamespace(decoder=first, text_encoder=encoder), "fp16")
+    assert handle.model is first and handle.others == {}
+    handle.disable()
 
 
 def test_disable_leaves_a_processor_set_after_enable_with_a_warning():
@@ -207,9 +215,49 @@ def test_isinstance_answers_as_for_the_stock_processor():
     assert type(proc).__name__ == "Int8DiffusionProcessor"
     again = pickle.loads(pickle.dumps(proc))
     assert isinstance(again, AttnProcessor2_0) and type(again) is type(proc)
-    # not for a stock processor that is an nn.Module, whose parameters and buffers the wrapper does not have
+    # a stock processor that is an nn.Module: so is the wrapper, holding its weights (next test)
     ip = Int8DiffusionProcessor("int8", inner=IPAdapterAttnProcessor2_0(64, 32))
-    assert not isinstance(ip, (IPAdapterAttnProcessor2_0, torch.nn.Module))
+    assert isinstance(ip, (IPAdapterAttnProcessor2_0, torch.nn.Module)) and type(ip).__name__ == "Int8DiffusionProcessor"
+    assert not isinstance(proc, torch.nn.Module)
+
+
+def test_a_stock_processor_with_weights_stays_registered_and_settable():
+    # IP-Adapter's processors are nn.Modules holding the image K/V projections: wrapped, they stay the attention
+    # module's registered "processor" (state_dict keys, .to(), offloading) and diffusers still finds and sets them
+    import copy
+
+    from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor2_0
+
+    torch.manual_seed(0)
+    attn = Attention(64, cross_attention_dim=32, heads=2, dim_head=32)
+    stock_proc = IPAdapterAttnProcessor2_0(hidden_size=64, cross_attention_dim=32, num_tokens=(4,), scale=0.7)
+    attn.set_processor(stock_proc)
+    model = torch.nn.ModuleDict({"attn": attn})
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x, text, image = torch.randn(2, 16, 64), torch.randn(2, 8, 32), torch.randn(2, 1, 4, 32)
+
+    def out(m=attn):
+        with torch.no_grad():
+            return m(x, encoder_hidden_states=(text, [image]))
+
+    keys, stock = list(model.state_dict()), out()
+    stock_proc.scale = [0.0]
+    stock_off = out()
+    stock_proc.scale = [0.7]
+    handle = enable(model, "fp16")
+    proc = attn.processor
+    assert isinstance(proc, Int8DiffusionProcessor) and attn._modules["processor"] is proc
+    assert list(model.state_dict()) == keys and torch.equal(out(), stock)
+    assert torch.equal(out(copy.deepcopy(model)["attn"]), stock)
+    found = [p for p in model.modules() if isinstance(p, IPAdapterAttnProcessor2_0)]  # as set_ip_adapter_scale looks
+    assert found == [proc]
+    proc.scale = [0.0]
+    assert stock_proc.scale == [0.0] and torch.equal(out(), stock_off)
+    model.to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in stock_proc.parameters())
+    handle.disable()
+    assert attn.processor is stock_proc and attn._modules["processor"] is stock_proc
 
 
 def test_unsupported_head_dims_are_left_alone_with_one_warning():
@@ -424,8 +472,11 @@ def test_processor_reaching_attention_another_way_is_routed_with_a_warning():
     # reached by the routed copy's F: the first call notices, warns once, and routes it another way
     from diffusers.models.attention_processor import AttnProcessor2_0
 
+    calls = []
+
     class FullName(AttnProcessor2_0):
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, **kw):
+            calls.append(self)  # a side effect, as a KV cache's store: once per call, also on the first
             b = hidden_states.shape[0]
             ctx = hidden_states if encoder_hidden_states is None else encoder_hidden_states
             q, k, v = (t.view(b, -1, attn.heads, t.shape[-1] // attn.heads).transpose(1, 2)
@@ -440,7 +491,41 @@ def test_processor_reaching_attention_another_way_is_routed_with_a_warning():
     handle = enable(model, "int8", speed_gate=False)
     with pytest.warns(RuntimeWarning, match="torch-function mode"):
         out = run(model, x)
-    assert handle.state.int8_calls > 0 and 0 < rel_l2(out, stock) <= BOUND["int8"]
+    assert len(calls) == len(attention_modules(model))  # each ran once
+    assert handle.state.int8_calls == len(calls) and 0 < rel_l2(out, stock) <= BOUND["int8"]
+    assert torch.equal(run(model, x), out)  # the first call ran INT8 as the next ones do
+    handle.disable()
+
+
+def test_a_first_call_without_attention_decides_nothing():
+    # a call that reaches no attention (LTX-2 with every sample perturbed) says nothing about how the processor
+    # reaches it: the next call that does decides, without a warning
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    class Sometimes(AttnProcessor2_0):
+        attend = False
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, **kw):
+            if not Sometimes.attend:
+                return attn.to_out[0](hidden_states)
+            b = hidden_states.shape[0]
+            q, k, v = (t.view(b, -1, attn.heads, t.shape[-1] // attn.heads).transpose(1, 2)
+                       for t in (attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)))
+            out = F.scaled_dot_product_attention(q, k, v)
+            return attn.to_out[0](out.transpose(1, 2).flatten(2))
+
+    model, x = build("dit")
+    for m in attention_modules(model).values():
+        m.set_processor(Sometimes())
+    handle = enable(model, "int8", speed_gate=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(model, x)
+        assert handle.state.int8_calls == 0
+        Sometimes.attend = True
+        run(model, x)
+    assert handle.state.int8_calls == len(attention_modules(model))
+    assert all(type(m.processor.inner) in m.processor._routed_calls for m in attention_modules(model).values())
     handle.disable()
 
 

@@ -39,6 +39,7 @@ class Int8Handle:
     skipped: dict[str, str]
     _hook: Any = field(default=None, repr=False)
     others: dict[str, "Int8Handle"] = field(default_factory=dict)
+    config: Int8Config | None = None
 
     def disable(self) -> None:
         """Put back the processors ``enable`` replaced, where the INT8 one is still installed: a processor set since
@@ -67,7 +68,8 @@ class Int8Handle:
         self.originals = {}
 
     def summary(self) -> dict:
-        """What ``enable`` installed: ``{"model": class name, "routed": {stock processor class: modules},
+        """What ``enable`` installed: ``{"model": class name, "settings": {mode, schedule (its name), schedule_levels,
+        sparsity, refresh_every, speed_gate, calibration}, "routed": {stock processor class: modules},
         "left_stock": {module name: reason}, "qk_balance": {what the module does (``Int8DiffusionProcessor.
         balance_status``): [module names]}}`` (``routed`` and ``qk_balance`` are empty once disabled), and
         ``"others": {component: its summary}`` where the pipeline has other denoising models."""
@@ -81,8 +83,9 @@ class Int8Handle:
                 proc = modules[name].processor
                 if isinstance(proc, Int8DiffusionProcessor):
                     balance.setdefault(proc.balance_status(), []).append(name)
-        out = {"model": type(self.model).__name__, "routed": dict(sorted(routed.items())),
-               "left_stock": dict(sorted(self.skipped.items())), "qk_balance": dict(sorted(balance.items()))}
+        out = {"model": type(self.model).__name__, "settings": _settings(self.config),
+               "routed": dict(sorted(routed.items())), "left_stock": dict(sorted(self.skipped.items())),
+               "qk_balance": dict(sorted(balance.items()))}
         if self.others:
             out["others"] = {name: other.summary() for name, other in self.others.items()}
         return out
@@ -92,8 +95,17 @@ class Int8Handle:
 
     @staticmethod
     def _lines(s: dict, indent: str = "") -> list[str]:
-        lines = [f"{indent}diffusion_int8 on {s['model']}: {sum(s['routed'].values())} attention module(s) routed to "
-                 f"INT8"]
+        settings = s["settings"]
+        said = [settings["mode"] if settings["schedule"] is None else f"schedule {settings['schedule']}"]
+        if settings["sparsity"] is not None:
+            said.append(f"sparsity {settings['sparsity']:g}")
+        elif settings["schedule_levels"]:
+            said.append("the schedule's sparsity levels")
+        if settings["refresh_every"]:
+            said.append(f"skipped blocks carried, refresh every {settings['refresh_every']} steps")
+        said.append("speed gate " + ("on" if settings["speed_gate"] else "off"))
+        lines = [f"{indent}diffusion_int8 on {s['model']} ({'; '.join(said)}): {sum(s['routed'].values())} attention "
+                 f"module(s) routed to INT8"]
         lines += [f"{indent}  {n} x {cls}" for cls, n in s["routed"].items()]
         lines += [f"{indent}  Q·Kᵀ balance {status}: {len(names)} module(s)" for status, names in s["qk_balance"].items()]
         if s["left_stock"]:
@@ -103,6 +115,18 @@ class Int8Handle:
             lines.append(f"{indent}  and {name}:")
             lines += Int8Handle._lines(other, indent + "    ")
         return lines
+
+
+def _settings(config: Int8Config | None) -> dict:
+    """What a handle's summary says of the config its processors run."""
+    if config is None:
+        return dict.fromkeys(("mode", "schedule", "schedule_levels", "sparsity", "refresh_every", "speed_gate",
+                              "calibration"))
+    schedule = config.schedule
+    name = None if schedule is None else getattr(schedule, "name", None) or getattr(schedule, "__name__", "callable")
+    return {"mode": config.mode.value, "schedule": name, "schedule_levels": bool(getattr(schedule, "sparse", False)),
+            "sparsity": config.sparsity, "refresh_every": config.refresh_every,
+            "speed_gate": config.speed_gate is not None, "calibration": config.calibration is not None}
 
 
 def _why_stock(module: torch.nn.Module) -> str | None:
@@ -216,7 +240,7 @@ def _install(model: torch.nn.Module, modules: dict, outside: list[str], config: 
             or config.refresh_every is not None):
         hook = model.register_forward_pre_hook(
             functools.partial(_read_timestep, state, timestep_argument(model), steps), with_kwargs=True)
-    handle = Int8Handle(model, state, originals, skipped, hook)
+    handle = Int8Handle(model, state, originals, skipped, hook, config=config)
     model.__dict__["_diffusion_int8_handle"] = handle
     return handle
 

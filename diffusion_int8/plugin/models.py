@@ -185,21 +185,27 @@ def _code_names(code: types.CodeType) -> frozenset[str]:
 
 
 # the names diffusers' denoisers give their timestep argument, the first one a model's forward declares taken:
-# timesteps (HiDream), timestep_ratio (Stable Cascade), timestep_img (UniDiffuser's image), vision_timesteps (Cosmos 3)
-TIMESTEP_ARGUMENTS = ("timestep", "timesteps", "timestep_ratio", "timestep_img", "vision_timesteps")
+# timesteps (HiDream), timestep_ratio (Stable Cascade), timestep_img (UniDiffuser's image), vision_timesteps (Cosmos 3),
+# r (Würstchen's prior and decoder: the noise ratio)
+TIMESTEP_ARGUMENTS = ("timestep", "timesteps", "timestep_ratio", "timestep_img", "vision_timesteps", "r")
 
 
 def denoiser(pipe_or_model) -> torch.nn.Module:
-    """The denoiser of a diffusers pipeline (its ``transformer``, ``unet`` or ``prior``), or the model itself."""
+    """The denoiser of a diffusers pipeline (its ``transformer``, ``unet`` or ``prior``, else the first of
+    ``other_denoisers``: Würstchen's and Stable Cascade's ``decoder``, Versatile Diffusion's ``image_unet``), or the
+    model itself."""
     if isinstance(pipe_or_model, torch.nn.Module):
         return pipe_or_model
     for attr in ("transformer", "unet", "prior"):
         model = getattr(pipe_or_model, attr, None)
         if isinstance(model, torch.nn.Module):
             return model
+    found = other_denoisers(pipe_or_model) if hasattr(pipe_or_model, "__dict__") else []
+    if found:
+        return found[0][1]
     raise TypeError(
-        f"{type(pipe_or_model).__name__} has no denoiser (looked for .transformer, .unet, .prior); "
-        f"pass the model itself"
+        f"{type(pipe_or_model).__name__} has no denoiser (looked for .transformer, .unet, .prior, and any model of it "
+        f"with attention whose forward takes a timestep); pass the model itself"
     )
 
 
@@ -231,7 +237,7 @@ def declaring_subclass(base: type, sig: inspect.Signature, also: type | None = N
     return cls
 
 
-def other_denoisers(pipe, main: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def other_denoisers(pipe, main: torch.nn.Module | None = None) -> list[tuple[str, torch.nn.Module]]:
     """(component name, model) of each model of ``pipe`` but ``main`` that runs at the denoising steps and has
     attention modules: one whose ``forward`` takes a timestep (``TIMESTEP_ARGUMENTS``), such as Wan 2.2's second
     expert ``transformer_2``, a ControlNet, Ideogram's unconditional transformer or unCLIP's decoder. Text and image

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from ..kernels import Mode
 from ..kernels.config import SPARSE_BLOCK
@@ -61,6 +62,10 @@ class Int8DiffusionProcessor(DispatcherCalls):
 
     def __init__(self, mode: "Int8Config | str | Mode" = "int8", *, inner: Any = None, state: Int8State | None = None,
                  name: str | None = None, observer: Observer | None = None, **options):
+        if isinstance(self, torch.nn.Module):  # wrapping a stock processor with weights (``_StockWeights``)
+            torch.nn.Module.__init__(self)
+            for held in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+                object.__setattr__(self, held, getattr(inner, held))
         config = self.config = Int8Config.of(mode, **options)
         self.mode, self.gate, self.schedule = config.mode, config.speed_gate, config.schedule
         self.sparsity, self.qk_balance, self.qk_rotate = config.sparsity, config.qk_balance, config.qk_rotate
@@ -79,6 +84,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
         self._warned_infer = False
         self._routed_calls: dict[type, Callable] = {}  # stock processor type -> its routed __call__
         self._routed_hit = False  # set by the routes: did the first routed call reach them
+        self._undecided = 0  # first calls that reached no attention at all
         self._text: tuple[int, str | None] = (0, None)  # text tokens of the current call and where they are
         self._keep: dict = {}  # (keys, text tokens, where, device) -> always-kept key blocks
         # module -> {(mode, input shapes, dtype, device): gated calls} for inputs whose every attention call was gated
@@ -149,6 +155,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
     def __setstate__(self, state):
         self.__dict__.update(state, _lock=threading.RLock(), _inferred=weakref.WeakKeyDictionary(),
                              _stock_shapes=weakref.WeakKeyDictionary(), _routed_calls={})
+        self.__dict__.setdefault("_undecided", 0)
 
     def __reduce__(self):
         # the declaring subclass is made at run time, per signature: a pickle names the base and makes it again
@@ -208,20 +215,28 @@ class Int8DiffusionProcessor(DispatcherCalls):
                 if len(shapes) < 64:
                     shapes[key] = gated
             return out
-        # first call of this processor type: check that the routed copy reaches the INT8 path; where it
-        # cannot (attention reached another way), route through a torch-function mode instead
+        # first calls of this processor type: does the routed copy reach the INT8 path, or attention another way
+        # (through another module's F)? A torch-function mode routes and counts the latter, so the call runs once
+        # (the stock processor may have side effects, such as a KV cache it stores into) and in INT8 either way. A
+        # call reaching no attention at all (every sample perturbed) decides nothing until MAX_UNDECIDED such calls.
         route = routed(type(inner).__call__, self._attention, self._dispatch)
-        call = route or self._mode_call
+        if route is None:
+            out = self._mode_call(inner, attn, hidden_states, *args, **kwargs)
+            self._routed_calls[type(inner)] = self._mode_call
+            _warn_outside(inner)
+            return out
+        watch = _OutsideAttention(self._attention)
+        checked = routed(type(inner).__call__, watch.skip(self._attention), watch.skip(self._dispatch))
         self._routed_hit = False
-        out = call(inner, attn, hidden_states, *args, **kwargs)
-        if route is None or (not self._routed_hit and not other_backend(inner)):
-            warnings.warn(f"diffusion_int8: {type(inner).__name__} reaches attention outside its module's F and "
-                          f"dispatch_attention_fn; routing it through a torch-function mode (more host time per call)",
-                          RuntimeWarning, stacklevel=2)
-            if route is not None:
-                call = self._mode_call
-                out = call(inner, attn, hidden_states, *args, **kwargs)
-        self._routed_calls[type(inner)] = call
+        with watch:
+            out = checked(inner, attn, hidden_states, *args, **kwargs)
+        if watch.calls:
+            self._routed_calls[type(inner)] = self._mode_call
+            _warn_outside(inner)
+        elif self._routed_hit or other_backend(inner) or self._undecided >= MAX_UNDECIDED:
+            self._routed_calls[type(inner)] = route
+        else:
+            self._undecided += 1
         return out
 
     def _infer_stock(self, attn: torch.nn.Module, args: tuple, kwargs: dict):
@@ -433,6 +448,42 @@ def _checked_observer(observer):
     return observer
 
 
+MAX_UNDECIDED = 8
+
+
+class _OutsideAttention(TorchFunctionMode):
+    """Routes to ``sdpa``, and counts, the ``F.scaled_dot_product_attention`` calls made under it outside the
+    functions ``skip`` wraps (the routes, whose own SDPA calls are theirs)."""
+
+    def __init__(self, sdpa: Callable):
+        super().__init__()
+        self.sdpa = sdpa
+        self.calls = 0
+        self._inside = 0
+
+    def skip(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inside(*args, **kwargs):
+            self._inside += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._inside -= 1
+        return inside
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention and not self._inside:
+            self.calls += 1
+            return self.sdpa(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _warn_outside(inner) -> None:
+    warnings.warn(f"diffusion_int8: {type(inner).__name__} reaches attention outside its module's F and "
+                  f"dispatch_attention_fn; routing it through a torch-function mode (more host "
+                  f"time per call)", RuntimeWarning, stacklevel=4)
+
+
 def _restore(state: dict) -> Int8DiffusionProcessor:
     """An unpickled processor: the declaring subclass of its stock processor's signature, with ``state``."""
     proc = object.__new__(_subclass_for(state.get("inner")))
@@ -440,17 +491,44 @@ def _restore(state: dict) -> Int8DiffusionProcessor:
     return proc
 
 
+class _StockWeights:
+    """What a processor wrapping a stock processor that is an ``nn.Module`` (IP-Adapter's, with its image K/V
+    projections) adds: it is an ``nn.Module`` holding the stock one's parameters, buffers and submodules (the same
+    dicts, shared in ``__init__``), so diffusers keeps it registered as the attention module's ``processor``, and those
+    weights keep their ``state_dict`` keys and follow ``.to()`` and offloading. Attributes it does not have are the
+    stock processor's, read and written there (``set_ip_adapter_scale`` sets ``scale``)."""
+
+    def __getattr__(self, name):  # only for attributes not found otherwise
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def __setattr__(self, name, value):
+        inner = self.__dict__.get("inner")
+        if (inner is not None and name not in self.__dict__ and not hasattr(type(self), name)
+                and hasattr(inner, name)):
+            setattr(inner, name, value)
+        else:  # never registered as a submodule here: the stock processor is held, not owned
+            object.__setattr__(self, name, value)
+
+
+@functools.lru_cache(maxsize=None)
+def _with_stock_weights(stock: type) -> type:
+    return type(stock.__name__, (_StockWeights, stock), {"__module__": stock.__module__})
+
+
 def _subclass_for(inner) -> type:
     """The class of a processor wrapping ``inner`` (None: inferred per module): declaring ``inner``'s signature, and a
     subclass of ``inner``'s type, so that ``isinstance`` answers as for the stock processor. diffusers' model code and
     loaders find processors of a kind that way (Qwen-Image 2.1 builds its flex BlockMask only for
-    QwenImage21FlexAttnProcessor) and would otherwise skip the work they do for it. Not of a stock type that is an
-    nn.Module (IP-Adapter), whose state this plain object does not have."""
+    QwenImage21FlexAttnProcessor; ``set_ip_adapter_scale`` looks for IP-Adapter's) and would otherwise skip the work
+    they do for it. A stock type that is an ``nn.Module`` comes with ``_StockWeights``."""
     if inner is None:
         return declaring_subclass(Int8DiffusionProcessor, any_stock_signature())
     stock = type(inner)
-    return declaring_subclass(Int8DiffusionProcessor, stock_signature(stock),
-                              None if issubclass(stock, torch.nn.Module) else stock)
+    also = _with_stock_weights(stock) if issubclass(stock, torch.nn.Module) else stock
+    return declaring_subclass(Int8DiffusionProcessor, stock_signature(stock), also)
 
 
 def _sparse(tau: float | None, key, attn_mask) -> bool:
