@@ -1,5 +1,6 @@
-"""Conformance over every model class the installed diffusers exports: each is a zoo case (a tiny config, padded
-masks where the model takes one) or an exclusion with its reason, and every case holds the plugin's promises.
+"""Conformance over every model class the installed diffusers exports or holds in its pipelines' modules: each is a
+zoo case (a tiny config, padded masks where the model takes one) or an exclusion with its reason, and every case holds
+the plugin's promises.
 
 For each case: ``fp16`` mode reproduces stock bit for bit, and so does ``int8`` with every call sent to SDPA by the
 speed gate (a model whose attention has no processor to swap is refused with a ValueError that says so); every attention call the INT8 kernel can take runs INT8
@@ -30,18 +31,44 @@ COS = 0.99
 NO_TABLE = CrossoverTable(device="none", arch="none", grids=())  # INT8 pays nowhere
 
 
-def exported_model_classes() -> list[str]:
-    import diffusers
+def model_classes_by_name() -> dict[str, set[type]]:
+    """Every ModelMixin subclass diffusers exports at top level, and every one the modules of ``diffusers.pipelines``
+    hold (defined there, such as WuerstchenPrior or LTX2TextConnectors, or imported there from ``diffusers.models``
+    without a top-level export, such as MultiControlNetUnionModel): class name -> the classes of that name (more than
+    one is a name clash the zoo's tables, keyed by name, cannot tell apart)."""
+    import importlib
+    import pkgutil
 
-    names = []
-    for name in dir(diffusers):
-        try:
-            obj = getattr(diffusers, name)
-        except Exception:  # noqa: BLE001 - an optional dependency missing: not a model this install can run
-            continue
-        if inspect.isclass(obj) and issubclass(obj, diffusers.ModelMixin) and obj is not diffusers.ModelMixin:
-            names.append(name)
-    return sorted(names)
+    import diffusers
+    import diffusers.pipelines
+
+    base = {diffusers.ModelMixin, diffusers.models.modeling_utils.LegacyModelMixin}
+    found: dict[str, set[type]] = {}
+
+    def collect(namespace, names):
+        for name in names:
+            try:
+                obj = getattr(namespace, name)
+            except Exception:  # noqa: BLE001 - an optional dependency missing: not a model this install can run
+                continue
+            if inspect.isclass(obj) and issubclass(obj, diffusers.ModelMixin) and obj not in base:
+                found.setdefault(obj.__name__, set()).add(obj)
+
+    collect(diffusers, dir(diffusers))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecation warnings of the deprecated pipelines' modules
+        for info in pkgutil.walk_packages(diffusers.pipelines.__path__, diffusers.pipelines.__name__ + "."):
+            try:
+                module = importlib.import_module(info.name)
+            except Exception:  # noqa: BLE001 - an optional dependency missing (cv2, note-seq, PyAV): skipped as above
+                continue
+            collect(module, list(vars(module)))
+    return found
+
+
+def model_classes() -> list[str]:
+    """The names of the model classes above, sorted."""
+    return sorted(model_classes_by_name())
 
 
 @pytest.fixture(autouse=True)
@@ -100,11 +127,16 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def test_every_exported_model_class_is_a_case_or_excluded_with_a_reason():
-    exported = exported_model_classes()
-    missing = [n for n in exported if n not in CASES and n not in EXCLUDED]
-    assert not missing, f"model classes of diffusers {__import__('diffusers').__version__} in no zoo table: {missing}"
-    stale = sorted(n for n in {*CASES, *EXCLUDED} if n not in exported)
-    assert not stale, f"zoo entries diffusers does not export: {stale}"
+    """Exported at top level or held only by a pipelines module: every model class is in a zoo table."""
+    classes = model_classes_by_name()
+    clashes = {n: sorted(f"{c.__module__}.{c.__qualname__}" for c in cs) for n, cs in classes.items() if len(cs) > 1}
+    assert not clashes, f"model classes of one name in diffusers {__import__('diffusers').__version__}: {clashes}"
+    names = model_classes()
+    missing = [n for n in names if n not in CASES and n not in EXCLUDED]
+    assert not missing, (f"model classes of diffusers {__import__('diffusers').__version__} (exported or in its "
+                         f"pipelines' modules) in no zoo table: {missing}")
+    stale = sorted(n for n in {*CASES, *EXCLUDED} if n not in names)
+    assert not stale, f"zoo entries that diffusers neither exports nor holds in its pipelines' modules: {stale}"
     assert all(len(why) > 20 for why in EXCLUDED.values())
 
 
@@ -201,6 +233,14 @@ def test_a_processor_the_model_finds_by_isinstance_keeps_its_path():
         handle = diffusion_int8.enable(model, mode, **options)
         assert same(run(model, x), stock), mode
         handle.disable()
+
+
+def test_wuerstchens_noise_ratio_is_read_as_the_timestep():
+    model, x = build("WuerstchenDiffNeXt")  # forward(x, r, effnet, ...), called with r= by its pipeline
+    handle = diffusion_int8.enable(model, "int8", record=True)
+    run(model, x)
+    assert handle.state.timestep == pytest.approx(float(x["r"].flatten()[0]))
+    handle.disable()
 
 
 def test_a_model_without_attention_is_refused():
