@@ -953,6 +953,23 @@ def test_carried_levels_are_collected_as_the_carry_computes_them(monkeypatch, tm
         Collector(sparsity_levels=LEVELS, refresh_every=(1,))
 
 
+def test_calibrate_says_whether_a_carried_setting_was_chosen(capsys, tmp_path):
+    from types import SimpleNamespace
+
+    from diffusion_int8.cli.summaries import print_calibration
+
+    carried = {"tau": 0.1, "refresh_every": 4, "skipped": 0.5, "trajectory_rel_l1": 0.2, "mean_rel_l1": 0.1,
+               "max_rel_l1": 0.3}
+    summary = {"errors": {}, "ranges_vs_sigma": {}, "sparsity": {}, "carried": {"0.1/4": carried},
+               "schedule": {"per_step": ["int8"], "tau_per_step": [0.1], "refresh_every": None}}
+    print_calibration(summary, SimpleNamespace(name="s"), tmp_path, 1.0, 1.0, carry_budget=0.12)
+    assert "no carried setting: none above is within --carry-budget 0.12" in capsys.readouterr().out
+    summary["schedule"]["refresh_every"] = 4
+    print_calibration(summary, SimpleNamespace(name="s"), tmp_path, 1.0, 1.0, carry_budget=0.12)
+    out = capsys.readouterr().out
+    assert "refresh every 4 steps" in out and f"diffusion-int8 eval --schedule {tmp_path / 'schedule.json'}" in out
+
+
 def crafted_carried(carried: dict, noise):
     """``crafted_sparse`` with levels 0.8 and 0.95 and carried (level, interval) -> (errors, kept), (L, T) each."""
     errors = {0.8: [[0.09, 0.04, 0.03, 0.10, 0.0]] * 2, 0.95: [[0.03, 0.01, 0.01, 0.06, 0.0]] * 2}

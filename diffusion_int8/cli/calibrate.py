@@ -68,7 +68,7 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
                                                       carry_budget=carry_budget)
         with output_set(out, OUTPUTS, overwrite) as tmp:
             summary = write_outputs(cal, schedule, tmp, budget)
-        print_calibration(summary, schedule, out, calibrating, time.time() - t0 - calibrating)
+        print_calibration(summary, schedule, out, calibrating, time.time() - t0 - calibrating, carry_budget)
     shards.barrier()
     return 0
 

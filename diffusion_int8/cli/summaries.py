@@ -8,9 +8,10 @@ from ..calibration import FILE_NAME
 from ..eval import report as R
 
 
-def print_calibration(summary: dict, schedule, out: Path, calibrating: float, writing: float) -> None:
-    """A calibration's outputs (``write_outputs``' summary and the derived ``schedule``) written to ``out``, in
-    ``calibrating`` and ``writing`` seconds."""
+def print_calibration(summary: dict, schedule, out: Path, calibrating: float, writing: float,
+                      carry_budget: float | None = None) -> None:
+    """A calibration's outputs (``write_outputs``' summary and the derived ``schedule``, made with
+    ``carry_budget``) written to ``out``, in ``calibrating`` and ``writing`` seconds."""
     print(f"wrote {out / FILE_NAME}, {out / 'schedule.json'} and {out / 'summary.md'}: calibrated in "
           f"{calibrating:.1f} s, written in {writing:.1f} s")
     for m, e in summary["errors"].items():
@@ -32,6 +33,14 @@ def print_calibration(summary: dict, schedule, out: Path, calibrating: float, wr
         print("  levels per step: " + " ".join("dense" if t is None else f"{t:g}"
                                                 for t in summary["schedule"]["tau_per_step"])
               + (f" (skipped blocks carried, refresh every {every} steps)" if every else ""))
+        if summary.get("carried") and carry_budget is not None:
+            if every:
+                print(f"  what this costs in images depends on the model (the carry budget's 30 dB line is the long "
+                      f"shipped model's): compare with `diffusion-int8 eval --schedule {out / 'schedule.json'}`")
+            else:
+                print(f"  no carried setting: none above is within --carry-budget {carry_budget:g} along the INT8 "
+                      f"steps while computing fewer blocks than dropping the levels; a larger budget or a shorter "
+                      f"--refresh-every admits more")
 
 
 def print_report(report: dict, out: Path) -> None:
