@@ -163,7 +163,8 @@ def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
     assert all(torch.equal(run(m, x), s) for m, s in zip((first, second), stock))
     assert handle.summary()["others"]["transformer_2"]["model"] == "WanTransformer3DModel"
     assert "and transformer_2:" in str(handle)
-    with pytest.raises(RuntimeError, match="already enabled on WanTransformer3DModel"):
+    assert repr(handle).startswith("<Int8Handle: diffusion_int8 on WanTransformer3DModel (fp16; speed gate on): ")
+    with pytest.raises(RuntimeError, match=r"already enabled on the model \(WanTransformer3DModel\)"):
         enable(second, "int8")
     handle.disable()
     assert processors() == before  # both restored exactly
@@ -178,12 +179,32 @@ def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
     assert 0 < calls < handle.state.int8_calls  # the second expert runs INT8 too, counted in the one state
     handle.disable()
 
-    # a calibration or an observer describes one model: the others stay stock, and a warning names them
-    with pytest.warns(RuntimeWarning, match="left transformer_2 on stock attention"):
-        handle = enable(pipe, "int8", observer=lambda call: None)
-    assert handle.others == {} and processors()[1] == before[1]
+    # a calibration, an observer or a schedule with per-layer rules describes one model: the others stay stock, and
+    # a warning names them
+    from diffusion_int8 import PrecisionSchedule, Rule
+
+    per_layer = PrecisionSchedule(rules=(Rule("int8", layers="blocks.0.attn1"),), default="fp16")
+    for options in (dict(observer=lambda call: None), dict(schedule=per_layer)):
+        with pytest.warns(RuntimeWarning, match="left transformer_2 on stock attention"):
+            handle = enable(pipe, "int8", **options)
+        assert handle.others == {} and processors()[1] == before[1]
+        handle.disable()
+        assert processors() == before
+
+    # a ControlNet runs before its UNet at each timestep: one step, not two
+    handle = enable(pipe, "fp16", record=True)
+    for t in (10, 10, 9):
+        run(second, dict(x, timestep=torch.tensor([t])))
+        run(first, dict(x, timestep=torch.tensor([t])))
+    assert handle.state.step == 2 and {s for s, *_ in handle.state.trace} == {0, 1, 2}
     handle.disable()
-    assert processors() == before
+
+    # a model compiled before enable() stays stock, named in a warning
+    compiled = SimpleNamespace(transformer=first, transformer_2=torch.compile(second))
+    with pytest.warns(RuntimeWarning, match="left transformer_2 on stock attention: compiled before enable"):
+        handle = enable(compiled, "int8")
+    assert handle.others == {}
+    handle.disable()
     # a pipeline whose denoiser has another name (Würstchen's and Stable Cascade's decoder pipelines)
     handle = enable(SimpleNamespace(decoder=first, text_encoder=encoder), "fp16")
     assert handle.model is first and handle.others == {}
@@ -199,6 +220,9 @@ def test_disable_leaves_a_processor_set_after_enable_with_a_warning():
     name, module = next(iter(attention_modules(model).items()))
     mine = AttnProcessor()  # as load_ip_adapter or set_attn_processor would install
     module.set_processor(mine)
+    # load_ip_adapter makes type(processor)() for the modules it does not adapt: an INT8 processor, restored too
+    other, module2 = list(attention_modules(model).items())[1]
+    module2.set_processor(type(module2.processor)())
     with pytest.warns(RuntimeWarning, match=r"1 attention module\(s\) got another processor after enable"):
         handle.disable()
     after = {n: m.processor for n, m in attention_modules(model).items()}
@@ -526,6 +550,14 @@ def test_a_first_call_without_attention_decides_nothing():
         run(model, x)
     assert handle.state.int8_calls == len(attention_modules(model))
     assert all(type(m.processor.inner) in m.processor._routed_calls for m in attention_modules(model).values())
+    handle.disable()
+    # one that never reaches attention the processor can see says so, once
+    Sometimes.attend = False
+    handle = enable(model, "int8", speed_gate=False)
+    with pytest.warns(RuntimeWarning, match="reached no attention through F") as caught:
+        for _ in range(12):
+            run(model, x)
+    assert len([w for w in caught if "reached no attention" in str(w.message)]) == len(attention_modules(model))
     handle.disable()
 
 

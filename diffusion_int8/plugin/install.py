@@ -20,7 +20,7 @@ from .config import Int8Config
 from .observer import Observer
 from .processor import Int8DiffusionProcessor
 from .state import Int8State
-from ..schedule import noise_level
+from ..schedule import PrecisionSchedule, noise_level
 from ..versions import check_diffusers_version
 
 
@@ -41,27 +41,29 @@ class Int8Handle:
     others: dict[str, "Int8Handle"] = field(default_factory=dict)
     config: Int8Config | None = None
 
-    def disable(self) -> None:
-        """Put back the processors ``enable`` replaced, where the INT8 one is still installed: a processor set since
-        (``load_ip_adapter``, ``set_attn_processor``) stays, and a warning says where. A handle already disabled does
-        nothing (a later ``enable`` on the model has its own handle, which this one must not touch)."""
+    def disable(self, *, _stacklevel: int = 2) -> None:
+        """Put back the processors ``enable`` replaced where an INT8 one is installed (this one, or a copy diffusers
+        made of it: ``load_ip_adapter`` makes ``type(processor)()`` for the modules it does not adapt); any other
+        processor set since (``load_ip_adapter``'s, ``set_attn_processor``) stays, and a warning says where. A
+        handle already disabled does nothing (a later ``enable`` on the model has its own handle, which this one
+        must not touch)."""
         for other in self.others.values():
-            other.disable()
+            other.disable(_stacklevel=_stacklevel + 1)
         if self.model.__dict__.get("_diffusion_int8_handle") is not self:
             return
         modules = attention_modules(self.model)
         replaced = []
         for name, proc in self.originals.items():
             current = getattr(modules.get(name), "processor", None)
-            if isinstance(current, Int8DiffusionProcessor) and current.inner is proc:
+            if isinstance(current, Int8DiffusionProcessor):
                 set_processor(modules[name], proc)
-            else:
+            elif current is not proc:
                 replaced.append(name)
         if replaced:
             warnings.warn(f"diffusion_int8: {type(self.model).__name__}: {len(replaced)} attention module(s) got "
                           f"another processor after enable(), which disable() leaves in place: "
                           f"{', '.join(replaced[:4])}{', ...' if len(replaced) > 4 else ''}", RuntimeWarning,
-                          stacklevel=2)
+                          stacklevel=_stacklevel)
         if self._hook is not None:
             self._hook.remove()
         del self.model.__dict__["_diffusion_int8_handle"]
@@ -92,6 +94,9 @@ class Int8Handle:
 
     def __str__(self) -> str:
         return "\n".join(self._lines(self.summary()))
+
+    def __repr__(self) -> str:  # not the dataclass's, which would print the whole model
+        return f"<Int8Handle: {self._lines(self.summary())[0]}>"
 
     @staticmethod
     def _lines(s: dict, indent: str = "") -> list[str]:
@@ -161,8 +166,9 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
         pipe_or_model: a diffusers pipeline or one model. A pipeline's denoiser (its ``transformer``, ``unet`` or
             ``prior``) is routed, and so is each other model of it that runs at the denoising steps and has
             attention (``models.other_denoisers``: Wan 2.2's ``transformer_2``, ControlNets, an unconditional
-            transformer), in ``handle.others``, sharing one ``Int8State``. With a calibration or an observer, which
-            describe one model, the others stay stock and a warning names them.
+            transformer), in ``handle.others``, sharing one ``Int8State``. With a calibration, an observer or a
+            schedule with per-layer rules, which describe one model, the others stay stock and a warning names
+            them, as it does a model compiled before ``enable``.
         mode: an ``Int8Config``, or the mode of one made from ``options``: ``enable(pipe, "int8",
             calibration="calib/")`` is ``enable(pipe, Int8Config("int8", calibration="calib/"))``. The config's
             options (schedule, calibration, speed gate, sparsity, carrying, outlier handling) are documented there;
@@ -187,14 +193,13 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
     model = denoiser(pipe_or_model)
     config = Int8Config.of(mode, **options)
     others = [] if isinstance(pipe_or_model, torch.nn.Module) else other_denoisers(pipe_or_model, model)
-    one_model = config.calibration is not None or observer is not None
-    for m in [model] + ([] if one_model else [m for _, m in others]):
-        if "_diffusion_int8_handle" in m.__dict__:
-            raise RuntimeError(f"diffusion_int8 is already enabled on {type(m).__name__}; call handle.disable() first "
-                               f"(enable(pipe) routes every denoising model of a pipeline)")
-        if hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None:
-            raise RuntimeError(f"{type(m).__name__} is already compiled: call diffusion_int8.enable() before "
-                               f"torch.compile")
+    _check_enableable(model, "the model" if isinstance(pipe_or_model, torch.nn.Module) else "the denoiser")
+    one_model = _one_model(config, observer)
+    compiled = [name for name, m in others if _compiled(m)]
+    others = [(name, m) for name, m in others if name not in compiled]
+    if not one_model:
+        for name, m in others:
+            _check_enableable(m, name)
     if config.calibration is not None:
         config.calibration.validate(model)
     modules = attention_modules(model)
@@ -209,15 +214,44 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
     state = Int8State(trace=[] if record else None)
     steps = None if isinstance(pipe_or_model, torch.nn.Module) else StepCount(pipe_or_model)
     handle = _install(model, modules, outside, config, state, observer, record, steps)
+    if compiled:
+        warnings.warn(f"diffusion_int8: {type(pipe_or_model).__name__}: left {', '.join(compiled)} on stock attention: "
+                      f"compiled before enable() (enable first, compile after)", RuntimeWarning, stacklevel=2)
     if others and one_model:
         warnings.warn(f"diffusion_int8: {type(pipe_or_model).__name__}: left {', '.join(n for n, _ in others)} on "
-                      f"stock attention: a calibration or an observer describes one model, the pipeline's denoiser "
-                      f"({type(model).__name__}); enable(pipe.<name>, ...) routes another, with a calibration of its "
-                      f"own", RuntimeWarning, stacklevel=2)
+                      f"stock attention: a calibration, a schedule with per-layer rules or an observer describes one "
+                      f"model, the pipeline's denoiser ({type(model).__name__}); enable(pipe.<name>, ...) routes "
+                      f"another, with its own", RuntimeWarning, stacklevel=2)
     elif others:
-        handle.others = {name: _install(m, attention_modules(m), attention_outside_processors(m), config, state, None,
-                                        record, steps) for name, m in others}
+        routed = {id(m) for m in modules.values()}  # a module two models share is routed once
+        for name, m in others:
+            mods = {n: a for n, a in attention_modules(m).items() if id(a) not in routed}
+            routed.update(id(a) for a in mods.values())
+            handle.others[name] = _install(m, mods, attention_outside_processors(m), config, state, None, record,
+                                           steps)
     return handle
+
+
+def _check_enableable(model: torch.nn.Module, what: str) -> None:
+    if "_diffusion_int8_handle" in model.__dict__:
+        raise RuntimeError(f"diffusion_int8 is already enabled on {what} ({type(model).__name__}); call "
+                           f"handle.disable() first (enable(pipe) routes every denoising model of a pipeline)")
+    if _compiled(model):
+        raise RuntimeError(f"{what} ({type(model).__name__}) is already compiled: call diffusion_int8.enable() "
+                           f"before torch.compile")
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    return hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+
+
+def _one_model(config: Int8Config, observer) -> bool:
+    """Whether what ``config`` and ``observer`` hold describes one model's modules by name: a calibration, an
+    observer, or a schedule with per-layer rules or balanced layers (``from_calibration``'s)."""
+    schedule = config.schedule
+    per_layer = isinstance(schedule, PrecisionSchedule) and (
+        schedule.balance_layers is not None or any(rule.layers != "*" for rule in schedule.rules))
+    return config.calibration is not None or observer is not None or per_layer
 
 
 def _install(model: torch.nn.Module, modules: dict, outside: list[str], config: Int8Config, state: Int8State,
@@ -276,7 +310,9 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], steps: St
         # a new generation: denoising starts at its highest noise level, which also tells the scale
         state.step, state.timestep_scale = -1, 1000.0 if t > 1.0 else 1.0
         state.steps = None if steps is None else steps(noise_level(t, None, state.timestep_scale))
-    state.timestep = t
+    elif t == state.timestep and state._caller not in (None, id(module)):
+        return None  # this denoising step again, in another of the pipeline's models (a ControlNet, then its UNet)
+    state.timestep, state._caller = t, id(module)
     state.step += 1
     return None
 

@@ -246,11 +246,12 @@ def other_denoisers(pipe, main: torch.nn.Module | None = None) -> list[tuple[str
     for name, m in list(vars(pipe).items()):
         if name.startswith("_") or not isinstance(m, torch.nn.Module) or id(m) in seen:
             continue
+        core = getattr(m, "_orig_mod", m)  # torch.compile's wrapper forwards (*args, **kwargs)
         try:
-            params = inspect.signature(m.forward).parameters
+            params = inspect.signature(core.forward).parameters
         except (TypeError, ValueError):
             continue
-        if any(n in params for n in TIMESTEP_ARGUMENTS) and attention_modules(m):
+        if any(n in params for n in TIMESTEP_ARGUMENTS) and attention_modules(core):
             seen.add(id(m))
             found.append((name, m))
     return found

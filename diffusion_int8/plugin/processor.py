@@ -64,8 +64,9 @@ class Int8DiffusionProcessor(DispatcherCalls):
                  name: str | None = None, observer: Observer | None = None, **options):
         if isinstance(self, torch.nn.Module):  # wrapping a stock processor with weights (``_StockWeights``)
             torch.nn.Module.__init__(self)
-            for held in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
-                object.__setattr__(self, held, getattr(inner, held))
+            if inner is not None:
+                for held in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+                    object.__setattr__(self, held, getattr(inner, held))
         config = self.config = Int8Config.of(mode, **options)
         self.mode, self.gate, self.schedule = config.mode, config.speed_gate, config.schedule
         self.sparsity, self.qk_balance, self.qk_rotate = config.sparsity, config.qk_balance, config.qk_rotate
@@ -97,6 +98,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
         # ring attention on diffusers' native backend, which has none: every call runs here, INT8 or exact
         self._ring = context_split(getattr(inner, "_parallel_config", None)) == "ring"
         self._lock = threading.RLock()
+        self._own = frozenset(self.__dict__)  # what ``_StockWeights`` never forwards to the stock processor
 
     # What depends on the timestep is looked up outside any compiled graph (``torch.compiler.disable``: a graph
     # break where a schedule or a calibration is in use). Traced, each step's timestep would be a constant the graph
@@ -145,6 +147,10 @@ class Int8DiffusionProcessor(DispatcherCalls):
             return self._call(attn, hidden_states, *args, **kwargs)
         with self._lock:
             return self._call(attn, hidden_states, *args, **kwargs)
+
+    # identity, as before a stock type was among the bases (a dataclass one would make it unhashable)
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     # what a copy or a pickle leaves out and makes anew: the lock, and caches of stock processors and shapes
     _TRANSIENT = ("_lock", "_inferred", "_stock_shapes", "_routed_calls")
@@ -233,10 +239,15 @@ class Int8DiffusionProcessor(DispatcherCalls):
         if watch.calls:
             self._routed_calls[type(inner)] = self._mode_call
             _warn_outside(inner)
-        elif self._routed_hit or other_backend(inner) or self._undecided >= MAX_UNDECIDED:
+        elif self._routed_hit or other_backend(inner):
             self._routed_calls[type(inner)] = route
-        else:
+        elif self._undecided < MAX_UNDECIDED:
             self._undecided += 1
+        else:
+            self._routed_calls[type(inner)] = route
+            warnings.warn(f"diffusion_int8: {type(inner).__name__} reached no attention through F, "
+                          f"dispatch_attention_fn or torch's SDPA in its first {MAX_UNDECIDED + 1} calls (its own "
+                          f"kernel, or none): it runs as stock", RuntimeWarning, stacklevel=3)
         return out
 
     def _infer_stock(self, attn: torch.nn.Module, args: tuple, kwargs: dict):
@@ -506,11 +517,16 @@ class _StockWeights:
 
     def __setattr__(self, name, value):
         inner = self.__dict__.get("inner")
-        if (inner is not None and name not in self.__dict__ and not hasattr(type(self), name)
+        own = self.__dict__.get("_own", ())  # the wrapper's attributes, once its __init__ has set them
+        if (inner is not None and "_own" in self.__dict__ and name not in own and name not in _WRAPPER_NAMES
                 and hasattr(inner, name)):
             setattr(inner, name, value)
         else:  # never registered as a submodule here: the stock processor is held, not owned
             object.__setattr__(self, name, value)
+
+
+# names the wrapper's classes define (methods, properties such as ``_parallel_config``): set on the wrapper itself
+_WRAPPER_NAMES = frozenset(n for c in (Int8DiffusionProcessor, DispatcherCalls, _StockWeights) for n in vars(c))
 
 
 @functools.lru_cache(maxsize=None)
@@ -527,7 +543,11 @@ def _subclass_for(inner) -> type:
     if inner is None:
         return declaring_subclass(Int8DiffusionProcessor, any_stock_signature())
     stock = type(inner)
-    also = _with_stock_weights(stock) if issubclass(stock, torch.nn.Module) else stock
+    if any(isinstance(v, property) for c in stock.__mro__[:-1] if c.__module__ != "torch.nn.modules.module"
+           for v in vars(c).values()):
+        also = None  # a property of the stock type could take an attribute the wrapper sets (none in diffusers)
+    else:
+        also = _with_stock_weights(stock) if issubclass(stock, torch.nn.Module) else stock
     return declaring_subclass(Int8DiffusionProcessor, stock_signature(stock), also)
 
 

@@ -17,7 +17,8 @@ class Int8State:
     """The denoising position the processors read, held by the user's handle (no module globals).
 
     ``timestep`` is the value the denoiser was last called with (first element for CFG batches),
-    ``step`` counts denoiser calls since ``reset()``; ``steps`` is the number of noise levels this generation runs
+    ``step`` counts denoiser calls since ``reset()`` (a call of another of the pipeline's models at the same timestep,
+    a ControlNet's before its UNet's, is the same step); ``steps`` is the number of noise levels this generation runs
     at, where the pipeline's scheduler tells it (``enable`` on a pipeline), else None; ``trace``, when a list, records
     ``(step, timestep, layer, mode)`` for every attention call (the mode the schedule chose, before the speed
     gate); ``int8_calls`` and ``gated_calls`` count the calls that ran INT8 and those the gate sent to SDPA (in eager
@@ -38,9 +39,10 @@ class Int8State:
     # the last key mask whose valid prefix was read, with what it was read for, and the prefix: the same mask
     # reaches every attention module of a denoiser call, so it is read once per call of the denoiser
     _prefix: tuple = field(default=(None, None, None), repr=False, compare=False)
+    _caller: int | None = field(default=None, repr=False, compare=False)  # id of the model that set ``timestep``
 
     def reset(self) -> None:
-        self.timestep, self.step, self.timestep_scale, self.steps = None, -1, None, None
+        self.timestep, self.step, self.timestep_scale, self.steps, self._caller = None, -1, None, None, None
         self.int8_calls = self.gated_calls = 0
         self.block_counts.clear()
         self._prefix = (None, None, None)
