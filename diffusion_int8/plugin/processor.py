@@ -517,9 +517,8 @@ class _StockWeights:
 
     def __setattr__(self, name, value):
         inner = self.__dict__.get("inner")
-        own = self.__dict__.get("_own", ())  # the wrapper's attributes, once its __init__ has set them
-        if (inner is not None and "_own" in self.__dict__ and name not in own and name not in _WRAPPER_NAMES
-                and hasattr(inner, name)):
+        own = self.__dict__.get("_own")  # the wrapper's attributes, once its __init__ has set them
+        if inner is not None and own is not None and name not in own and name not in _WRAPPER_NAMES and hasattr(inner, name):
             setattr(inner, name, value)
         else:  # never registered as a submodule here: the stock processor is held, not owned
             object.__setattr__(self, name, value)
@@ -542,7 +541,11 @@ def _subclass_for(inner) -> type:
     they do for it. A stock type that is an ``nn.Module`` comes with ``_StockWeights``."""
     if inner is None:
         return declaring_subclass(Int8DiffusionProcessor, any_stock_signature())
-    stock = type(inner)
+    return _subclass_of(type(inner))
+
+
+@functools.lru_cache(maxsize=None)
+def _subclass_of(stock: type) -> type:
     if any(isinstance(v, property) for c in stock.__mro__[:-1] if c.__module__ != "torch.nn.modules.module"
            for v in vars(c).values()):
         also = None  # a property of the stock type could take an attribute the wrapper sets (none in diffusers)
