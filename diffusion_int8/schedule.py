@@ -38,7 +38,7 @@ from . import jsonfile
 from .kernels import Mode
 from .kernels.sparsity import check_tau
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # from_calibration's budget, and the calibrate command's
 BUDGET = 0.02
 # the sparsity budget `diffusion-int8 calibrate` applies where it measured sparsity levels (from_calibration takes it
@@ -47,11 +47,11 @@ SPARSITY_BUDGET = 0.05
 # from_calibration's carry_budget: about the 30 dB line against FP16 on the long shipped model at 20 and 50 steps
 # (BENCHMARKS.md "The setting calibration chooses")
 CARRY_BUDGET = 0.12
-# 1: no sparsity levels (no default_tau, no rule tau); 2: no balance_layers; 3: no refresh_every
-READABLE_SCHEMAS = (1, 2, 3, 4)
+# 1: no sparsity levels (no default_tau, no rule tau); 2: no balance_layers; 3: no refresh_every; 4: no calibrated_steps
+READABLE_SCHEMAS = (1, 2, 3, 4, 5)
 _FIELDS = ("schema_version", "kind", "name", "default", "default_tau", "num_train_timesteps", "rules",
-           "balance_layers", "refresh_every")  # to_dict's
-_SINCE = {"default_tau": 2, "balance_layers": 3, "refresh_every": 4}  # fields newer than schema 1
+           "balance_layers", "refresh_every", "calibrated_steps")  # to_dict's
+_SINCE = {"default_tau": 2, "balance_layers": 3, "refresh_every": 4, "calibrated_steps": 5}  # fields newer than schema 1
 
 
 def _is_number(x) -> bool:
@@ -114,7 +114,9 @@ class PrecisionSchedule:
     outlier channels of their own, where the processor's default ``qk_balance`` balances Q·Kᵀ (and nowhere
     else); None where not known (the processor then looks at each module's first call). ``refresh_every``: the
     blocks the schedule's one sparsity level skips are carried across steps, computed every ``refresh_every``-th
-    sparse step (``plugin.carry.BlockCarry``); None drops them."""
+    sparse step (``plugin.carry.BlockCarry``); None drops them. ``calibrated_steps``: the step count of the
+    calibration it was chosen from (``from_calibration``), else None; ``enable`` warns where a generation with a
+    carried setting runs another count, since the refresh interval was chosen at that one."""
 
     rules: tuple[Rule, ...] = ()
     default: Mode = Mode.INT8
@@ -123,6 +125,7 @@ class PrecisionSchedule:
     default_tau: float | None = None
     balance_layers: tuple[str, ...] | None = None
     refresh_every: int | None = None
+    calibrated_steps: int | None = field(default=None, compare=False)
     _memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
@@ -138,6 +141,9 @@ class PrecisionSchedule:
         ntt = self.num_train_timesteps
         if ntt is not None and not (_is_number(ntt) and ntt > 0):
             raise ValueError(f"num_train_timesteps must be null or a number > 0 (the timesteps' scale), got {ntt!r}")
+        n = self.calibrated_steps
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"calibrated_steps must be null or an integer >= 1 (the calibration's step count), got {n!r}")
         every = self.refresh_every
         if every is not None:
             if isinstance(every, bool) or not isinstance(every, int) or every < 2:
@@ -278,7 +284,7 @@ class PrecisionSchedule:
             sparse += f", carried every {carried[1]}, trajectory<={carry_budget}"
         balance = tuple(calibration.balanced_layers()) if calibration.has_channel_ranges() else None
         return cls(rules=tuple(rules), default=Mode.FP16, balance_layers=balance,
-                   refresh_every=None if carried is None else carried[1],
+                   refresh_every=None if carried is None else carried[1], calibrated_steps=calibration.meta.get("steps"),
                    num_train_timesteps=calibration.meta.get("num_train_timesteps") or calibration.meta.get("timestep_scale"),
                    name=name or f"calibrated({metric}<={budget}{sparse}{', per layer' if per_layer else ''})")
 
@@ -296,6 +302,7 @@ class PrecisionSchedule:
             "rules": [{**asdict(r), "mode": r.mode.value} for r in self.rules],
             "balance_layers": None if self.balance_layers is None else list(self.balance_layers),
             "refresh_every": self.refresh_every,
+            "calibrated_steps": self.calibrated_steps,
         }
 
     @classmethod
@@ -343,10 +350,14 @@ class PrecisionSchedule:
         every = data.get("refresh_every")
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 2):
             raise bad("refresh_every", f"must be null or an integer >= 2, got {every!r}")
+        steps = data.get("calibrated_steps")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise bad("calibrated_steps", f"must be null or an integer >= 1 (the calibration's step count), got {steps!r}")
         try:
             return cls(rules=rules, default=default, num_train_timesteps=data.get("num_train_timesteps"),
                        name=data.get("name", "custom"), default_tau=default_tau,
-                       balance_layers=None if balance is None else tuple(balance), refresh_every=every)
+                       balance_layers=None if balance is None else tuple(balance), refresh_every=every,
+                       calibrated_steps=steps)
         except ValueError as e:  # what is left to check: the scale, and refresh_every against the levels
             raise bad("refresh_every" if "refresh_every" in str(e) else "num_train_timesteps", str(e)) from None
 

@@ -714,6 +714,8 @@ def test_library_calibrate_gives_the_cli_file(tmp_path, monkeypatch):
         for key, t in stats.items():
             assert torch.equal(cal.layers[name][key], t), (name, key)
     schedule = PrecisionSchedule.from_calibration(cal, 0.02)
+    assert schedule.calibrated_steps == 2  # the count its carried interval would be chosen at, written to the file
+    assert json.loads((tmp_path / "cli" / "schedule.json").read_text())["calibrated_steps"] == 2
     write_outputs(cal, schedule, tmp_path / "lib", budget=0.02)
     assert sorted(p.name for p in (tmp_path / "lib").iterdir()) == sorted(p.name for p in (tmp_path / "cli").iterdir())
     assert (tmp_path / "lib" / "schedule.json").read_text() == (tmp_path / "cli" / "schedule.json").read_text()
@@ -1013,10 +1015,11 @@ def test_a_carried_level_is_chosen_where_it_computes_fewer_blocks():
     bad = dict(s.to_dict(), refresh_every=1)
     with pytest.raises(ValueError, match="refresh_every: must be null or an integer >= 2"):
         PrecisionSchedule.from_dict(bad)
-    old = {k: v for k, v in s.to_dict().items() if k != "refresh_every"}
+    old = {k: v for k, v in s.to_dict().items() if k not in ("refresh_every", "calibrated_steps")}
     assert PrecisionSchedule.from_dict(dict(old, schema_version=3)).refresh_every is None
     with pytest.raises(ValueError, match="refresh_every: unknown field in schema 3"):
-        PrecisionSchedule.from_dict(dict(s.to_dict(), schema_version=3))
+        PrecisionSchedule.from_dict(dict(old, refresh_every=4, schema_version=3))
+    assert PrecisionSchedule.from_dict(dict(old, refresh_every=4, schema_version=4)) == s  # before calibrated_steps
 
 
 def test_step_weights_are_the_noise_each_step_removes():

@@ -5,6 +5,9 @@ refused before any work."""
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import pytest
 import torch
 
@@ -234,6 +237,34 @@ def test_a_pipeline_tells_the_carry_its_step_count():
     finally:
         handle.disable()
     assert {s for _, s in seen} == {3} and {step for step, _ in seen} == {0, 1, 2}
+
+
+def test_a_carried_schedule_warns_once_at_another_step_count_than_calibrated():
+    from test_embedded_long import tiny_long_pipeline
+
+    pipe = tiny_long_pipeline()
+    schedule = PrecisionSchedule(default="int8", default_tau=0.3, refresh_every=2, calibrated_steps=5, name="cal")
+
+    def run(steps):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            pipe(["red circle"], num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="pt")
+        return [str(w.message) for w in seen if "calibrated at" in str(w.message)]
+
+    handle = enable(pipe, schedule=schedule, speed_gate=False)
+    try:
+        assert run(5) == []
+        (message,) = run(3)
+        assert ("runs 3 steps" in message and "a refresh every 2 steps" in message and "calibrated at 5 steps" in message
+                and "calibrate --steps 3" in message), message
+        assert run(3) == [] and run(4) == []  # once
+    finally:
+        handle.disable()
+    handle = enable(pipe, schedule=dataclasses.replace(schedule, calibrated_steps=None), speed_gate=False)
+    try:
+        assert run(3) == []  # not known: nothing to compare
+    finally:
+        handle.disable()
 
 
 @pytest.mark.parametrize("every", [1, 0, -2, 2.5, True, "2"])

@@ -35,7 +35,7 @@ def test_json_round_trip_and_no_silent_overwrite(tmp_path):
     s = PRESETS["balanced"]
     path = s.save(tmp_path / "s.json")
     assert PrecisionSchedule.load(path) == s
-    assert json.loads(path.read_text())["schema_version"] == 4
+    assert json.loads(path.read_text())["schema_version"] == 5
     with pytest.raises(FileExistsError, match="overwrite=True"):
         s.save(path)
     s.save(path, overwrite=True)
@@ -75,7 +75,7 @@ def _with(**changes) -> str:
 @pytest.mark.parametrize("content, where", [
     ("{not json", "not valid JSON: Expecting property name enclosed in double quotes at line 1, column 2"),
     ("[1, 2]", "a schedule is a JSON object"),
-    (_with(schema_version=5), "schema_version: 5 is not a diffusion-int8 schedule schema"),
+    (_with(schema_version=6), "schema_version: 6 is not a diffusion-int8 schedule schema"),
     (_with(schema_version=True), "schema_version: True is not a diffusion-int8 schedule schema"),
     (_with(kind="table"), "kind: 'table'"),
     (json.dumps({k: v for k, v in VALID.items() if k != "default"}), "default: missing; give the mode"),
@@ -94,16 +94,23 @@ def _with(**changes) -> str:
     (_with(rules=[{"mode": "int8", "tau": 0}]), "rules[0]: tau must be a number in (0, 1]"),
     (_with(rules=[{"mode": "int8", "tau": "0.9"}]), "rules[0]: tau must be a number in (0, 1]"),
     (_with(default_tau=1.5), "default_tau: default_tau must be a number in (0, 1]"),
-    (json.dumps({**{k: v for k, v in VALID.items() if k != "balance_layers"}, "schema_version": 1}),
+    (json.dumps({**{k: v for k, v in VALID.items() if k not in ("balance_layers", "calibrated_steps")},
+                 "schema_version": 1}),
      "default_tau: unknown field in schema 1"),
     (_with(schema_version=2), "balance_layers: unknown field in schema 2"),
     (_with(balance_layers="attn1"), "balance_layers: must be a list of module names or null, got a string"),
     (_with(balance_layers=[1]), "balance_layers: must be a list of module names or null, got a list"),
-    (_with(schema_version=3), "refresh_every: unknown field in schema 3"),
+    (json.dumps({**{k: v for k, v in VALID.items() if k != "calibrated_steps"}, "schema_version": 3}),
+     "refresh_every: unknown field in schema 3"),
     (_with(refresh_every=1), "refresh_every: must be null or an integer >= 2, got 1"),
     (_with(refresh_every=True), "refresh_every: must be null or an integer >= 2, got True"),
     (_with(refresh_every=2), "refresh_every: refresh_every carries the blocks of one sparsity level"),
-    (json.dumps({**{k: v for k, v in VALID.items() if k not in ("default_tau", "balance_layers", "refresh_every")},
+    (_with(schema_version=4), "calibrated_steps: unknown field in schema 4"),
+    (_with(calibrated_steps=0), "calibrated_steps: must be null or an integer >= 1 (the calibration's step count), "
+                                "got 0"),
+    (_with(calibrated_steps=28.0), "calibrated_steps: must be null or an integer >= 1"),
+    (json.dumps({**{k: v for k, v in VALID.items()
+                    if k not in ("default_tau", "balance_layers", "refresh_every", "calibrated_steps")},
                  "schema_version": 1,
                  "rules": [{"mode": "int8", "tau": 0.9}]}), "rules[0].tau: unknown field; a rule's fields are mode, "
                                                           "min_noise, max_noise, layers"),
@@ -118,10 +125,13 @@ def test_invalid_schedule_files_fail_at_load_naming_file_and_field(tmp_path, con
 
 
 def test_a_valid_file_with_every_field_loads(tmp_path):
-    s = PrecisionSchedule(rules=(Rule("fp16", min_noise=0.9), Rule("int8", 0, 1, "*attn1*")), default="int8_fp16v",
-                          num_train_timesteps=1000, name="mine")
+    s = PrecisionSchedule(rules=(Rule("fp16", min_noise=0.9), Rule("int8", 0, 1, "*attn1*", tau=0.2)),
+                          default="int8_fp16v", num_train_timesteps=1000, name="mine", balance_layers=("a.attn1",),
+                          refresh_every=4, calibrated_steps=28)
     path = s.save(tmp_path / "s.json")
-    assert PrecisionSchedule.load(path) == s and PrecisionSchedule.load(path).name == "mine"
+    assert set(s.to_dict()) == set(json.loads(path.read_text()))  # every field written
+    back = PrecisionSchedule.load(path)
+    assert back == s and (back.name, back.refresh_every, back.calibrated_steps) == ("mine", 4, 28)
 
 
 def test_sparsity_levels_per_noise_interval_and_layer():
@@ -145,7 +155,7 @@ def test_sparse_schedule_round_trips_and_schema_1_files_still_load_dense(tmp_pat
                           name="sparse")
     path = s.save(tmp_path / "s.json")
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 4 and data["default_tau"] == 0.97 and data["rules"][0]["tau"] == 0.9
+    assert data["schema_version"] == 5 and data["default_tau"] == 0.97 and data["rules"][0]["tau"] == 0.9
     assert PrecisionSchedule.load(path) == s and PrecisionSchedule.load(path).tau_for(700) == 0.9
     # a file written before sparsity levels existed: schema 1, rules without tau
     old = {"schema_version": 1, "kind": "rules", "name": "old", "default": "int8_fp16v", "num_train_timesteps": None,

@@ -212,7 +212,8 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
                          f"model-specific ones){found}; pass a diffusers pipeline or its transformer/unet")
     check_diffusers_version()
     state = Int8State(trace=[] if record else None)
-    steps = None if isinstance(pipe_or_model, torch.nn.Module) else StepCount(pipe_or_model)
+    schedule = config.schedule if isinstance(config.schedule, PrecisionSchedule) else None
+    steps = None if isinstance(pipe_or_model, torch.nn.Module) else StepCount(pipe_or_model, schedule)
     handle = _install(model, modules, outside, config, state, observer, record, steps)
     if compiled:
         warnings.warn(f"diffusion_int8: {type(pipe_or_model).__name__}: left {', '.join(compiled)} on stock attention: "
@@ -326,7 +327,10 @@ class StepCount:
     loop it does not describe); a loop that stops early (SDXL's ``denoising_end``) is told the whole schedule's
     count. The pipeline is held weakly where it can be."""
 
-    def __init__(self, pipe):
+    def __init__(self, pipe, schedule: PrecisionSchedule | None = None):
+        self._calibrated = None
+        if schedule is not None and schedule.refresh_every is not None and schedule.calibrated_steps is not None:
+            self._calibrated = schedule  # its refresh interval was chosen at calibrated_steps: warned once otherwise
         try:
             self._pipe = weakref.ref(pipe)
         except TypeError:  # an object without weak references, standing for a pipeline
@@ -346,4 +350,13 @@ class StepCount:
             self._levels = (timesteps, levels)
         distance = (levels - noise).abs()
         first = int(distance.argmin())
-        return len(levels) - first if float(distance[first]) <= 0.005 else None
+        count = len(levels) - first if float(distance[first]) <= 0.005 else None
+        calibrated = self._calibrated
+        if calibrated is not None and count is not None and count != calibrated.calibrated_steps:
+            self._calibrated = None
+            warnings.warn(f"diffusion_int8: this generation runs {count} steps; the schedule {calibrated.name!r} "
+                          f"carries skipped blocks with a refresh every {calibrated.refresh_every} steps, chosen from "
+                          f"errors calibrated at {calibrated.calibrated_steps} steps. Calibrate at {count} steps "
+                          f"(diffusion-int8 calibrate --steps {count}) or compare the images (diffusion-int8 eval "
+                          f"--schedule ...)", RuntimeWarning, stacklevel=2)
+        return count
