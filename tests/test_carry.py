@@ -239,6 +239,38 @@ def test_a_pipeline_tells_the_carry_its_step_count():
     assert {s for _, s in seen} == {3} and {step for step, _ in seen} == {0, 1, 2}
 
 
+def test_each_denoising_model_counts_the_steps_of_its_own_scheduler():
+    """Kandinsky's combined pipelines run their prior (``prior_prior``) on ``prior_scheduler`` and then the UNet on
+    ``scheduler``, at other step counts: each model's generation is told its own."""
+    from types import SimpleNamespace
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from tiny_models import build
+
+    from diffusion_int8.plugin.install import scheduler_of
+
+    unet, x = build("wan")
+    prior, _ = build("wan")
+    decoder_scheduler, prior_scheduler = FlowMatchEulerDiscreteScheduler(), FlowMatchEulerDiscreteScheduler()
+    decoder_scheduler.set_timesteps(5)
+    prior_scheduler.set_timesteps(3)
+    pipe = SimpleNamespace(unet=unet, scheduler=decoder_scheduler, prior_prior=prior, prior_scheduler=prior_scheduler)
+    assert (scheduler_of(pipe, unet), scheduler_of(pipe, prior)) == ("scheduler", "prior_scheduler")
+    unclip = SimpleNamespace(decoder=unet, super_res_first=prior, decoder_scheduler=None, super_res_scheduler=None)
+    assert (scheduler_of(unclip, unet), scheduler_of(unclip, prior)) == ("decoder_scheduler", "super_res_scheduler")
+    handle = enable(pipe, "int8", sparsity=0.5, refresh_every=2, speed_gate=False)
+    seen = []
+    try:
+        with torch.no_grad():
+            for model, scheduler in ((prior, prior_scheduler), (unet, decoder_scheduler)):
+                for t in scheduler.timesteps:
+                    model(**dict(x, timestep=t.reshape(1)), return_dict=False)
+                    seen.append(handle.state.steps)
+    finally:
+        handle.disable()
+    assert seen == [3] * 3 + [5] * 5
+
+
 def test_a_carried_schedule_warns_once_at_another_step_count_than_calibrated():
     from test_embedded_long import tiny_long_pipeline
 

@@ -213,7 +213,8 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
     check_diffusers_version()
     state = Int8State(trace=[] if record else None)
     schedule = config.schedule if isinstance(config.schedule, PrecisionSchedule) else None
-    steps = None if isinstance(pipe_or_model, torch.nn.Module) else StepCount(pipe_or_model, schedule)
+    pipe = None if isinstance(pipe_or_model, torch.nn.Module) else pipe_or_model
+    steps = None if pipe is None else StepCount(pipe, schedule, scheduler_of(pipe, model))
     handle = _install(model, modules, outside, config, state, observer, record, steps)
     if compiled:
         warnings.warn(f"diffusion_int8: {type(pipe_or_model).__name__}: left {', '.join(compiled)} on stock attention: "
@@ -229,7 +230,7 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
             mods = {n: a for n, a in attention_modules(m).items() if id(a) not in routed}
             routed.update(id(a) for a in mods.values())
             handle.others[name] = _install(m, mods, attention_outside_processors(m), config, state, None, record,
-                                           steps)
+                                           StepCount(pipe, None, scheduler_of(pipe, m)))
     return handle
 
 
@@ -318,6 +319,18 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], steps: St
     return None
 
 
+def scheduler_of(pipe, model: torch.nn.Module) -> str:
+    """The attribute of ``pipe`` holding the scheduler of ``model``'s denoising loop: ``<prefix>_scheduler`` where the
+    model's component is named ``<prefix>`` or ``<prefix>_...`` (the longest such prefix: Kandinsky's combined
+    pipelines run ``prior_prior`` on ``prior_scheduler``, unCLIP its ``decoder`` on ``decoder_scheduler`` and
+    ``super_res_first`` on ``super_res_scheduler``), else ``scheduler``."""
+    attrs = getattr(pipe, "__dict__", {})
+    names = [n for n, m in attrs.items() if m is model]
+    prefixes = [a[: -len("_scheduler")] for a in attrs if a.endswith("_scheduler") and not a.startswith("_")]
+    fits = [p for p in prefixes for n in names if n == p or n.startswith(p + "_")]
+    return max(fits, key=len) + "_scheduler" if fits else "scheduler"
+
+
 class StepCount:
     """The denoising steps of a generation a pipeline starts (``Int8State.steps``): the distinct noise levels in
     ``pipe.scheduler.timesteps`` from the one nearest the generation's first to the last, as ``carry.BlockCarry``
@@ -325,9 +338,11 @@ class StepCount:
     scheduler is looked up at each generation (one swapped in after ``enable`` is the one read), its levels once per
     ``set_timesteps`` (one host read). None where it holds no timesteps or none within 0.005 of the first level (a
     loop it does not describe); a loop that stops early (SDXL's ``denoising_end``) is told the whole schedule's
-    count. The pipeline is held weakly where it can be."""
+    count. The pipeline is held weakly where it can be. ``scheduler``: the pipeline attribute holding the scheduler
+    (``scheduler_of``); ``schedule``: a carried schedule whose ``calibrated_steps`` a generation is checked against."""
 
-    def __init__(self, pipe, schedule: PrecisionSchedule | None = None):
+    def __init__(self, pipe, schedule: PrecisionSchedule | None = None, scheduler: str = "scheduler"):
+        self._scheduler = scheduler
         self._calibrated = None
         if schedule is not None and schedule.refresh_every is not None and schedule.calibrated_steps is not None:
             self._calibrated = schedule  # its refresh interval was chosen at calibrated_steps: warned once otherwise
@@ -339,7 +354,7 @@ class StepCount:
 
     def __call__(self, noise: float) -> int | None:
         """The step count of a generation whose first noise level (``schedule.noise_level``) is ``noise``."""
-        timesteps = getattr(getattr(self._pipe(), "scheduler", None), "timesteps", None)
+        timesteps = getattr(getattr(self._pipe(), self._scheduler, None), "timesteps", None)
         if not isinstance(timesteps, torch.Tensor) or timesteps.numel() == 0:
             return None
         read, levels = self._levels
