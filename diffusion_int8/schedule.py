@@ -64,6 +64,14 @@ def _json_type(x) -> str:
         type(x), "a number")
 
 
+def denoising_steps(timesteps: torch.Tensor) -> int | None:
+    """The denoising steps in a run's (T,) timesteps, one per call of the denoiser: its distinct consecutive values,
+    as the carry and ``enable``'s step count see them (CFG as two calls and second-order schedulers call it twice at a
+    level); None for none."""
+    t = timesteps.reshape(-1)
+    return int((t[1:] != t[:-1]).sum()) + 1 if t.numel() else None
+
+
 def noise_level(timestep: float, num_train_timesteps: float | None = None, scale: float | None = None) -> float:
     """The denoiser's timestep as a noise level in [0, 1].
 
@@ -284,7 +292,8 @@ class PrecisionSchedule:
             sparse += f", carried every {carried[1]}, trajectory<={carry_budget}"
         balance = tuple(calibration.balanced_layers()) if calibration.has_channel_ranges() else None
         return cls(rules=tuple(rules), default=Mode.FP16, balance_layers=balance,
-                   refresh_every=None if carried is None else carried[1], calibrated_steps=calibration.meta.get("steps"),
+                   refresh_every=None if carried is None else carried[1],
+                   calibrated_steps=denoising_steps(calibration.timesteps),
                    num_train_timesteps=calibration.meta.get("num_train_timesteps") or calibration.meta.get("timestep_scale"),
                    name=name or f"calibrated({metric}<={budget}{sparse}{', per layer' if per_layer else ''})")
 

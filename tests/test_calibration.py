@@ -1019,7 +1019,8 @@ def test_a_carried_level_is_chosen_where_it_computes_fewer_blocks():
     assert PrecisionSchedule.from_dict(dict(old, schema_version=3)).refresh_every is None
     with pytest.raises(ValueError, match="refresh_every: unknown field in schema 3"):
         PrecisionSchedule.from_dict(dict(old, refresh_every=4, schema_version=3))
-    assert PrecisionSchedule.from_dict(dict(old, refresh_every=4, schema_version=4)) == s  # before calibrated_steps
+    before = PrecisionSchedule.from_dict(dict(old, refresh_every=4, schema_version=4))  # before calibrated_steps
+    assert before == s and before.calibrated_steps is None and s.calibrated_steps == len(noise)
 
 
 def test_step_weights_are_the_noise_each_step_removes():

@@ -281,22 +281,51 @@ def test_a_carried_schedule_warns_once_at_another_step_count_than_calibrated():
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             pipe(["red circle"], num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="pt")
-        return [str(w.message) for w in seen if "calibrated at" in str(w.message)]
+        return [(str(w.message), w.filename) for w in seen if "calibrated at" in str(w.message)]
 
     handle = enable(pipe, schedule=schedule, speed_gate=False)
     try:
         assert run(5) == []
-        (message,) = run(3)
-        assert ("runs 3 steps" in message and "a refresh every 2 steps" in message and "calibrated at 5 steps" in message
-                and "calibrate --steps 3" in message), message
+        ((message, where),) = run(3)
+        assert ("set to 3 steps" in message and "a refresh every 2 steps" in message and "calibrated at 5 steps" in
+                message and "calibrate --steps 3, with the same --sparsity-levels and --refresh-every" in message), message
+        assert where == __file__  # the user's call, not the hook's
         assert run(3) == [] and run(4) == []  # once
     finally:
         handle.disable()
-    handle = enable(pipe, schedule=dataclasses.replace(schedule, calibrated_steps=None), speed_gate=False)
-    try:
-        assert run(3) == []  # not known: nothing to compare
-    finally:
-        handle.disable()
+    for options in (dict(schedule=dataclasses.replace(schedule, calibrated_steps=None)),  # not known
+                    dict(schedule=schedule, refresh_every=3)):  # an interval of the user's, not the calibrated one
+        handle = enable(pipe, speed_gate=False, **options)
+        try:
+            assert run(3) == []
+        finally:
+            handle.disable()
+
+
+def test_the_calibrated_step_count_is_the_schedules_not_the_runs():
+    """An img2img run starts partway into the steps the scheduler is set to: those are compared, not the run's."""
+    from types import SimpleNamespace
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from diffusion_int8.plugin.install import StepCount
+    from diffusion_int8.schedule import denoising_steps
+
+    flow = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    flow.set_timesteps(50)
+    schedule = PrecisionSchedule(default="int8", default_tau=0.3, refresh_every=4, calibrated_steps=50)
+    count = StepCount(SimpleNamespace(scheduler=flow), schedule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert count(float(flow.timesteps[20]) / 1000) == 30
+    flow.set_timesteps(28)
+    with pytest.warns(RuntimeWarning, match="set to 28 steps"):
+        assert count(float(flow.timesteps[0]) / 1000) == 28
+    # the calibration's timesteps hold one entry per denoiser call: CFG as two calls, a second-order scheduler's
+    # repeated levels, count once
+    assert denoising_steps(torch.tensor([999.0, 999.0, 500.0, 500.0, 1.0, 1.0])) == 3
+    assert denoising_steps(torch.tensor([999.0, 700.0, 700.0, 300.0, 300.0])) == 3
+    assert denoising_steps(torch.tensor([])) is None
 
 
 @pytest.mark.parametrize("every", [1, 0, -2, 2.5, True, "2"])

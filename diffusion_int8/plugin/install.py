@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -212,7 +213,8 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
                          f"model-specific ones){found}; pass a diffusers pipeline or its transformer/unet")
     check_diffusers_version()
     state = Int8State(trace=[] if record else None)
-    schedule = config.schedule if isinstance(config.schedule, PrecisionSchedule) else None
+    # a schedule's refresh interval chosen at its calibrated_steps, where enable() was not given another
+    schedule = config.schedule if config._refresh_from_schedule else None
     pipe = None if isinstance(pipe_or_model, torch.nn.Module) else pipe_or_model
     steps = None if pipe is None else StepCount(pipe, schedule, scheduler_of(pipe, model))
     handle = _install(model, modules, outside, config, state, observer, record, steps)
@@ -319,6 +321,18 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], steps: St
     return None
 
 
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning issued by the caller at the first frame outside diffusion_int8, torch
+    and diffusers: the user's call of the pipeline or model."""
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL:
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+_INTERNAL = ("diffusion_int8", "torch", "diffusers")
+
+
 def scheduler_of(pipe, model: torch.nn.Module) -> str:
     """The attribute of ``pipe`` holding the scheduler of ``model``'s denoising loop: ``<prefix>_scheduler`` where the
     model's component is named ``<prefix>`` or ``<prefix>_...`` (the longest such prefix: Kandinsky's combined
@@ -365,13 +379,15 @@ class StepCount:
             self._levels = (timesteps, levels)
         distance = (levels - noise).abs()
         first = int(distance.argmin())
-        count = len(levels) - first if float(distance[first]) <= 0.005 else None
-        calibrated = self._calibrated
-        if calibrated is not None and count is not None and count != calibrated.calibrated_steps:
+        if float(distance[first]) > 0.005:
+            return None
+        calibrated, n = self._calibrated, len(levels)  # the whole schedule's steps (an img2img run starts partway)
+        if calibrated is not None and n != calibrated.calibrated_steps:
             self._calibrated = None
-            warnings.warn(f"diffusion_int8: this generation runs {count} steps; the schedule {calibrated.name!r} "
+            warnings.warn(f"diffusion_int8: the scheduler is set to {n} steps; the schedule {calibrated.name!r} "
                           f"carries skipped blocks with a refresh every {calibrated.refresh_every} steps, chosen from "
-                          f"errors calibrated at {calibrated.calibrated_steps} steps. Calibrate at {count} steps "
-                          f"(diffusion-int8 calibrate --steps {count}) or compare the images (diffusion-int8 eval "
-                          f"--schedule ...)", RuntimeWarning, stacklevel=2)
-        return count
+                          f"errors calibrated at {calibrated.calibrated_steps} steps. Calibrate at {n} steps (diffusion-"
+                          f"int8 calibrate --steps {n}, with the same --sparsity-levels and --refresh-every) or compare "
+                          f"the images (diffusion-int8 eval --schedule ...)", RuntimeWarning,
+                          stacklevel=_outside_stacklevel())
+        return n - first
