@@ -65,9 +65,9 @@ def _json_type(x) -> str:
 
 
 def denoising_steps(timesteps: torch.Tensor) -> int | None:
-    """The denoising steps in a run's (T,) timesteps, one per call of the denoiser: its distinct consecutive values,
-    as the carry and ``enable``'s step count see them (CFG as two calls and second-order schedulers call it twice at a
-    level); None for none."""
+    """The denoising steps in a run's (T,) timesteps, which hold one entry per call of the denoiser: the distinct
+    consecutive values, as the carry and ``enable``'s step count see them (CFG as two calls and second-order schedulers
+    call it twice at a level); None for an empty run."""
     t = timesteps.reshape(-1)
     return int((t[1:] != t[:-1]).sum()) + 1 if t.numel() else None
 
@@ -123,8 +123,9 @@ class PrecisionSchedule:
     else); None where not known (the processor then looks at each module's first call). ``refresh_every``: the
     blocks the schedule's one sparsity level skips are carried across steps, computed every ``refresh_every``-th
     sparse step (``plugin.carry.BlockCarry``); None drops them. ``calibrated_steps``: the step count of the
-    calibration it was chosen from (``from_calibration``), else None; ``enable`` warns where a generation with a
-    carried setting runs another count, since the refresh interval was chosen at that one."""
+    calibration it was chosen from (``from_calibration``), else None; ``enable(pipe, schedule=...)`` warns once where
+    the pipeline's scheduler is set to another count while the schedule's own refresh interval, chosen at this one,
+    runs."""
 
     rules: tuple[Rule, ...] = ()
     default: Mode = Mode.INT8
