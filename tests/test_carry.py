@@ -247,7 +247,7 @@ def test_each_denoising_model_counts_the_steps_of_its_own_scheduler():
     from diffusers import FlowMatchEulerDiscreteScheduler
     from tiny_models import build
 
-    from diffusion_int8.plugin.install import scheduler_of
+    from diffusion_int8.plugin.models import scheduler_of
 
     unet, x = build("wan")
     prior, _ = build("wan")

@@ -16,7 +16,7 @@ import torch
 from ..kernels import Mode
 from ..kernels.config import MAX_HEAD_DIM
 from .models import (TIMESTEP_ARGUMENTS, attention_modules, attention_outside_processors, denoiser, head_dim_of,
-                     other_denoisers, reaches_attention, set_processor)
+                     other_denoisers, reaches_attention, scheduler_of, set_processor)
 from .config import Int8Config
 from .observer import Observer
 from .processor import Int8DiffusionProcessor
@@ -333,18 +333,6 @@ def _outside_stacklevel() -> int:
 _INTERNAL = ("diffusion_int8", "torch", "diffusers")
 
 
-def scheduler_of(pipe, model: torch.nn.Module) -> str:
-    """The attribute of ``pipe`` holding the scheduler of ``model``'s denoising loop: ``<prefix>_scheduler`` where the
-    model's component is named ``<prefix>`` or ``<prefix>_...`` (the longest such prefix: Kandinsky's combined
-    pipelines run ``prior_prior`` on ``prior_scheduler``, unCLIP its ``decoder`` on ``decoder_scheduler`` and
-    ``super_res_first`` on ``super_res_scheduler``), else ``scheduler``."""
-    attrs = getattr(pipe, "__dict__", {})
-    names = [n for n, m in attrs.items() if m is model]
-    prefixes = [a[: -len("_scheduler")] for a in attrs if a.endswith("_scheduler") and not a.startswith("_")]
-    fits = [p for p in prefixes for n in names if n == p or n.startswith(p + "_")]
-    return max(fits, key=len) + "_scheduler" if fits else "scheduler"
-
-
 class StepCount:
     """The denoising steps of a generation a pipeline starts (``Int8State.steps``): the distinct noise levels in
     ``pipe.scheduler.timesteps`` from the one nearest the generation's first to the last, as ``carry.BlockCarry``
@@ -353,7 +341,7 @@ class StepCount:
     ``set_timesteps`` (one host read). None where it holds no timesteps or none within 0.005 of the first level (a
     loop it does not describe); a loop that stops early (SDXL's ``denoising_end``) is told the whole schedule's
     count. The pipeline is held weakly where it can be. ``scheduler``: the pipeline attribute holding the scheduler
-    (``scheduler_of``); ``schedule``: a carried schedule whose ``calibrated_steps`` a generation is checked against."""
+    (``models.scheduler_of``); ``schedule``: a carried schedule whose ``calibrated_steps`` a generation is checked against."""
 
     def __init__(self, pipe, schedule: PrecisionSchedule | None = None, scheduler: str = "scheduler"):
         self._scheduler = scheduler

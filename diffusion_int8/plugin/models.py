@@ -255,3 +255,15 @@ def other_denoisers(pipe, main: torch.nn.Module | None = None) -> list[tuple[str
             seen.add(id(m))
             found.append((name, m))
     return found
+
+
+def scheduler_of(pipe, model: torch.nn.Module) -> str:
+    """The attribute of ``pipe`` holding the scheduler of ``model``'s denoising loop: ``<prefix>_scheduler`` where the
+    model's component is named ``<prefix>`` or ``<prefix>_...`` (the longest such prefix: Kandinsky's combined
+    pipelines run ``prior_prior`` on ``prior_scheduler``, unCLIP its ``decoder`` on ``decoder_scheduler`` and
+    ``super_res_first`` on ``super_res_scheduler``), else ``scheduler``."""
+    attrs = getattr(pipe, "__dict__", {})
+    names = [n for n, m in attrs.items() if m is model]
+    prefixes = [a[: -len("_scheduler")] for a in attrs if a.endswith("_scheduler") and not a.startswith("_")]
+    fits = [p for p in prefixes for n in names if n == p or n.startswith(p + "_")]
+    return max(fits, key=len) + "_scheduler" if fits else "scheduler"
