@@ -224,7 +224,8 @@ class PrecisionSchedule:
                 noiseless ones, and on the long shipped model the trajectory's mean ranks the settings' PSNR where
                 the worst step does not (BENCHMARKS.md, "The setting calibration chooses"). None: never carry.
 
-        Each calibrated step covers the noise levels half-way to its neighbours, so the schedule applies
+        Each calibrated step, decided by the worst of the denoiser's calls at its noise level (CFG's two, a
+        second-order scheduler's), covers the noise levels half-way to its neighbours, so the schedule applies
         to any number of steps. Modes are tried in the order ``int8``, ``int8_fp16v``, ``fp16``; sparsity
         applies where the mode is an INT8 one. ``balance_layers`` are the calibration's ``balanced_layers()``
         (None for a file without per-channel maxima).
@@ -242,9 +243,13 @@ class PrecisionSchedule:
                 raise ValueError("sparsity_budget needs a calibration with sparsity levels: run "
                                  "`diffusion-int8 calibrate --sparsity-levels ...` (calibrate(sparsity_levels=...))")
         noise = [float(n) for n in calibration.noise]
-        order = sorted(range(len(noise)), key=lambda i: noise[i])
-        bounds = [0.0] + [(noise[a] + noise[b]) / 2 for a, b in zip(order, order[1:])] + [1.0]
-        interval = {i: (bounds[j], bounds[j + 1]) for j, i in enumerate(order)}
+        # the calibrated calls by noise level, ascending: a level's calls are one denoising step (CFG's two calls,
+        # a second-order scheduler's two), and a run's calls at that level all take the level's rule, so each
+        # level is decided by the worst of its calls
+        order = sorted(set(noise))
+        calls = {n: [t for t, m in enumerate(noise) if m == n] for n in order}
+        bounds = [0.0] + [(a + b) / 2 for a, b in zip(order, order[1:])] + [1.0]
+        interval = {n: (bounds[j], bounds[j + 1]) for j, n in enumerate(order)}
         names = list(calibration.layers)
         cheapest = [Mode.INT8, Mode.INT8_FP16V]
 
@@ -265,28 +270,32 @@ class PrecisionSchedule:
                 return None
             return next((tau for tau, e in values.items() if e <= sparsity_budget), None)
 
+        def worst(e: torch.Tensor, idx: list[int], n: float) -> float:  # e (L, T): layers idx, the calls at level n
+            return float(e[idx][:, calls[n]].max())
+
         rules = []
         groups = [(n, [i]) for i, n in enumerate(names)] if per_layer else [("*", list(range(len(names))))]
-        # the steps where some layer runs INT8 (a carried setting's error is averaged over them)
+        # the calls at the levels where some layer runs INT8 (a carried setting's error is averaged over them)
         int8_steps = [t for t in range(len(noise))
-                      if any(choose({m: float(e[i, t]) for m, e in errs.items()}) is not Mode.FP16 for i in range(len(names)))]
+                      if any(choose({m: worst(e, [i], noise[t]) for m, e in errs.items()}) is not Mode.FP16
+                             for i in range(len(names)))]
         carried = (_carried_choice(calibration, sparsity_budget, carry_budget, metric, int8_steps, sparse_errs)
                    if levels and carry_budget is not None else None)
         for pattern, idx in groups:
-            modes = {t: choose({m: float(e[idx, t].max()) for m, e in errs.items()}) for t in range(len(noise))}
+            modes = {n: choose({m: worst(e, idx, n) for m, e in errs.items()}) for n in order}
             if carried is None:
-                taus = {t: choose_tau({tau: float(e[idx, t].max()) for tau, e in sparse_errs.items()}, modes[t])
-                        for t in range(len(noise))}
+                taus = {n: choose_tau({tau: worst(e, idx, n) for tau, e in sparse_errs.items()}, modes[n])
+                        for n in order}
             else:  # one level, carried, wherever the step runs INT8
-                taus = {t: None if modes[t] is Mode.FP16 else carried[0] for t in range(len(noise))}
-            # merge neighbouring steps that chose the same mode and level into one noise interval
+                taus = {n: None if modes[n] is Mode.FP16 else carried[0] for n in order}
+            # merge neighbouring levels that chose the same mode and sparsity into one noise interval
             run_start = None
-            for j, t in enumerate(order):
+            for j, n in enumerate(order):
                 if run_start is None:
-                    run_start = t
+                    run_start = n
                 nxt = order[j + 1] if j + 1 < len(order) else None
-                if nxt is None or (modes[nxt], taus[nxt]) != (modes[t], taus[t]):
-                    rules.append(Rule(modes[t], interval[run_start][0], interval[t][1], pattern, taus[t]))
+                if nxt is None or (modes[nxt], taus[nxt]) != (modes[n], taus[n]):
+                    rules.append(Rule(modes[n], interval[run_start][0], interval[n][1], pattern, taus[n]))
                     run_start = None
         sparse = f", sparsity<={sparsity_budget}" if sparsity_budget is not None else ""
         if carried is not None:

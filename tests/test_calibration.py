@@ -391,6 +391,26 @@ def test_schedule_from_crafted_calibration():
     assert back == per_layer
 
 
+def test_schedule_from_calibration_decides_a_step_by_its_worst_call():
+    # CFG as two calls a step (Wan, Qwen-Image): calibrated calls 2k and 2k+1 share a noise level, and at run time
+    # both take that level's rule, so the worse call decides it, whichever of the two it is
+    noise = [1.0, 1.0, 0.5, 0.5, 0.0, 0.0]
+    for bad in (0, 1):
+        int8 = [[0.09 if t % 2 == bad else 0.01 for t in range(6)]]
+        s = PrecisionSchedule.from_calibration(crafted(int8, [[0.005] * 6], noise), budget=0.02)
+        assert [s.mode_for(t * 1000).value for t in (1.0, 0.75, 0.5, 0.25, 0.0)] == ["int8_fp16v"] * 5
+        assert len(s.rules) == 1 and (s.rules[0].min_noise, s.rules[0].max_noise) == (0.0, 1.0)
+    # one bad call at the middle level only: that level alone, half-way to its neighbours
+    s = PrecisionSchedule.from_calibration(crafted([[0.01, 0.01, 0.01, 0.09, 0.01, 0.01]], [[0.005] * 6], noise),
+                                           budget=0.02)
+    assert [s.mode_for(t * 1000).value for t in (1.0, 0.8, 0.7, 0.5, 0.3, 0.2, 0.0)] == [
+        "int8", "int8", "int8_fp16v", "int8_fp16v", "int8_fp16v", "int8", "int8"]
+    # the sparsity level too: the second call's sparse error is over the budget at every level
+    cal = crafted_sparse({0.8: [[0.01, 0.2] * 3]}, {0.8: [[0.3] * 6]}, noise)
+    sparse = PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=None)
+    assert [sparse.tau_for(t * 1000) for t in (1.0, 0.5)] == [None, None]
+
+
 def run_cli(args, tmp_path, launcher=None, timeout=600, check=True, env=None):
     cmd = (launcher or [sys.executable, "-m"]) + ["diffusion_int8", *args]
     res = subprocess.run(cmd, cwd=tmp_path, env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
