@@ -26,7 +26,6 @@ within a ``carry_budget``.
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields
@@ -384,7 +383,7 @@ class PrecisionSchedule:
         path = Path(path)
         if path.exists() and not overwrite:
             raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        jsonfile.write(path, self.to_dict(), indent=2)
         return path
 
     @classmethod

@@ -133,6 +133,11 @@ def test_file_round_trip_and_no_overwrite(tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "v9.safetensors"), metadata={"diffusion_int8": json.dumps({"schema_version": 9})})
     with pytest.raises(ValueError, match="schema 9"):
         Calibration.load(tmp_path / "v9.safetensors")
+    for schema in (True, 1.0):  # equal to 1 in Python, not a schema number
+        save_file({"x": torch.zeros(1)}, str(tmp_path / "odd.safetensors"),
+                  metadata={"diffusion_int8": json.dumps({"schema_version": schema})})
+        with pytest.raises(ValueError, match=f"has calibration schema {schema}"):
+            Calibration.load(tmp_path / "odd.safetensors")
     assert path.name == "calibration.safetensors"
 
 
@@ -411,6 +416,20 @@ def test_schedule_from_calibration_decides_a_step_by_its_worst_call():
     assert [sparse.tau_for(t * 1000) for t in (1.0, 0.5)] == [None, None]
 
 
+def test_summary_of_a_per_layer_schedule_counts_every_layer():
+    from diffusion_int8.calibration.summary import summarize
+
+    _, cal = make_calibration()
+    first, *rest = cal.layers
+    assert rest
+    # every layer int8 down to noise 0.5, below it the first layer alone
+    per_layer = PrecisionSchedule(rules=(Rule("int8", 0.5, 1.0), Rule("int8", layers=first)), default=Mode.INT8_FP16V)
+    steps = summarize(cal, per_layer)["schedule"]["per_step"]
+    low = f"int8×1+int8_fp16v×{len(rest)}"
+    assert steps == ["int8" if n >= 0.5 else low for n in cal.noise.tolist()] and low in steps
+    assert summarize(cal, PrecisionSchedule(default=Mode.INT8))["schedule"]["per_step"] == ["int8"] * len(cal.noise)
+
+
 def run_cli(args, tmp_path, launcher=None, timeout=600, check=True, env=None):
     cmd = (launcher or [sys.executable, "-m"]) + ["diffusion_int8", *args]
     res = subprocess.run(cmd, cwd=tmp_path, env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
@@ -490,6 +509,40 @@ def saved(tmp_path_factory):
     path = cal.save(tmp_path_factory.mktemp("cal"))
     tensors, header = _file_parts(path)
     return path, tensors, json.loads(header["diffusion_int8"])
+
+
+def test_a_scheduler_config_with_inf_saves_and_loads(saved, tmp_path):
+    # DPMSolver's config holds lambda_min_clipped = -inf, which JSON cannot hold: saved as text, so the file loads;
+    # files that earlier versions wrote with -Infinity in it load too
+    from diffusers import DPMSolverMultistepScheduler
+
+    config = dict(DPMSolverMultistepScheduler().config)
+    assert config["lambda_min_clipped"] == float("-inf")
+    _, cal = make_calibration()
+    cal.meta["scheduler_config"] = config
+    back = Calibration.load(cal.save(tmp_path / "new.safetensors"))
+    assert back.meta["scheduler_config"]["lambda_min_clipped"] == "-inf"
+    _, tensors, meta = saved
+    old = _write(tmp_path / "old.safetensors", tensors, {**meta, "scheduler_config": config})
+    assert "-Infinity" in _file_parts(old)[1]["diffusion_int8"]
+    assert Calibration.load(old).meta["scheduler_config"]["lambda_min_clipped"] == "-inf"
+
+
+def test_save_into_a_folder_named_with_a_slash_and_atomically(tmp_path, monkeypatch):
+    _, cal = make_calibration()
+    path = cal.save(f"{tmp_path}/calib/")  # the folder is made, as write_outputs makes its own
+    assert path == tmp_path / "calib" / "calibration.safetensors" and Calibration.load(tmp_path / "calib")
+    before = path.read_bytes()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    import diffusion_int8.jsonfile as jsonfile
+
+    monkeypatch.setattr(jsonfile.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cal.save(path, overwrite=True)
+    assert path.read_bytes() == before and [p.name for p in path.parent.iterdir()] == [path.name]
 
 
 def _damaged(saved, what):

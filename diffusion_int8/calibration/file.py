@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,10 +171,15 @@ class Calibration:
 
     # ----------------------------------------------------------------------------------------- file
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        """Write the calibration to ``path``, a file, or a directory (one that exists, or a path ending in "/",
+        made if missing) to hold ``calibration.safetensors``; atomically (an interrupted save leaves the old file).
+        ``FileExistsError`` where the file exists, unless ``overwrite``. Returns the file's path."""
         from safetensors.torch import save
 
+        folder = str(path).endswith(("/", os.sep))
         path = Path(path)
-        if path.is_dir():
+        if folder or path.is_dir():
+            path.mkdir(parents=True, exist_ok=True)
             path = path / FILE_NAME
         if path.exists() and not overwrite:
             raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
@@ -181,10 +187,10 @@ class Calibration:
         for name, st in self.layers.items():
             for key, t in st.items():
                 tensors[f"{name}::{key}"] = t.contiguous()
-        # serialized here and written with open(), so the file gets the mode any other file of the user's gets
-        # (safetensors' save_file makes it owner-only)
-        raw = json.dumps(self.meta)
-        path.write_bytes(save(tensors, metadata={_META_KEY: raw, _SHA_KEY: file_sha256(raw, tensors)}))
+        # serialized here and written as any other file of the user's, with its mode (safetensors' save_file makes
+        # it owner-only)
+        raw = json.dumps(jsonfile.finite(self.meta))  # a scheduler's config may hold -inf (DPMSolver's)
+        jsonfile.write_bytes(path, save(tensors, metadata={_META_KEY: raw, _SHA_KEY: file_sha256(raw, tensors)}))
         return path
 
     @classmethod
@@ -493,10 +499,11 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     raw = header.get(_META_KEY)
     if raw is None:
         raise ValueError(f"{path} is a safetensors file but not a diffusion-int8 calibration (no metadata {_META_KEY!r})")
-    meta = jsonfile.loads(raw, f"{path}: metadata {_META_KEY!r}")
+    # non-finite numbers as text: earlier versions wrote a DPMSolver scheduler config's -inf as -Infinity
+    meta = jsonfile.loads(raw, f"{path}: metadata {_META_KEY!r}", nonfinite_as_text=True)
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: metadata {_META_KEY!r} must be a JSON object, got {type(meta).__name__}")
-    if meta.get("schema_version") not in READABLE_SCHEMAS:
+    if type(meta.get("schema_version")) is not int or meta["schema_version"] not in READABLE_SCHEMAS:  # not true, 1.0
         raise ValueError(f"{path} has calibration schema {meta.get('schema_version')} (metadata field schema_version); "
                          f"this version of diffusion-int8 reads schemas {READABLE_SCHEMAS}")
     schema, want = meta["schema_version"], header.get(_SHA_KEY)

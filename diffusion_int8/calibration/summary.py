@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from .. import jsonfile
 from .file import Calibration
 
 # the plots show names as given: a "$" in a schedule's or a layer's name is text, not the start of TeX
@@ -51,13 +51,24 @@ def summarize(cal: Calibration, schedule=None, top: int = 8) -> dict:
            # layers whose Q or K carries outlier channels of its own (None: no channel maxima, before schema 4)
            "qk_balance_layers": cal.balanced_layers() if cal.has_channel_ranges() else None}
     if schedule is not None:
-        layer, scale = names[0] if names else None, cal.meta.get("timestep_scale")
-        out["schedule"] = {"name": schedule.name,
-                           "per_step": [schedule.mode_for(float(t), layer, scale).value for t in cal.timesteps]}
+        scale, layers = cal.meta.get("timestep_scale"), names or [None]
+        out["schedule"] = {"name": schedule.name, "per_step": [
+            _across_layers([schedule.mode_for(float(t), n, scale).value for n in layers]) for t in cal.timesteps]}
         if getattr(schedule, "sparse", False):
-            out["schedule"]["tau_per_step"] = [schedule.tau_for(float(t), layer, scale) for t in cal.timesteps]
+            out["schedule"]["tau_per_step"] = [_across_layers([schedule.tau_for(float(t), n, scale) for n in layers])
+                                               for t in cal.timesteps]
             out["schedule"]["refresh_every"] = getattr(schedule, "refresh_every", None)
     return out
+
+
+def _across_layers(values: list):
+    """What a step's layers take: the value all of them take, else each value with its count of layers, as text
+    ("int8×12+int8_fp16v×4"; a level None as "dense")."""
+    if len(set(values)) == 1:
+        return values[0]
+    counts = {v: values.count(v) for v in values}
+    return "+".join(f"{'dense' if v is None else format(v, 'g') if isinstance(v, float) else v}×{c}"
+                    for v, c in counts.items())
 
 
 def write_markdown(summary: dict, path: Path) -> None:
@@ -112,7 +123,7 @@ def write_markdown(summary: dict, path: Path) -> None:
               "depth) and `errors.png` (error per step and mode), both with the noise level falling from left to "
               "right, as denoising proceeds" + ("; with carried settings, `errors.png` shows each one's error per step "
               "beside the modes'." if summary.get("carried") else "."), ""]
-    path.write_text("\n".join(lines))
+    jsonfile.write_bytes(path, "\n".join(lines).encode())
 
 
 def plot(cal: Calibration, out_dir: Path, budget: float | None = None,
@@ -189,7 +200,7 @@ def plot(cal: Calibration, out_dir: Path, budget: float | None = None,
 
 def write_all(cal: Calibration, schedule, out_dir: Path, budget: float | None) -> dict:
     summary = summarize(cal, schedule)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    jsonfile.write(out_dir / "summary.json", summary)
     write_markdown(summary, out_dir / "summary.md")
     every = getattr(schedule, "refresh_every", None)
     plot(cal, out_dir, budget, carried=None if every is None else (schedule.carried_tau(), every))

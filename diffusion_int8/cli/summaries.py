@@ -30,7 +30,7 @@ def print_calibration(summary: dict, schedule, out: Path, calibrating: float, wr
               f"worst {e['max_rel_l1']:.4f}")
     if "tau_per_step" in summary["schedule"]:
         every = summary["schedule"].get("refresh_every")
-        print("  levels per step: " + " ".join("dense" if t is None else f"{t:g}"
+        print("  levels per step: " + " ".join("dense" if t is None else t if isinstance(t, str) else f"{t:g}"
                                                 for t in summary["schedule"]["tau_per_step"])
               + (f" (skipped blocks carried, refresh every {every} steps)" if every else ""))
         if summary.get("carried") and carry_budget is not None:
