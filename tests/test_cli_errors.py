@@ -88,11 +88,26 @@ def no_images(monkeypatch):
     (["demo", "--budget", "-0.1"], "argument --budget: must be a finite number > 0"),
     (["check", "--shape", "1", "0", "256", "64"], "argument --shape: must be an integer >= 1, got 0"),
     (["eval", "--modes", "int4", "--out", "x"], "argument --modes: invalid choice: 'int4'"),
+    (["eval", "--modes", "int8", "int8", "--out", "x"], "modes lists a mode twice: ['int8', 'int8']"),
+    (["eval", "--modes", "--out", "x"], "nothing to compare with fp16: give --modes (int8, int8_fp16v), --schedule"),
     (["calibrate"], "the following arguments are required: --out"),
 ])
 def test_arguments_are_range_checked_in_one_line(argv, fragment, capsys, no_model):
     code, err = cli(argv, capsys)
     assert_usage_error(code, err, argv[0], fragment)
+
+
+def test_score_refuses_folders_of_other_image_sizes_in_one_line(tmp_path, capsys):
+    import torch
+
+    from diffusion_int8.eval.score import save_images
+
+    save_images(torch.rand(2, 3, 32, 32), tmp_path / "ref", [0, 1])
+    save_images(torch.rand(2, 3, 16, 16), tmp_path / "cand", [0, 1])
+    code, err = cli(["eval", "--score", tmp_path / "ref", tmp_path / "cand", "--out", tmp_path / "out"], capsys)
+    assert_usage_error(code, err, "eval", f"{tmp_path / 'cand'} holds 16×16 images and {tmp_path / 'ref'} 32×32",
+                       alone=False)
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------------ --out
@@ -517,6 +532,10 @@ def test_tune_out_is_checked_before_measuring(tmp_path, capsys, fake_gpu, monkey
                           (a_file, f"--out {a_file} exists; pass --overwrite")):
         code, err = cli(["tune", "--out", out], capsys)
         assert_usage_error(code, err, "tune", fragment)
+    # no --out: the cached table, named as such
+    monkeypatch.setattr(fake_gpu, "cache_path", lambda device: a_file)
+    code, err = cli(["tune"], capsys)
+    assert_usage_error(code, err, "tune", f"the cached table (no --out given) {a_file} exists; pass --overwrite")
     monkeypatch.setattr(outputs.os, "access", lambda *_: False)
     code, err = cli(["tune", "--out", tmp_path / "new" / "t.json"], capsys)
     assert_usage_error(code, err, "tune", f"cannot write in {tmp_path} (permission denied)")

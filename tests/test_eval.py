@@ -35,6 +35,34 @@ def test_psnr_and_ssim_are_per_image_float64():
     assert torch.isnan(M.ssim(x[:, :, :2, :2], ref[:, :, :2, :2])).all()
 
 
+def test_equal_images_aggregate_to_inf_without_spread_and_nan_prints_as_na():
+    from diffusion_int8.eval.report import fmt
+
+    ref = torch.rand(3, 3, 16, 16)
+    same = M.aggregate(M.psnr(ref, ref))  # the speed gate sent every call to SDPA: the images equal FP16's
+    assert same["mean"] == math.inf and same["std"] == 0.0 and same["n_finite"] == 0
+    mixed = M.aggregate(torch.tensor([30.0, math.inf]))
+    assert mixed["mean"] == math.inf and math.isnan(mixed["std"])
+    assert (fmt(same["mean"]), fmt(same["std"]), fmt(mixed["std"]), fmt(-math.inf)) == ("∞", "0.000", "n/a", "−∞")
+
+
+def test_variants_refuse_a_refresh_without_sparsity_and_speed_counts_images_not_processes():
+    from diffusion_int8.eval.run import _merge_speed, variants
+
+    with pytest.raises(ValueError, match="refresh_every=2 carries the blocks sparsity skips"):
+        variants(refresh_every=2)
+    part = lambda images, s, j: {"denoiser_ms_per_step": 10.0 if images else None, "denoiser_calls": 3 * images,  # noqa: E731
+                                 "images": images, "seconds_per_image": s, "peak_memory_mib": None,
+                                 "joules_per_image": j, "int8_calls": None, "gated_calls": None, "blocks": None,
+                                 "qk_balance": None}
+    # a launch with more processes than batches: the idle ones made no image and count for nothing
+    merged = _merge_speed([part(2, 2.0, 50.0), part(6, 1.0, 10.0), part(0, 0.0, 0.0), part(0, 0.0, 0.0)])
+    assert merged["seconds_per_image"] == pytest.approx((2 * 2.0 + 6 * 1.0) / 8)
+    assert merged["joules_per_image"] == pytest.approx((2 * 50.0 + 6 * 10.0) / 8)
+    assert merged["images"] == 8 and merged["denoiser_ms_per_step"] == 10.0
+    assert _merge_speed([part(1, 3.0, None)])["joules_per_image"] is None
+
+
 class RandomFeatures(torch.nn.Module):
     """A feature network built here with random weights, in place of Inception."""
 
@@ -325,7 +353,7 @@ def synthetic_report(tmp_path, size: int, device: str = "cpu", kernel: str = "em
     g = torch.Generator().manual_seed(0)
     ref = torch.rand(4, 3, size, size, generator=g)
     images = {n: (ref + 0.02 * i * torch.randn(ref.shape, generator=g)).clamp(0, 1) for i, n in enumerate(LONG_NAMES)}
-    speed = lambda ms: {"denoiser_ms_per_step": ms, "denoiser_calls": 3, "seconds_per_image": 0.5,  # noqa: E731
+    speed = lambda ms: {"denoiser_ms_per_step": ms, "denoiser_calls": 3, "images": 4, "seconds_per_image": 0.5,  # noqa: E731
                         "peak_memory_mib": 812.0 if device == "cuda" else None, "int8_calls": 6, "gated_calls": 0,
                         "joules_per_image": 12.34 if device == "cuda" else None}
     report = {"created": "2026-11-25T00:00:00+00:00", "model": "embedded", "device": "NVIDIA H100" if device == "cuda" else "cpu",

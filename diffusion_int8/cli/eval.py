@@ -25,7 +25,7 @@ import torch
 from .. import pipelines
 from ..calibration import FILE_NAME, Calibration
 from ..eval import report as R
-from ..eval.run import DEFAULT_MODES, OUTPUTS, evaluate, write_report, write_report_files
+from ..eval.run import DEFAULT_MODES, OUTPUTS, check_modes, evaluate, write_report, write_report_files
 from ..eval.score import Scorer, load_folder
 from ..kernels import Mode, kernel_info
 from ..schedule import PRESETS, PrecisionSchedule
@@ -59,6 +59,11 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
     schedule, calibration = load_inputs(schedule, calibration)
     if refresh_every is not None and sparsity is None:
         raise UsageError("--refresh-every carries the blocks --sparsity skips: give --sparsity TAU too")
+    with user_errors(ValueError):
+        modes = check_modes(modes)
+    if not (modes or schedule or calibration or sparsity is not None):
+        raise UsageError(f"nothing to compare with fp16: give --modes ({', '.join(m.value for m in Mode if m is not Mode.FP16)}), "
+                         f"--schedule, --calibration or --sparsity")
     check_weights(lpips_weights, fid_weights)
     check_model(model)
     shards = pipelines.Shards(device)
@@ -112,17 +117,23 @@ def score_folders(args) -> int:
     with user_errors():
         names, ref = load_folder(ref_dir)
         folders = [(c, *load_folder(c)) for c in cands]
+    for c, _, imgs in folders:
+        if imgs.shape[1:] != ref.shape[1:]:
+            raise UsageError(f"{c} holds {imgs.shape[3]}×{imgs.shape[2]} images and {ref_dir} {ref.shape[3]}×"
+                             f"{ref.shape[2]}; they are compared pixel by pixel, so their sizes must match")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     scorer = Scorer(args.lpips_weights, args.fid_weights, device)
-    images = {ref_dir.name or str(ref_dir): ref}
+    ref_name = ref_dir.resolve().name or str(ref_dir)  # "." is the folder's own name
+    images = {ref_name: ref}
     report = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": f"folders ({ref_dir})",
               "device": str(device), "kernel": "n/a (scoring only)", "timing": R.NO_TIMINGS, "steps": "?", "seed": "?", "num_images": len(names),
-              "items": names, "baseline": {"name": ref_dir.name, "speed": {}}, "variants": {},
-              "metrics_available": scorer.availability(), "image_dirs": {ref_dir.name: str(ref_dir)}}
+              "items": names, "baseline": {"name": ref_name, "speed": {}}, "variants": {},
+              "metrics_available": scorer.availability(), "image_dirs": {ref_name: str(ref_dir)}}
     for c, cnames, imgs in folders:
         if cnames != names:
             raise UsageError(f"{c} and {ref_dir} hold different file names; they are matched by name")
-        key = c.name if c.name not in images else str(c)
+        key = c.resolve().name or str(c)
+        key = key if key not in images else str(c)
         images[key] = imgs
         report["variants"][key] = {"speed": {}, "quality": scorer.score(imgs, ref)}
         report["image_dirs"][key] = str(c)

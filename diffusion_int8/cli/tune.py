@@ -50,7 +50,7 @@ def run(args) -> int:
         raise UsageError("needs a CUDA GPU (the speed gate only decides for CUDA devices)")
     device = torch.device("cuda", torch.cuda.current_device())
     out = Path(args.out) if args.out else cache_path(device)
-    check_out_file(out, "--out", args.overwrite, make_parents=True)
+    check_out_file(out, "--out" if args.out else "the cached table (no --out given)", args.overwrite, make_parents=True)
     table = measure(device, head_dims=head_dims, dtypes=dtypes, progress=lambda s: print(s, flush=True))
     with user_errors(OSError):  # save removes its temporary file on any failure
         table.save(out)

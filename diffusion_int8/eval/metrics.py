@@ -173,5 +173,6 @@ def aggregate(values: torch.Tensor) -> dict:
     finite = v[torch.isfinite(v)]
     if not len(v):  # every image excluded
         return {"mean": None, "std": None, "min": None, "max": None, "n": 0, "n_finite": 0}
-    return {"mean": float(v.mean()), "std": float(v.std()) if len(v) > 1 else 0.0, "min": float(v.min()),
+    same = bool((v == v[0]).all())  # one value, or equal images' PSNR (inf) each time: no spread, not inf - inf
+    return {"mean": float(v.mean()), "std": 0.0 if same else float(v.std()), "min": float(v.min()),
             "max": float(v.max()), "n": len(v), "n_finite": len(finite)}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import math
 from pathlib import Path
 
@@ -27,21 +26,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .. import jsonfile
+
 # the plots show names as given: a "$" in a schedule's or a layer's name is text, not the start of TeX
 PLAIN_TEXT = {"text.usetex": False, "text.parse_math": False}
 
 REPORT_FILES = ("report.json", "report.md", "report.html")
-
-
-def _clean(obj):
-    """JSON without NaN/Infinity (which browsers' JSON.parse rejects): non-finite floats become strings."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
 
 
 def fmt(x, digits=3) -> str:
@@ -50,6 +40,8 @@ def fmt(x, digits=3) -> str:
         return x
     if x is None:
         return "–"
+    if math.isnan(x):
+        return "n/a"
     return f"{x:.{digits}f}" if math.isfinite(x) else ("∞" if x > 0 else "−∞")
 
 
@@ -223,7 +215,7 @@ def _non_finite_note(report: dict) -> tuple[str, list[str]] | None:
 
 def write_json(report: dict, out: Path) -> Path:
     path = out / "report.json"
-    path.write_text(json.dumps(_clean(report), indent=1) + "\n")
+    jsonfile.write(path, report)
     return path
 
 
@@ -269,7 +261,7 @@ def write_markdown(report: dict, out: Path) -> Path:
         lines += [f"- `{name}`: {steps}" for name, steps in sparsity_lines(report)]
     lines += ["", "Images: " + ", ".join(f"`{p}`" for p in report["image_dirs"].values()), ""]
     path = out / "report.md"
-    path.write_text("\n".join(lines))
+    jsonfile.write_bytes(path, "\n".join(lines).encode())
     return path
 
 
@@ -363,9 +355,11 @@ def write_html(report: dict, images: dict[str, torch.Tensor], labels: list[str],
         caption = f"<h3>{span} of {len(names) - 1}</h3>" if len(pages) > 1 else ""
         tables.append(f'{caption}<table class="grid"><tr><th></th>{head}</tr>{"".join(body)}</table>')
     timing_note = timing_of(report)["note"]
-    speed_note = (f"Speed: denoiser time per step (median over steps after a warm-up run), and how much faster or "
-                  f"slower than stock ({e(names[0])}) it is." if timing_of(report)["speed"] else
-                  "Times: denoiser time per step (median over steps after a warm-up run) and seconds per image.")
+    per_step = ("median over steps after a warm-up run; a variant that carries skipped blocks, the mean, as its "
+                "refresh steps cost more than the others")
+    speed_note = (f"Speed: denoiser time per step ({per_step}), and how much faster or slower than stock "
+                  f"({e(names[0])}) it is." if timing_of(report)["speed"] else
+                  f"Times: denoiser time per step ({per_step}) and seconds per image.")
     table = "".join(f"<th>{e(h)}</th>" for h in header(report))
     rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in _rows(report))
     na = [f"<li><b>{e(k)}</b>: {e(v['reason'])}</li>" for k, v in report["metrics_available"].items() if not v["available"]]
@@ -426,7 +420,7 @@ window.addEventListener("load", () => {{
 </body></html>
 """
     path = out / "report.html"
-    path.write_text(page)
+    jsonfile.write_bytes(path, page.encode())
     return path
 
 

@@ -88,6 +88,8 @@ def variants(modes: Sequence[str] = DEFAULT_MODES, schedule: PrecisionSchedule |
              refresh_every: int | None = None, speed_gate: bool = True) -> dict[str, Int8Config]:
     """``{name: config}`` in report order, one speed gate shared (``speed_gate`` False: INT8 forced); the baseline
     (stock pipeline) is not listed. The configs are checked as they are made, before any image."""
+    if refresh_every is not None and sparsity is None:
+        raise ValueError(f"refresh_every={refresh_every} carries the blocks sparsity skips: give sparsity too")
     gate = SpeedGate() if speed_gate else False
     out = {m: Int8Config(m, speed_gate=gate) for m in modes}
     if schedule is not None:
@@ -95,7 +97,7 @@ def variants(modes: Sequence[str] = DEFAULT_MODES, schedule: PrecisionSchedule |
     if calibration is not None:
         base_name, base = list(out.items())[-1] if out else ("int8", Int8Config("int8", speed_gate=gate))
         out[f"{base_name}+static-ranges"] = base.replace(calibration=calibration)
-    if sparsity is not None or refresh_every is not None:
+    if sparsity is not None:
         name = f"int8+sparsity{sparsity:g}" + (f"+refresh{refresh_every}" if refresh_every else "")
         out[name] = Int8Config("int8", sparsity=sparsity, refresh_every=refresh_every, speed_gate=gate)
     return out
@@ -149,7 +151,7 @@ def run_variant(pipe, model, items, batches, device, config: Int8Config | None, 
     # carried blocks alternate dearer refresh steps with cheaper ones: their mean, not the median of either kind
     per_step_ms = statistics.mean if config is not None and config.refresh_every else statistics.median
     speed = {"denoiser_ms_per_step": per_step_ms(timer.ms) if timer.ms else None,
-             "denoiser_calls": len(timer.ms), "seconds_per_image": seconds / max(n_images, 1),
+             "denoiser_calls": len(timer.ms), "images": n_images, "seconds_per_image": seconds / max(n_images, 1),
              "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
              "joules_per_image": joules / max(n_images, 1) if energy else None,
              "int8_calls": int8_calls if handle is not None else None,
@@ -237,7 +239,8 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
 
     Returns:
         On the main process, the report (what ``report.json`` holds, plus ``images``): ``baseline`` and
-        ``variants`` (per variant ``speed``: ``denoiser_ms_per_step`` (median), ``seconds_per_image``,
+        ``variants`` (per variant ``speed``: ``denoiser_ms_per_step`` (the median; the mean where skipped
+        blocks are carried), ``images``, ``seconds_per_image``,
         ``peak_memory_mib``, ``joules_per_image`` (the GPU's energy over the timed generations, NVML; None
         elsewhere), ``int8_calls``, ``gated_calls``; ``quality``: per-image and aggregate PSNR,
         SSIM, LPIPS, FID, KID, unless ``generate_only``; ``non_finite_images``: indices of images with
@@ -334,22 +337,26 @@ def _warn_nonfinite(bad: dict[str, list[int]]) -> None:
 
 
 def _merge_speed(parts: list[dict]) -> dict:
+    """The processes' speed records as one: per image over all their images (a process given none, as a launch
+    with more processes than batches has, counts for nothing), the median of their step times."""
     ms = [p["denoiser_ms_per_step"] for p in parts if p["denoiser_ms_per_step"] is not None]
     mem = [p["peak_memory_mib"] for p in parts if p["peak_memory_mib"] is not None]
     return {"denoiser_ms_per_step": statistics.median(ms) if ms else None,
-            "denoiser_calls": sum(p["denoiser_calls"] for p in parts),
-            "seconds_per_image": statistics.mean(p["seconds_per_image"] for p in parts),
+            "denoiser_calls": sum(p["denoiser_calls"] for p in parts), "images": sum(p["images"] for p in parts),
+            "seconds_per_image": _per_image(parts, "seconds_per_image"),
             "peak_memory_mib": max(mem) if mem else None, "processes": len(parts),
-            "joules_per_image": _mean_known(p.get("joules_per_image") for p in parts),
+            "joules_per_image": _per_image(parts, "joules_per_image"),
             "int8_calls": None if parts[0].get("int8_calls") is None else sum(p["int8_calls"] for p in parts),
             "gated_calls": None if parts[0].get("gated_calls") is None else sum(p["gated_calls"] for p in parts),
             "blocks": None if parts[0].get("blocks") is None else _summed_blocks(p["blocks"] for p in parts),
             "qk_balance": _merged_balance([p.get("qk_balance") for p in parts])}
 
 
-def _mean_known(values) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.mean(known) if known else None
+def _per_image(parts: list[dict], key: str) -> float | None:
+    """``key`` (a quantity per image) over the images of every process that made some and measured it."""
+    known = [(p[key], p["images"]) for p in parts if p.get(key) is not None and p["images"]]
+    n = sum(n for _, n in known)
+    return sum(v * n for v, n in known) / n if n else None
 
 
 def _merged_balance(parts: list) -> dict | None:
