@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..caller import outside_stacklevel
 from . import pool
 from . import quantize as tq
 from .config import (FP8_P_SHIFT, FP_FUSION, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, TESTED_TRITON, Kernel,
@@ -718,4 +719,4 @@ def sm90_kernel_usable(device: torch.device) -> bool:
 def _warn_sm90_import(device_index: int | None) -> None:
     if torch.cuda.get_device_capability(device_index) == (9, 0):
         warnings.warn(f"diffusion_int8: {sm90_unavailable()}; the portable Triton kernel runs instead (same "
-                      f"numerics, slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=8)
+                      f"numerics, slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=outside_stacklevel())

@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..caller import outside_stacklevel
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453  # the log-sum-exp comes back in natural-log units, as SDPA's
 INT8_MAX = 127.0
@@ -204,7 +206,7 @@ def _warn_fallback(reason: str) -> None:
         f"diffusion_int8: {reason}; using the PyTorch emulation of the INT8 kernel (same numerics, "
         f"much slower). Set {ENV_BACKEND}=emulation to silence this.",
         RuntimeWarning,
-        stacklevel=5,
+        stacklevel=outside_stacklevel(),
     )
 
 

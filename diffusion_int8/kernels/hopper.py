@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..caller import outside_stacklevel
 from .config import FP8_P_SHIFT, FP_FUSION, LN2, PV, SPARSE_BLOCK, TESTED_TRITON, is_sm90
 from .launch import EAGER, Runner
 from .layout import rows_16b_aligned
@@ -704,7 +705,7 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
         compile_failure = (f"the sm_90 Gluon kernel failed to compile with Triton {triton.__version__} "
                            f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})")
         warnings.warn(f"diffusion_int8: {compile_failure}; the portable Triton kernel runs instead (same numerics, "
-                      f"slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=5)
+                      f"slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=outside_stacklevel())
         return False
     return True
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..caller import outside_stacklevel
 from ..kernels import Mode
 from ..kernels.config import MAX_HEAD_DIM
 from .models import (TIMESTEP_ARGUMENTS, attention_modules, attention_outside_processors, denoiser, head_dim_of,
@@ -321,18 +321,6 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], steps: St
     return None
 
 
-def _outside_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning issued by the caller at the first frame outside diffusion_int8, torch
-    and diffusers: the user's call of the pipeline or model."""
-    level, frame = 2, sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL:
-        level, frame = level + 1, frame.f_back
-    return level
-
-
-_INTERNAL = ("diffusion_int8", "torch", "diffusers")
-
-
 class StepCount:
     """The denoising steps of a generation a pipeline starts (``Int8State.steps``): the distinct noise levels in
     ``pipe.scheduler.timesteps`` from the one nearest the generation's first to the last, as ``carry.BlockCarry``
@@ -377,5 +365,5 @@ class StepCount:
                           f"errors calibrated at {calibrated.calibrated_steps} steps. Calibrate at {n} steps (diffusion-"
                           f"int8 calibrate --steps {n}, with the same --sparsity-levels and --refresh-every) or compare "
                           f"the images (diffusion-int8 eval --schedule ...)", RuntimeWarning,
-                          stacklevel=_outside_stacklevel())
+                          stacklevel=outside_stacklevel())
         return n - first

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..caller import outside_stacklevel
 from ..kernels import Mode
 from ..kernels.config import SPARSE_BLOCK
 from ..kernels.layout import cdiv
@@ -116,7 +117,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
                 warnings.warn("diffusion_int8: a precision schedule chooses each call's mode from the denoiser's "
                               "timestep, which this processor has not been given (diffusion_int8.enable() reads it "
                               "from the denoiser's timestep argument; set_attn_processor gives it none); until it "
-                              "is, every call runs exact attention (fp16)", RuntimeWarning, stacklevel=6)
+                              "is, every call runs exact attention (fp16)", RuntimeWarning, stacklevel=outside_stacklevel())
             return Mode.FP16
         if isinstance(self.schedule, PrecisionSchedule):
             return self.schedule.mode_for(self.state.timestep, self.name, self.state.timestep_scale)
@@ -247,7 +248,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
             self._routed_calls[type(inner)] = route
             warnings.warn(f"diffusion_int8: {type(inner).__name__} reached no attention through F, "
                           f"dispatch_attention_fn or torch's SDPA in its first {MAX_UNDECIDED + 1} calls (its own "
-                          f"kernel, or none): it runs as stock", RuntimeWarning, stacklevel=3)
+                          f"kernel, or none): it runs as stock", RuntimeWarning, stacklevel=outside_stacklevel())
         return out
 
     def _infer_stock(self, attn: torch.nn.Module, args: tuple, kwargs: dict):
@@ -266,7 +267,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
                           f"inferred from each module's class ({type(inner).__name__} for {type(attn).__name__}); "
                           f"models that give their attention modules processors of their own (Qwen-Image, "
                           f"HunyuanVideo, Sana, ...) then compute something else. diffusion_int8.enable(pipe) wraps "
-                          f"the processors the model has.", RuntimeWarning, stacklevel=4)
+                          f"the processors the model has.", RuntimeWarning, stacklevel=outside_stacklevel())
         return inner
 
     def _mode_call(self, inner, attn, hidden_states, *args, **kwargs):
@@ -408,7 +409,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
             self._warned_carry = True
             warnings.warn("diffusion_int8: refresh_every needs the denoiser's timestep, which this processor has not "
                           "been given (diffusion_int8.enable() reads it); the skipped blocks are dropped instead",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=outside_stacklevel())
         return False
 
     def block_mask_for(self, query, key, attn_mask, scale, tau: float | None,
@@ -492,7 +493,7 @@ class _OutsideAttention(TorchFunctionMode):
 def _warn_outside(inner) -> None:
     warnings.warn(f"diffusion_int8: {type(inner).__name__} reaches attention outside its module's F and "
                   f"dispatch_attention_fn; routing it through a torch-function mode (more host "
-                  f"time per call)", RuntimeWarning, stacklevel=4)
+                  f"time per call)", RuntimeWarning, stacklevel=outside_stacklevel())
 
 
 def _restore(state: dict) -> Int8DiffusionProcessor:
