@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval(sub)
     add_check(sub)
     add_tune(sub)
+    for command in sub.choices.values():  # also after the command; not given there, the one before it stands
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show the traceback of user errors too")
     return parser
 
 

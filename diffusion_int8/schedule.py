@@ -393,6 +393,8 @@ class PrecisionSchedule:
             return PRESETS[str(path_or_preset)]
         path = Path(path_or_preset)
         if not path.is_file():
+            if path.suffix or len(path.parts) > 1:  # meant as a file
+                raise FileNotFoundError(f"no schedule file at {path} (nor is it a preset: {', '.join(PRESETS)})")
             raise FileNotFoundError(f"{path} is neither a schedule file nor a preset ({', '.join(PRESETS)})")
         try:
             text = path.read_text(encoding="utf-8")

@@ -82,10 +82,12 @@ def no_images(monkeypatch):
     (["calibrate", "--percentile", "100.5", "--out", "x"], "must be a percentile in (0, 100]"),
     (["calibrate", "--budget", "nan", "--out", "x"], "argument --budget: must be a finite number, got 'nan'"),
     (["calibrate", "--budget", "inf", "--out", "x"], "must be a finite number, got 'inf'"),
-    (["calibrate", "--budget", "0", "--out", "x"], "argument --budget: must be a finite number > 0, got '0'"),
+    (["calibrate", "--budget", "0", "--out", "x"], "argument --budget: must be a relative L1 error in (0, 1], got '0'"),
+    (["calibrate", "--budget", "2", "--out", "x"], "must be a relative L1 error in (0, 1], got '2' (1 is an error as"),
+    (["calibrate", "--carry-budget", "1.5", "--out", "x"], "argument --carry-budget: must be a relative L1 error in"),
     (["eval", "--guidance-scale", "-1", "--out", "x"], "argument --guidance-scale: must be a finite number >= 0"),
     (["demo", "--steps", "0"], "argument --steps: must be an integer >= 1"),
-    (["demo", "--budget", "-0.1"], "argument --budget: must be a finite number > 0"),
+    (["demo", "--budget", "-0.1"], "argument --budget: must be a relative L1 error in (0, 1]"),
     (["check", "--shape", "1", "0", "256", "64"], "argument --shape: must be an integer >= 1, got 0"),
     (["eval", "--modes", "int4", "--out", "x"], "argument --modes: invalid choice: 'int4'"),
     (["eval", "--modes", "int8", "int8", "--out", "x"], "modes lists a mode twice: ['int8', 'int8']"),
@@ -108,6 +110,10 @@ def test_score_refuses_folders_of_other_image_sizes_in_one_line(tmp_path, capsys
     assert_usage_error(code, err, "eval", f"{tmp_path / 'cand'} holds 16×16 images and {tmp_path / 'ref'} 32×32",
                        alone=False)
     assert not (tmp_path / "out").exists()
+    save_images(torch.rand(1, 3, 32, 32), tmp_path / "few", [0])
+    code, err = cli(["eval", "--score", tmp_path / "ref", tmp_path / "few", "--out", tmp_path / "out"], capsys)
+    assert_usage_error(code, err, "eval", f"{tmp_path / 'few'} (1 image) and {tmp_path / 'ref'} (2) hold different "
+                       f"file names (only in {tmp_path / 'ref'}: 00001.png)", alone=False)
 
 
 # ------------------------------------------------------------------------------------ --out
@@ -192,9 +198,11 @@ def test_calibration_is_validated_against_the_model_before_any_image(calibrated,
 
 def test_debug_shows_the_traceback(tmp_path, capsys, no_model, monkeypatch):
     argv = EVAL + ["--schedule", tmp_path / "missing.json", "--out", tmp_path / "r"]
-    with pytest.raises(UsageError, match="neither a schedule file nor a preset") as err:
+    with pytest.raises(UsageError, match="no schedule file at .*missing.json") as err:
         main(["--debug", *map(str, argv)])
     assert isinstance(err.value.__cause__, FileNotFoundError)  # the original error, chained
+    with pytest.raises(UsageError, match="no schedule file at"):  # after the command too
+        main([*map(str, argv), "--debug"])
     monkeypatch.setenv("DIFFUSION_INT8_DEBUG", "1")
     with pytest.raises(UsageError):
         main([str(a) for a in argv])
@@ -204,8 +212,8 @@ def test_entry_point_prints_one_line_and_exits_2(tmp_path):
     argv = [sys.executable, "-m", "diffusion_int8", "eval", "--schedule", "missing.json", "--out", "r"]
     res = subprocess.run(argv, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
-        "diffusion-int8 eval: error: missing.json is neither a schedule file nor a preset "
-        "(int8, int8_fp16v, fp16, balanced)"], res.stderr
+        "diffusion-int8 eval: error: no schedule file at missing.json (nor is it a preset: "
+        "int8, int8_fp16v, fp16, balanced)"], res.stderr
     res = subprocess.run(argv, cwd=tmp_path, env={**cli_env(), "DIFFUSION_INT8_DEBUG": "1"}, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 1 and "Traceback" in res.stderr and "FileNotFoundError" in res.stderr, res.stderr
@@ -223,7 +231,7 @@ def fill(folder, names, text):
     for n in names:
         if n == "images":
             (folder / n / "a").mkdir(parents=True)
-            (folder / n / "a" / "0.png").write_text(text)
+            (folder / n / "a" / "00000.png").write_text(text)
         else:
             (folder / n).write_text(text)
 
@@ -268,6 +276,25 @@ def test_output_set_failing_move_puts_the_previous_set_back(tmp_path, monkeypatc
         with outputs.output_set(out, NAMES, overwrite=True) as tmp:
             fill(tmp, NAMES, "new")
     assert len(moves) >= fail_at and snapshot(out) == before
+
+
+def test_overwrite_refuses_to_delete_files_of_the_users_in_an_output_folder(tmp_path):
+    out = tmp_path / "out"
+    fill(out, NAMES, "old")
+    (out / "images" / "keep.png").write_text("the user's")
+    (out / "images" / "a" / "notes.txt").write_text("the user's")
+    before = snapshot(out)
+    with pytest.raises(UsageError, match=r"--overwrite replaces images in .* whole, and it holds files no "
+                                         r"diffusion-int8 command writes there: images/a/notes.txt, images/keep.png; "
+                                         r"move them out"):
+        with outputs.output_set(out, NAMES, overwrite=True) as tmp:
+            fill(tmp, NAMES, "new")
+    assert snapshot(out) == before
+    (out / "images" / "keep.png").unlink()
+    (out / "images" / "a" / "notes.txt").unlink()
+    with outputs.output_set(out, NAMES, overwrite=True) as tmp:  # the commands' own files alone: replaced
+        fill(tmp, NAMES, "new")
+    assert snapshot(out)["files"]["images/a/00000.png"] == b"new"
 
 
 def test_output_set_replaces_the_whole_set_and_keeps_other_files(tmp_path):

@@ -24,7 +24,7 @@ from ..schedule import (BUDGET as DEFAULT_BUDGET, CARRY_BUDGET, SPARSITY_BUDGET 
 from .common import add_model_args, check_model, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, command, output_set
 from .summaries import print_calibration
-from .usage import (UsageError, percentile as percentile_arg, positive_float, refresh_intervals,
+from .usage import (UsageError, error_budget, percentile as percentile_arg, refresh_intervals,
                     sparsity_levels as levels_arg)
 
 
@@ -88,7 +88,7 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--percentile", type=percentile_arg, default=99.0, help="percentile of |Q| and |K| to record (default: %(default)s; their maxima are recorded too, and "
                         "static ranges use the maxima unless Calibration.ranges(clip=\"p99\"))")
-    p.add_argument("--budget", type=positive_float, default=DEFAULT_BUDGET,
+    p.add_argument("--budget", type=error_budget, default=DEFAULT_BUDGET,
                    help="largest relative L1 attention error the derived schedule accepts (default: %(default)s)")
     p.add_argument("--per-layer", action="store_true", help="derive the schedule per layer as well as per step")
     p.add_argument("--sparsity-levels", type=levels_arg, default=None, metavar="TAU,...",
@@ -100,12 +100,12 @@ def add_parser(sub) -> None:
                         "step and forecast in between, e.g. 3,4,5; the schedule carries one level at one interval "
                         "where a setting within --carry-budget computes fewer blocks than dropping the levels within "
                         "--sparsity-budget")
-    p.add_argument("--carry-budget", type=positive_float, default=None,
+    p.add_argument("--carry-budget", type=error_budget, default=None,
                    help="largest relative L1 attention error of a carried setting, averaged along the trajectory "
                         f"over the layers and the steps, each step weighted by the noise it removes; with "
                         f"--refresh-every (default: {CARRY_BUDGET}, about the 30 dB line against FP16 on the long "
                         "shipped model at 20 and 50 steps)")
-    p.add_argument("--sparsity-budget", type=positive_float, default=None,
+    p.add_argument("--sparsity-budget", type=error_budget, default=None,
                    help="largest relative L1 attention error block sparsity may add, on top of --budget's "
                         f"(default with --sparsity-levels: {DEFAULT_SPARSITY_BUDGET})")
     p.set_defaults(func=command(run))

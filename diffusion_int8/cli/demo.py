@@ -37,7 +37,7 @@ from .calibrate import DEFAULT_BUDGET
 from .common import add_run_args, check_model, check_weights, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, command, output_set
 from .summaries import print_calibration, print_report
-from .usage import UsageError, device_arg, positive_float
+from .usage import UsageError, device_arg, error_budget
 
 OUTPUTS = ("calibration", "prompts.txt") + EVAL_OUTPUTS
 DEMO_BUDGET = 0.015
@@ -131,7 +131,7 @@ def add_parser(sub) -> None:
     p.add_argument("--class-labels", nargs="+", default=None,
                    help=f"default: one image of each of the 16 classes (on a CPU, of the first {CPU_LABELS})")
     add_run_args(p, batch_size=16, steps=None, steps_default=f"{GPU_STEPS}; on a CPU, {CPU_STEPS}")
-    p.add_argument("--budget", type=positive_float, default=DEMO_BUDGET,
+    p.add_argument("--budget", type=error_budget, default=DEMO_BUDGET,
                    help=f"error budget of the derived schedule (default: %(default)s). {BUDGET_WHY}")
     p.add_argument("--device", type=device_arg, default=None, help="cuda, cuda:N or cpu (default: the GPU if there is one, else cpu)")
     p.add_argument("--lpips-weights", default=None, help="torchvision AlexNet weights for LPIPS (see eval --help)")

@@ -126,12 +126,16 @@ def score_folders(args) -> int:
     ref_name = ref_dir.resolve().name or str(ref_dir)  # "." is the folder's own name
     images = {ref_name: ref}
     report = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": f"folders ({ref_dir})",
-              "device": str(device), "kernel": "n/a (scoring only)", "timing": R.NO_TIMINGS, "steps": "?", "seed": "?", "num_images": len(names),
+              "device": str(device), "kernel": "n/a (scoring only)", "timing": R.NO_TIMINGS, "steps": None, "seed": None, "num_images": len(names),
               "items": names, "baseline": {"name": ref_name, "speed": {}}, "variants": {},
               "metrics_available": scorer.availability(), "image_dirs": {ref_name: str(ref_dir)}}
     for c, cnames, imgs in folders:
         if cnames != names:
-            raise UsageError(f"{c} and {ref_dir} hold different file names; they are matched by name")
+            only_c, only_ref = sorted(set(cnames) - set(names)), sorted(set(names) - set(cnames))
+            differ = "; ".join(f"only in {where}: {', '.join(n[:3])}{f' and {len(n) - 3} more' if len(n) > 3 else ''}"
+                               for where, n in ((c, only_c), (ref_dir, only_ref)) if n)
+            raise UsageError(f"{c} ({R.counted(len(cnames), 'image')}) and {ref_dir} ({len(names)}) hold different file names "
+                             f"({differ}); they are matched by name")
         key = c.resolve().name or str(c)
         key = key if key not in images else str(c)
         images[key] = imgs

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import signal
 import sys
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from ..calibration.run import OUTPUTS as CALIBRATION_OUTPUTS
 from .usage import UsageError, user_errors
 
 
@@ -52,6 +54,29 @@ def check_out(out: Path, names: Sequence[str], overwrite: bool) -> None:
         raise UsageError(f"{out} already holds {', '.join(existing)}; choose another --out or pass --overwrite")
     if existing and not os.access(out, os.W_OK | os.X_OK):
         raise UsageError(f"--out {out}: cannot replace its outputs (permission denied)")
+    foreign = [f"{n}/{f}" for n in existing for f in _not_made(out / n, n)]
+    if foreign:
+        raise UsageError(f"--overwrite replaces {', '.join(sorted({f.split('/')[0] for f in foreign}))} in {out} "
+                         f"whole, and it holds files no diffusion-int8 command writes there: "
+                         f"{', '.join(foreign[:5])}{f' and {len(foreign) - 5} more' if len(foreign) > 5 else ''}; "
+                         f"move them out or choose another --out")
+
+
+# What the commands write inside the outputs that are folders: eval's and demo's images/<variant>/<index>.png, and
+# demo's calibration/ (calibrate's outputs). --overwrite replaces such a folder whole, so anything else in it is the
+# user's and is not deleted.
+_MADE_IN = {"images": re.compile(r"[^/]+/\d{5}\.png"),
+            "calibration": re.compile("|".join(re.escape(n) for n in CALIBRATION_OUTPUTS))}
+
+
+def _not_made(path: Path, name: str) -> list[str]:
+    """The files under the output folder ``path`` (output ``name``) that no command writes there, as paths
+    relative to it; none where ``path`` is not a folder."""
+    made = _MADE_IN.get(name)
+    if made is None or path.is_symlink() or not path.is_dir():
+        return []
+    return sorted(rel for rel in (p.relative_to(path).as_posix() for p in path.rglob("*")
+                                  if p.is_symlink() or not p.is_dir()) if not made.fullmatch(rel))
 
 
 def check_out_file(path: Path, flag: str, overwrite: bool, make_parents: bool = False) -> None:

@@ -148,11 +148,13 @@ def _finite(text: str) -> float:
     return value
 
 
-def positive_float(text: str) -> float:
-    """argparse ``type=``: a finite number > 0."""
+def error_budget(text: str) -> float:
+    """argparse ``type=``: a relative L1 error budget, a number in (0, 1] (1: an error as large as the attention
+    output, beyond which every budget admits every setting)."""
     value = _finite(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a relative L1 error in (0, 1], got {text!r} (1 is an error as "
+                                         f"large as the attention output)")
     return value
 
 

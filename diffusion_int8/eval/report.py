@@ -232,10 +232,24 @@ def reading_note(report: dict) -> str:
     return READING_NOTE + (" " + ENERGY_NOTE if _has_energy(report) else "")
 
 
+def counted(n, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def run_parts(report: dict) -> list[str]:
+    """What the reports say of the run: images, steps and seeds (where known: folders scored with ``--score`` were
+    made elsewhere)."""
+    parts = [counted(report["num_images"], "image")]
+    if isinstance(report.get("steps"), int):
+        parts.append(counted(report["steps"], "step"))
+    if isinstance(report.get("seed"), int):
+        parts.append(f"seeds {report['seed']}+i")
+    return parts
+
+
 def write_markdown(report: dict, out: Path) -> Path:
     lines = [f"# INT8 attention evaluation: {report['model']}", "",
-             f"{report['num_images']} images, {report['steps']} steps, seeds {report['seed']}+i, on {report['device']} "
-             f"(INT8 kernel: {report['kernel']}).", ""]
+             f"{', '.join(run_parts(report))}, on {report['device']} (INT8 kernel: {report['kernel']}).", ""]
     if report.get("gpu_speed"):
         lines += speed_markdown(report["gpu_speed"]) + ["", "## Quality and speed of the demo's model", ""]
     note = timing_of(report)["note"]
@@ -390,7 +404,7 @@ body{{font-family:system-ui,sans-serif;margin:24px;color:#222}} table{{border-co
 </style></head>
 <body data-images-ok="pending" data-errors="" data-scroll-width="" data-window-width="">
 <h1>INT8 attention evaluation</h1>
-<p>Model <code>{e(report['model'])}</code> · {report['num_images']} images · {report['steps']} steps · seeds {report['seed']}+i ·
+<p>Model <code>{e(report['model'])}</code> · {' · '.join(e(p) for p in run_parts(report))} ·
 device {e(report['device'])} · INT8 kernel: {e(report['kernel'])} · {e(report['created'])}</p>
 {speed_html(report['gpu_speed']) if report.get('gpu_speed') else ''}
 <h2>Metrics against {e(names[0])}</h2>

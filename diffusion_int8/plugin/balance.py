@@ -57,7 +57,7 @@ class BalanceChoice:
                 return "off (calibration: no outlier channels)"
             return "off (calibration without per-channel maxima)"
         if self.measured is None:  # compiled or graph-captured calls before an eager one measure it in each call
-            return "undecided (no INT8 call of 1,024+ queries per head yet)"
+            return "undecided (no INT8 call of 1,024+ queries per head so far; shorter calls are not balanced)"
         if self.source == "first call":
             return "on (outlier channels at the first call)" if self.measured else "off (no outlier channels at the first call)"
         return f"{'on' if self.measured else 'off'} ({self.source})"
