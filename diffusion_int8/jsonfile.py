@@ -4,6 +4,7 @@ atomically."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -16,10 +17,14 @@ _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _BRACKET = re.compile(r"[\[\]{}]")
 
 
+class NonFinite(str):
+    """A NaN, Infinity or -Infinity that ``loads`` read as text ("nan", "inf", "-inf", as ``finite`` writes them)."""
+
+
 def loads(text: str, source: str, *, nonfinite_as_text: bool = False):
     """``text`` parsed; ``ValueError`` naming ``source`` for invalid JSON, NaN or Infinity, or nesting deeper than
     ``MAX_DEPTH`` (checked before parsing: Python's parser recurses). ``nonfinite_as_text``: NaN, Infinity and
-    -Infinity are read as the strings ``finite`` writes ("nan", "inf", "-inf") instead."""
+    -Infinity are read as ``NonFinite`` strings instead, for the caller to accept where it can."""
     depth = deepest = 0
     for bracket in _BRACKET.finditer(_STRING.sub('""', text)):
         depth += 1 if bracket.group() in "[{" else -1
@@ -30,7 +35,7 @@ def loads(text: str, source: str, *, nonfinite_as_text: bool = False):
 
     def constant(name):
         if nonfinite_as_text:
-            return str(float(name))
+            return NonFinite(float(name))
         raise ValueError(f"{source}: {name} is not JSON (numbers must be finite)")
 
     try:
@@ -61,7 +66,8 @@ def write_bytes(path: str | Path, raw: bytes) -> None:
     """Write ``raw`` to ``path`` atomically: a reader sees the old file or the new one, never half of one (an
     interrupted write leaves the old file). A symbolic link is written through (its target replaced), and the file
     keeps the old one's permissions, or gets a new file's. The temporary file is made new under a random name beside
-    it (``O_EXCL``), so nothing planted there is followed or written."""
+    it (``O_EXCL``), so nothing planted there is followed or written. A file that may not be written (read-only) is
+    not replaced: ``PermissionError``, as writing it in place would give; other links to the old file keep it."""
     path = Path(os.path.realpath(path))
     try:
         mode = path.stat().st_mode & 0o7777
@@ -69,7 +75,13 @@ def write_bytes(path: str | Path, raw: bytes) -> None:
         umask = os.umask(0)
         os.umask(umask)
         mode = 0o666 & ~umask
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    else:
+        if not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:  # named by the file asked for, not the temporary one
+        raise type(e)(e.errno, e.strerror, str(path)) from None
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:

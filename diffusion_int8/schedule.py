@@ -418,9 +418,11 @@ def _carried_choice(calibration, budget: float, carry_budget: float, metric: str
     def cost(kept: torch.Tensor) -> float:  # (L, T) fractions computed: mean over the layers and the INT8 steps
         return float(kept[:, steps].mean())
 
+    noise = calibration.noise.tolist()
     dropped_kept = []
-    for t in steps:
-        tau = next((tau for tau, e in sparse_errs.items() if float(e[:, t].max()) <= budget), None)
+    for t in steps:  # the level the schedule drops at this call's step: within budget at every call of the step
+        calls = [c for c, n in enumerate(noise) if n == noise[t]]
+        tau = next((tau for tau, e in sparse_errs.items() if float(e[:, calls].max()) <= budget), None)
         dropped_kept.append(1.0 if tau is None else float(calibration.kept(tau)[:, t].mean()))
     best, best_cost = None, sum(dropped_kept) / len(dropped_kept)
     for tau, every in calibration.carry_settings():

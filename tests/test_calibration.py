@@ -414,6 +414,15 @@ def test_schedule_from_calibration_decides_a_step_by_its_worst_call():
     cal = crafted_sparse({0.8: [[0.01, 0.2] * 3]}, {0.8: [[0.3] * 6]}, noise)
     sparse = PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=None)
     assert [sparse.tau_for(t * 1000) for t in (1.0, 0.5)] == [None, None]
+    # and carrying is weighed against what the schedule drops: 0.95 (60% kept) at each step, which 0.8 carried
+    # every 2 steps (50% kept) beats, though 0.8 alone is within budget at every other call
+    cal = crafted_sparse({0.8: [[0.01, 0.2] * 3], 0.95: [[0.01] * 6]}, {0.8: [[0.3] * 6], 0.95: [[0.6] * 6]}, noise)
+    for st in cal.layers.values():
+        st["carry.rel_l1@0.8/2"] = torch.tensor([0.02] * 6).repeat(2, 1).float()
+        st["carry.kept@0.8/2"] = torch.tensor([0.5] * 6).repeat(2, 1).float()
+    cal.meta["carry"] = [[0.8, 2]]
+    carried = PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=0.1)
+    assert carried.refresh_every == 2 and [carried.tau_for(t * 1000) for t in (1.0, 0.5)] == [0.8, 0.8]
 
 
 def test_summary_of_a_per_layer_schedule_counts_every_layer():
@@ -526,12 +535,20 @@ def test_a_scheduler_config_with_inf_saves_and_loads(saved, tmp_path):
     old = _write(tmp_path / "old.safetensors", tensors, {**meta, "scheduler_config": config})
     assert "-Infinity" in _file_parts(old)[1]["diffusion_int8"]
     assert Calibration.load(old).meta["scheduler_config"]["lambda_min_clipped"] == "-inf"
+    # nowhere else: no calibration writes one
+    odd = _write(tmp_path / "odd.safetensors", tensors, {**meta, "model": float("nan")})
+    with pytest.raises(ValueError, match="metadata field model holds NaN or Infinity"):
+        Calibration.load(odd)
 
 
 def test_save_into_a_folder_named_with_a_slash_and_atomically(tmp_path, monkeypatch):
     _, cal = make_calibration()
     path = cal.save(f"{tmp_path}/calib/")  # the folder is made, as write_outputs makes its own
     assert path == tmp_path / "calib" / "calibration.safetensors" and Calibration.load(tmp_path / "calib")
+    assert cal.save(f"{tmp_path}/sub/.") == tmp_path / "sub" / "calibration.safetensors"
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file, not a folder to save calibration.safetensors in"):
+        cal.save(f"{tmp_path}/a_file/")
     before = path.read_bytes()
 
     def interrupted(*args, **kwargs):

@@ -292,6 +292,7 @@ def test_overwrite_refuses_to_delete_files_of_the_users_in_an_output_folder(tmp_
     assert snapshot(out) == before
     (out / "images" / "keep.png").unlink()
     (out / "images" / "a" / "notes.txt").unlink()
+    (out / "images" / "a" / "100000.png").write_text("old")  # the commands' numbering past 99999
     with outputs.output_set(out, NAMES, overwrite=True) as tmp:  # the commands' own files alone: replaced
         fill(tmp, NAMES, "new")
     assert snapshot(out)["files"]["images/a/00000.png"] == b"new"

@@ -176,9 +176,11 @@ class Calibration:
         ``FileExistsError`` where the file exists, unless ``overwrite``. Returns the file's path."""
         from safetensors.torch import save
 
-        folder = str(path).endswith(("/", os.sep))
+        given = os.fspath(path)
         path = Path(path)
-        if folder or path.is_dir():
+        if given.endswith(("/", os.sep, "/.", os.sep + ".")) or path.is_dir():  # pathlib drops a trailing / or /.
+            if path.exists() and not path.is_dir():
+                raise NotADirectoryError(f"{given}: {path} is a file, not a folder to save {FILE_NAME} in")
             path.mkdir(parents=True, exist_ok=True)
             path = path / FILE_NAME
         if path.exists() and not overwrite:
@@ -486,6 +488,14 @@ class Calibration:
 
 
 # ------------------------------------------------------------------------------------ reading
+def _holds_nonfinite(value) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_nonfinite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_holds_nonfinite(v) for v in value)
+    return isinstance(value, jsonfile.NonFinite)
+
+
 def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The metadata and tensors of a calibration file, its checksum verified; ``ValueError`` for anything else."""
     from safetensors import SafetensorError, safe_open
@@ -499,10 +509,14 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     raw = header.get(_META_KEY)
     if raw is None:
         raise ValueError(f"{path} is a safetensors file but not a diffusion-int8 calibration (no metadata {_META_KEY!r})")
-    # non-finite numbers as text: earlier versions wrote a DPMSolver scheduler config's -inf as -Infinity
+    # non-finite numbers as text in the scheduler's config alone: earlier versions wrote DPMSolver's -inf as -Infinity
     meta = jsonfile.loads(raw, f"{path}: metadata {_META_KEY!r}", nonfinite_as_text=True)
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: metadata {_META_KEY!r} must be a JSON object, got {type(meta).__name__}")
+    bad = next((k for k, v in meta.items() if k != "scheduler_config" and _holds_nonfinite(v)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: metadata field {bad} holds NaN or Infinity, which is not JSON (numbers must be "
+                         f"finite); the file was changed after `diffusion-int8 calibrate` wrote it")
     if type(meta.get("schema_version")) is not int or meta["schema_version"] not in READABLE_SCHEMAS:  # not true, 1.0
         raise ValueError(f"{path} has calibration schema {meta.get('schema_version')} (metadata field schema_version); "
                          f"this version of diffusion-int8 reads schemas {READABLE_SCHEMAS}")

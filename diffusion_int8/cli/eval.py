@@ -16,6 +16,7 @@ is made. Images with NaN or Inf values are flagged in the reports and left out o
 from __future__ import annotations
 
 import argparse
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
@@ -123,7 +124,7 @@ def score_folders(args) -> int:
                              f"{ref.shape[2]}; they are compared pixel by pixel, so their sizes must match")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     scorer = Scorer(args.lpips_weights, args.fid_weights, device)
-    ref_name = ref_dir.resolve().name or str(ref_dir)  # "." is the folder's own name
+    ref_name = Path(os.path.abspath(ref_dir)).name or str(ref_dir)  # ".": the folder's own name (links kept)
     images = {ref_name: ref}
     report = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": f"folders ({ref_dir})",
               "device": str(device), "kernel": "n/a (scoring only)", "timing": R.NO_TIMINGS, "steps": None, "seed": None, "num_images": len(names),
@@ -136,7 +137,7 @@ def score_folders(args) -> int:
                                for where, n in ((c, only_c), (ref_dir, only_ref)) if n)
             raise UsageError(f"{c} ({R.counted(len(cnames), 'image')}) and {ref_dir} ({len(names)}) hold different file names "
                              f"({differ}); they are matched by name")
-        key = c.resolve().name or str(c)
+        key = Path(os.path.abspath(c)).name or str(c)
         key = key if key not in images else str(c)
         images[key] = imgs
         report["variants"][key] = {"speed": {}, "quality": scorer.score(imgs, ref)}

@@ -65,7 +65,7 @@ def check_out(out: Path, names: Sequence[str], overwrite: bool) -> None:
 # What the commands write inside the outputs that are folders: eval's and demo's images/<variant>/<index>.png, and
 # demo's calibration/ (calibrate's outputs). --overwrite replaces such a folder whole, so anything else in it is the
 # user's and is not deleted.
-_MADE_IN = {"images": re.compile(r"[^/]+/\d{5}\.png"),
+_MADE_IN = {"images": re.compile(r"[^/]+/\d{5,}\.png"),
             "calibration": re.compile("|".join(re.escape(n) for n in CALIBRATION_OUTPUTS))}
 
 

@@ -8,13 +8,12 @@ log2(e) already folded in), online softmax in FP32 with exp2, and P·V in the pr
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from ..caller import outside_stacklevel
+from ..caller import warn_user
 from . import pool
 from . import quantize as tq
 from .config import (FP8_P_SHIFT, FP_FUSION, INT8_MAX, LN2, LOG2E, P_FLOOR, PV, SPARSE_BLOCK, TESTED_TRITON, Kernel,
@@ -718,5 +717,5 @@ def sm90_kernel_usable(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _warn_sm90_import(device_index: int | None) -> None:
     if torch.cuda.get_device_capability(device_index) == (9, 0):
-        warnings.warn(f"diffusion_int8: {sm90_unavailable()}; the portable Triton kernel runs instead (same "
-                      f"numerics, slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=outside_stacklevel())
+        warn_user(f"diffusion_int8: {sm90_unavailable()}; the portable Triton kernel runs instead (same "
+                  f"numerics, slower at head dim 128). Tested: Triton {TESTED_TRITON}.")

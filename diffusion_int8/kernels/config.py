@@ -9,13 +9,12 @@ from __future__ import annotations
 import enum
 import functools
 import os
-import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from ..caller import outside_stacklevel
+from ..caller import warn_user
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453  # the log-sum-exp comes back in natural-log units, as SDPA's
@@ -202,12 +201,9 @@ def _triton_support(device_type: str, index: int | None, interpret: bool) -> str
 
 @fixed_answer
 def _warn_fallback(reason: str) -> None:
-    warnings.warn(
+    warn_user(
         f"diffusion_int8: {reason}; using the PyTorch emulation of the INT8 kernel (same numerics, "
-        f"much slower). Set {ENV_BACKEND}=emulation to silence this.",
-        RuntimeWarning,
-        stacklevel=outside_stacklevel(),
-    )
+        f"much slower). Set {ENV_BACKEND}=emulation to silence this.")
 
 
 def select_backend(device: torch.device) -> Backend:

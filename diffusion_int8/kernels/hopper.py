@@ -23,7 +23,6 @@ dim K has one scale per key tile (``config.tile_config``), stored per key: the k
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -35,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..caller import outside_stacklevel
+from ..caller import warn_user
 from .config import FP8_P_SHIFT, FP_FUSION, LN2, PV, SPARSE_BLOCK, TESTED_TRITON, is_sm90
 from .launch import EAGER, Runner
 from .layout import rows_16b_aligned
@@ -704,8 +703,8 @@ def launch(q8, qs, k8, ks, v, vs, ob, *, pv: PV, block_n: int, H: int, H_kv: int
     except Exception as exc:  # noqa: BLE001 - a compiler error of any kind; the portable kernel computes the same
         compile_failure = (f"the sm_90 Gluon kernel failed to compile with Triton {triton.__version__} "
                            f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})")
-        warnings.warn(f"diffusion_int8: {compile_failure}; the portable Triton kernel runs instead (same numerics, "
-                      f"slower at head dim 128). Tested: Triton {TESTED_TRITON}.", RuntimeWarning, stacklevel=outside_stacklevel())
+        warn_user(f"diffusion_int8: {compile_failure}; the portable Triton kernel runs instead (same numerics, "
+                  f"slower at head dim 128). Tested: Triton {TESTED_TRITON}.")
         return False
     return True
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..caller import outside_stacklevel
+from ..caller import warn_user
 from ..kernels import Mode
 from ..kernels.config import MAX_HEAD_DIM
 from .models import (TIMESTEP_ARGUMENTS, attention_modules, attention_outside_processors, denoiser, head_dim_of,
@@ -360,10 +360,9 @@ class StepCount:
         calibrated, n = self._calibrated, len(levels)  # the whole schedule's steps (an img2img run starts partway)
         if calibrated is not None and n != calibrated.calibrated_steps:
             self._calibrated = None
-            warnings.warn(f"diffusion_int8: the scheduler is set to {n} steps; the schedule {calibrated.name!r} "
-                          f"carries skipped blocks with a refresh every {calibrated.refresh_every} steps, chosen from "
-                          f"errors calibrated at {calibrated.calibrated_steps} steps. Calibrate at {n} steps (diffusion-"
-                          f"int8 calibrate --steps {n}, with the same --sparsity-levels and --refresh-every) or compare "
-                          f"the images (diffusion-int8 eval --schedule ...)", RuntimeWarning,
-                          stacklevel=outside_stacklevel())
+            warn_user(f"diffusion_int8: the scheduler is set to {n} steps; the schedule {calibrated.name!r} "
+                      f"carries skipped blocks with a refresh every {calibrated.refresh_every} steps, chosen from "
+                      f"errors calibrated at {calibrated.calibrated_steps} steps. Calibrate at {n} steps (diffusion-"
+                      f"int8 calibrate --steps {n}, with the same --sparsity-levels and --refresh-every) or compare "
+                      f"the images (diffusion-int8 eval --schedule ...)")
         return n - first

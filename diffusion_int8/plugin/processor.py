@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-import warnings
 import weakref
 from typing import Any, Callable
 
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..caller import outside_stacklevel
+from ..caller import warn_user
 from ..kernels import Mode
 from ..kernels.config import SPARSE_BLOCK
 from ..kernels.layout import cdiv
@@ -114,10 +113,10 @@ class Int8DiffusionProcessor(DispatcherCalls):
         if self.state.timestep is None:  # exact until a step is known: said once, not silent
             if not self._warned_schedule:
                 self._warned_schedule = True
-                warnings.warn("diffusion_int8: a precision schedule chooses each call's mode from the denoiser's "
-                              "timestep, which this processor has not been given (diffusion_int8.enable() reads it "
-                              "from the denoiser's timestep argument; set_attn_processor gives it none); until it "
-                              "is, every call runs exact attention (fp16)", RuntimeWarning, stacklevel=outside_stacklevel())
+                warn_user("diffusion_int8: a precision schedule chooses each call's mode from the denoiser's "
+                          "timestep, which this processor has not been given (diffusion_int8.enable() reads it "
+                          "from the denoiser's timestep argument; set_attn_processor gives it none); until it "
+                          "is, every call runs exact attention (fp16)")
             return Mode.FP16
         if isinstance(self.schedule, PrecisionSchedule):
             return self.schedule.mode_for(self.state.timestep, self.name, self.state.timestep_scale)
@@ -246,9 +245,9 @@ class Int8DiffusionProcessor(DispatcherCalls):
             self._undecided += 1
         else:
             self._routed_calls[type(inner)] = route
-            warnings.warn(f"diffusion_int8: {type(inner).__name__} reached no attention through F, "
-                          f"dispatch_attention_fn or torch's SDPA in its first {MAX_UNDECIDED + 1} calls (its own "
-                          f"kernel, or none): it runs as stock", RuntimeWarning, stacklevel=outside_stacklevel())
+            warn_user(f"diffusion_int8: {type(inner).__name__} reached no attention through F, "
+                      f"dispatch_attention_fn or torch's SDPA in its first {MAX_UNDECIDED + 1} calls (its own "
+                      f"kernel, or none): it runs as stock")
         return out
 
     def _infer_stock(self, attn: torch.nn.Module, args: tuple, kwargs: dict):
@@ -263,11 +262,11 @@ class Int8DiffusionProcessor(DispatcherCalls):
             inner._attention_backend = self._backend
         if not self._warned_infer:
             self._warned_infer = True
-            warnings.warn(f"diffusion_int8: an Int8DiffusionProcessor made without inner= runs the stock processor "
-                          f"inferred from each module's class ({type(inner).__name__} for {type(attn).__name__}); "
-                          f"models that give their attention modules processors of their own (Qwen-Image, "
-                          f"HunyuanVideo, Sana, ...) then compute something else. diffusion_int8.enable(pipe) wraps "
-                          f"the processors the model has.", RuntimeWarning, stacklevel=outside_stacklevel())
+            warn_user(f"diffusion_int8: an Int8DiffusionProcessor made without inner= runs the stock processor "
+                      f"inferred from each module's class ({type(inner).__name__} for {type(attn).__name__}); "
+                      f"models that give their attention modules processors of their own (Qwen-Image, "
+                      f"HunyuanVideo, Sana, ...) then compute something else. diffusion_int8.enable(pipe) wraps "
+                      f"the processors the model has.")
         return inner
 
     def _mode_call(self, inner, attn, hidden_states, *args, **kwargs):
@@ -407,9 +406,8 @@ class Int8DiffusionProcessor(DispatcherCalls):
             return True
         if not self._warned_carry:
             self._warned_carry = True
-            warnings.warn("diffusion_int8: refresh_every needs the denoiser's timestep, which this processor has not "
-                          "been given (diffusion_int8.enable() reads it); the skipped blocks are dropped instead",
-                          RuntimeWarning, stacklevel=outside_stacklevel())
+            warn_user("diffusion_int8: refresh_every needs the denoiser's timestep, which this processor has not "
+                      "been given (diffusion_int8.enable() reads it); the skipped blocks are dropped instead")
         return False
 
     def block_mask_for(self, query, key, attn_mask, scale, tau: float | None,
@@ -491,9 +489,9 @@ class _OutsideAttention(TorchFunctionMode):
 
 
 def _warn_outside(inner) -> None:
-    warnings.warn(f"diffusion_int8: {type(inner).__name__} reaches attention outside its module's F and "
-                  f"dispatch_attention_fn; routing it through a torch-function mode (more host "
-                  f"time per call)", RuntimeWarning, stacklevel=outside_stacklevel())
+    warn_user(f"diffusion_int8: {type(inner).__name__} reaches attention outside its module's F and "
+              f"dispatch_attention_fn; routing it through a torch-function mode (more host "
+              f"time per call)")
 
 
 def _restore(state: dict) -> Int8DiffusionProcessor:

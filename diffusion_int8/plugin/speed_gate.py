@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..caller import outside_stacklevel
+from ..caller import warn_user
 from .. import jsonfile
 from ..kernels.config import MAX_HEAD_DIM, Mode, padded_head_dim
 from ..kernels.key_mask import is_key_mask
@@ -325,8 +325,8 @@ def _find_table(device: torch.device) -> CrossoverTable | None:
                 raise ValueError(f"{path}: measured on {table.arch}, and this GPU is {arch_of(device)}")
             return table
         except ValueError as exc:
-            warnings.warn(f"diffusion_int8: ignoring the cached crossover table: {exc}. Run `diffusion-int8 tune "
-                          f"--overwrite` to measure it again.", RuntimeWarning, stacklevel=outside_stacklevel())
+            warn_user(f"diffusion_int8: ignoring the cached crossover table: {exc}. Run `diffusion-int8 tune "
+                      f"--overwrite` to measure it again.")
     shipped = SHIPPED / f"{arch_of(device)}.json"
     if shipped.exists():
         return CrossoverTable.load(shipped)
@@ -334,10 +334,10 @@ def _find_table(device: torch.device) -> CrossoverTable | None:
 
 
 def _no_table(device: torch.device) -> None:
-    warnings.warn(
+    warn_user(
         f"diffusion_int8: no crossover table for {torch.cuda.get_device_name(device)} ({arch_of(device)}), so the speed "
         f"gate runs every attention call in SDPA. Run `diffusion-int8 tune` once to measure where INT8 pays on this "
-        f"GPU (a few minutes), or pass speed_gate=False to enable() to force INT8.", RuntimeWarning, stacklevel=outside_stacklevel())
+        f"GPU (a few minutes), or pass speed_gate=False to enable() to force INT8.")
     return None
 
 
