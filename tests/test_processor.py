@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import pickle
 import warnings
@@ -966,3 +967,18 @@ def test_an_observer_sees_a_padded_key_mask_cut_as_the_sparse_call_runs_it():
     call = seen[0]
     assert call.key.shape[2] == 260 and call.attn_mask is None and torch.equal(call.out, out)
     assert torch.equal(call.value, v[:, :, :260])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_warning_inside_the_forward_points_at_the_users_line(compiled):
+    # one warning, at the line that called the model, eager or compiled (where Dynamo cannot trace the frame walk)
+    from diffusers.models.attention_processor import Attention
+
+    attn = Attention(64, heads=2, dim_head=32).half()
+    attn.set_processor(Int8DiffusionProcessor(mode="int8"))  # no inner=: it warns at its first call
+    run = torch.compile(attn, backend="eager") if compiled else attn
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        run(torch.randn(1, 40, 64, dtype=torch.half))
+    assert [(w.filename, w.lineno) for w in seen] == [(__file__, line)], [(str(w.message)[:80], w.filename) for w in seen]
