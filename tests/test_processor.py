@@ -696,7 +696,8 @@ def test_qk_balance_reaches_the_op(kernel_calls):
         status = handle.summary()["qk_balance"]
         handle.disable()
     assert [c["qk_balance"] for c in kernel_calls] == [True, True, False, False, False, False]
-    assert list(status) == ["undecided (no INT8 call of 1,024+ queries per head so far; shorter calls are not balanced)"]
+    assert list(status) == [
+        "undecided (no INT8 call of 1,024+ queries per head so far; shorter calls are not balanced)"]
 
 
 @pytest.mark.parametrize("D", [40, 96, 160, 256])
@@ -981,4 +982,5 @@ def test_a_warning_inside_the_forward_points_at_the_users_line(compiled):
         warnings.simplefilter("always")
         line = inspect.currentframe().f_lineno + 1
         run(torch.randn(1, 40, 64, dtype=torch.half))
-    assert [(w.filename, w.lineno) for w in seen] == [(__file__, line)], [(str(w.message)[:80], w.filename) for w in seen]
+    assert [(w.filename, w.lineno) for w in seen] == [(__file__, line)], [(str(w.message)[:80], w.filename)
+                                                                          for w in seen]

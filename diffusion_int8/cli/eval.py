@@ -63,8 +63,9 @@ def eval_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Path | 
     with user_errors(ValueError):
         modes = check_modes(modes)
     if not (modes or schedule or calibration or sparsity is not None):
-        raise UsageError(f"nothing to compare with fp16: give --modes ({', '.join(m.value for m in Mode if m is not Mode.FP16)}), "
-                         f"--schedule, --calibration or --sparsity")
+        int8_modes = ", ".join(m.value for m in Mode if m is not Mode.FP16)
+        raise UsageError(f"nothing to compare with fp16: give --modes ({int8_modes}), --schedule, --calibration or "
+                         f"--sparsity")
     check_weights(lpips_weights, fid_weights)
     check_model(model)
     shards = pipelines.Shards(device)
@@ -127,7 +128,8 @@ def score_folders(args) -> int:
     ref_name = Path(os.path.abspath(ref_dir)).name or str(ref_dir)  # ".": the folder's own name (links kept)
     images = {ref_name: ref}
     report = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": f"folders ({ref_dir})",
-              "device": str(device), "kernel": "n/a (scoring only)", "timing": R.NO_TIMINGS, "steps": None, "seed": None, "num_images": len(names),
+              "device": str(device), "kernel": "n/a (scoring only)", "timing": R.NO_TIMINGS, "steps": None, "seed": None,
+              "num_images": len(names),
               "items": names, "baseline": {"name": ref_name, "speed": {}}, "variants": {},
               "metrics_available": scorer.availability(), "image_dirs": {ref_name: str(ref_dir)}}
     for c, cnames, imgs in folders:
@@ -135,8 +137,8 @@ def score_folders(args) -> int:
             only_c, only_ref = sorted(set(cnames) - set(names)), sorted(set(names) - set(cnames))
             differ = "; ".join(f"only in {where}: {', '.join(n[:3])}{f' and {len(n) - 3} more' if len(n) > 3 else ''}"
                                for where, n in ((c, only_c), (ref_dir, only_ref)) if n)
-            raise UsageError(f"{c} ({R.counted(len(cnames), 'image')}) and {ref_dir} ({len(names)}) hold different file names "
-                             f"({differ}); they are matched by name")
+            raise UsageError(f"{c} ({R.counted(len(cnames), 'image')}) and {ref_dir} ({len(names)}) hold different "
+                             f"file names ({differ}); they are matched by name")
         key = Path(os.path.abspath(c)).name or str(c)
         key = key if key not in images else str(c)
         images[key] = imgs

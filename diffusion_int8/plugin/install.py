@@ -329,7 +329,8 @@ class StepCount:
     ``set_timesteps`` (one host read). None where it holds no timesteps or none within 0.005 of the first level (a
     loop it does not describe); a loop that stops early (SDXL's ``denoising_end``) is told the whole schedule's
     count. The pipeline is held weakly where it can be. ``scheduler``: the pipeline attribute holding the scheduler
-    (``models.scheduler_of``); ``schedule``: a carried schedule whose ``calibrated_steps`` a generation is checked against."""
+    (``models.scheduler_of``); ``schedule``: a carried schedule whose ``calibrated_steps`` a generation is checked
+    against."""
 
     def __init__(self, pipe, schedule: PrecisionSchedule | None = None, scheduler: str = "scheduler"):
         self._scheduler = scheduler
