@@ -134,3 +134,12 @@ def test_progress_shows_from_python_and_not_inside_the_commands(capsys):
     items = pipelines.Items(["red circle"], "class_labels")
     pipelines.generate(pipe, items, items.values, [0], steps=2, seed=0)
     assert "2/2" not in capsys.readouterr().err and pipe._progress_bar_config == before
+
+
+def test_variants_are_named_as_in_python_or_on_the_command_line():
+    from diffusion_int8.embedded import get_variant
+
+    assert get_variant("long") is get_variant("embedded-long") and get_variant("base") is get_variant("embedded")
+    with pytest.raises(ValueError, match=r"unknown shipped model variant 'big'; the variants are: base \(--model "
+                                         r"embedded\), long \(--model embedded-long\)"):
+        get_variant("big")

@@ -56,10 +56,13 @@ EMBEDDED_PATH = VARIANTS["base"].path
 
 
 def get_variant(key: str) -> Variant:
-    """The variant ``key`` (``base``, ``long``); ``ValueError`` naming the known ones."""
-    if key not in VARIANTS:
-        raise ValueError(f"unknown shipped model variant {key!r}; the variants are: {', '.join(VARIANTS)}")
-    return VARIANTS[key]
+    """The variant ``key`` (``base``, ``long``), or the one the command line names so (``embedded``,
+    ``embedded-long``); ``ValueError`` naming the known ones."""
+    found = VARIANTS.get(key) or shipped(key)
+    if found is None:
+        raise ValueError(f"unknown shipped model variant {key!r}; the variants are: "
+                         f"{', '.join(f'{v.key} (--model {v.name})' for v in VARIANTS.values())}")
+    return found
 
 
 def shipped(model) -> Variant | None:
