@@ -278,7 +278,8 @@ class PrecisionSchedule:
         int8_steps = [t for t in range(len(noise))
                       if any(choose({m: worst(e, [i], noise[t]) for m, e in errs.items()}) is not Mode.FP16
                              for i in range(len(names)))]
-        carried = (_carried_choice(calibration, sparsity_budget, carry_budget, metric, int8_steps, sparse_errs)
+        carried = (_carried_choice(calibration, sparsity_budget, carry_budget, metric, int8_steps, sparse_errs,
+                                   [calls[n] for n in noise])
                    if levels and carry_budget is not None else None)
         for pattern, idx in groups:
             modes = {n: choose({m: worst(e, idx, n) for m, e in errs.items()}) for n in order}
@@ -405,24 +406,22 @@ class PrecisionSchedule:
 
 
 def _carried_choice(calibration, budget: float, carry_budget: float, metric: str, steps: list[int],
-                    sparse_errs: dict) -> tuple[float, int] | None:
+                    sparse_errs: dict, step_calls: list[list[int]]) -> tuple[float, int] | None:
     """(level, refresh interval) of carried skipped blocks that computes the fewest block pairs over the calibrated
     ``steps`` that run INT8, with its error averaged along them within ``carry_budget`` (each step weighted by the
     noise it removes), if it computes fewer than dropping the per-step levels within ``budget`` would; else None
     (drop them). Only where those steps are the first ones of the trajectory (0, 1, ...): the calibration carried
     from step 0 at every step, and at run time the carry sees the INT8 steps alone, so any other run of steps
-    would refresh on other steps than measured."""
+    would refresh on other steps than measured. ``step_calls[t]``: the calls at call ``t``'s noise level."""
     if not steps or steps != list(range(len(steps))) or not calibration.carry_settings():
         return None
 
     def cost(kept: torch.Tensor) -> float:  # (L, T) fractions computed: mean over the layers and the INT8 steps
         return float(kept[:, steps].mean())
 
-    noise = calibration.noise.tolist()
     dropped_kept = []
     for t in steps:  # the level the schedule drops at this call's step: within budget at every call of the step
-        calls = [c for c, n in enumerate(noise) if n == noise[t]]
-        tau = next((tau for tau, e in sparse_errs.items() if float(e[:, calls].max()) <= budget), None)
+        tau = next((tau for tau, e in sparse_errs.items() if float(e[:, step_calls[t]].max()) <= budget), None)
         dropped_kept.append(1.0 if tau is None else float(calibration.kept(tau)[:, t].mean()))
     best, best_cost = None, sum(dropped_kept) / len(dropped_kept)
     for tau, every in calibration.carry_settings():

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from ..calibration.run import OUTPUTS as CALIBRATION_OUTPUTS
+from ..eval.score import IMAGE_FILE
 from .usage import UsageError, user_errors
 
 
@@ -65,7 +66,7 @@ def check_out(out: Path, names: Sequence[str], overwrite: bool) -> None:
 # What the commands write inside the outputs that are folders: eval's and demo's images/<variant>/<index>.png, and
 # demo's calibration/ (calibrate's outputs). --overwrite replaces such a folder whole, so anything else in it is the
 # user's and is not deleted.
-_MADE_IN = {"images": re.compile(r"[^/]+/\d{5,}\.png"),
+_MADE_IN = {"images": re.compile(r"[^/]+/" + IMAGE_FILE.pattern),
             "calibration": re.compile("|".join(re.escape(n) for n in CALIBRATION_OUTPUTS))}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,9 @@ import torch
 from PIL import Image
 
 from . import metrics as M
+
+
+IMAGE_FILE = re.compile(r"\d{5,}\.png")  # the names save_images gives
 
 
 def save_images(images: torch.Tensor, folder: Path, indices: list[int]) -> None:
