@@ -221,13 +221,113 @@ def test_disable_leaves_a_processor_set_after_enable_with_a_warning():
     name, module = next(iter(attention_modules(model).items()))
     mine = AttnProcessor()  # as load_ip_adapter or set_attn_processor would install
     module.set_processor(mine)
-    # load_ip_adapter makes type(processor)() for the modules it does not adapt: an INT8 processor, restored too
-    other, module2 = list(attention_modules(model).items())[1]
-    module2.set_processor(type(module2.processor)())
     with pytest.warns(RuntimeWarning, match=r"1 attention module\(s\) got another processor after enable"):
         handle.disable()
     after = {n: m.processor for n, m in attention_modules(model).items()}
     assert after[name] is mine and all(after[n] is p for n, p in before.items() if n != name)
+
+
+def _ip_adapter_weights(unet, seed=3):
+    """A random IP-Adapter state dict for ``unet`` (as ``load_ip_adapter`` reads one from a file)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
+    cad, widths = unet.config.cross_attention_dim, unet.config.block_out_channels
+    sd = {"image_proj": {"proj.weight": r(4 * cad, 16), "proj.bias": torch.zeros(4 * cad),
+                         "norm.weight": torch.ones(cad), "norm.bias": torch.zeros(cad)}, "ip_adapter": {}}
+    cross = [n for n in unet.attn_processors if n.endswith("attn2.processor")]
+    for i, name in enumerate(cross):
+        block = int(name.split(".")[1]) if not name.startswith("mid_block") else -1
+        width = widths[-1] if block < 0 else (widths[::-1] if name.startswith("up_blocks") else widths)[block]
+        sd["ip_adapter"][f"{2 * i + 1}.to_k_ip.weight"] = r(width, cad)
+        sd["ip_adapter"][f"{2 * i + 1}.to_v_ip.weight"] = r(width, cad)
+    return sd
+
+
+def test_an_ip_adapter_loaded_after_enable_runs_exact_with_a_warning():
+    """``load_ip_adapter`` rebuilds the processors it does not adapt as ``type(processor)()``, which knows none of
+    enable()'s settings: those modules get their stock processor back and a warning says so, instead of an INT8
+    processor with default settings running where the user asked for fp16."""
+    def run_with_adapter(enabled):
+        model, x = build("unet")
+        handle = enable(model, "fp16") if enabled else None
+        model._load_ip_adapter_weights([_ip_adapter_weights(model)], low_cpu_mem_usage=False)
+        x = dict(x, added_cond_kwargs={"image_embeds": [torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(5))]})
+        return run(model, x), handle
+
+    stock, _ = run_with_adapter(False)
+    with pytest.warns(RuntimeWarning, match=r"rebuilt an INT8 attention processor by its class \(load_ip_adapter"):
+        got, handle = run_with_adapter(True)
+    assert torch.equal(got, stock)
+    assert not any(isinstance(m.processor, Int8DiffusionProcessor) for m in attention_modules(handle.model).values())
+    with pytest.warns(RuntimeWarning, match="got another processor after enable"):
+        handle.disable()  # the adapter's processors stay
+
+
+def test_diffusers_layer_skip_applies_to_enabled_models():
+    """Skip-layer guidance and PAG (``apply_layer_skip``) look a processor up by its exact class and replace
+    attention by V through a torch-function mode around SDPA: both reach the INT8 processors."""
+    from diffusers.hooks import LayerSkipConfig, apply_layer_skip
+    from diffusers.hooks.layer_skip import AttentionScoreSkipFunctionMode
+
+    config = lambda: LayerSkipConfig(indices=[0], fqn="transformer_blocks", skip_attention=False,
+                                     skip_attention_scores=True, skip_ff=False)  # noqa: E731
+    model, x = build("pixart")
+    apply_layer_skip(model, config())
+    stock = run(model, x)
+    model, x = build("pixart")
+    handle = enable(model, "fp16")
+    apply_layer_skip(model, config())
+    assert torch.equal(run(model, x), stock)
+    handle.disable()
+
+    model, x = build("pixart")
+    attn = model.transformer_blocks[0].attn1
+    hidden = torch.randn(1, 16, attn.query_dim, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), AttentionScoreSkipFunctionMode():
+        want = attn(hidden)
+    handle = enable(model, "int8", speed_gate=False)
+    with torch.no_grad(), AttentionScoreSkipFunctionMode():
+        got = attn(hidden)
+    assert torch.equal(got, want) and handle.state.int8_calls == 0
+    with torch.no_grad():
+        attn(hidden)
+    assert handle.state.int8_calls == 1  # outside the mode: INT8
+    handle.disable()
+
+
+def test_the_diffusers_way_on_a_unet_with_added_kv_projections():
+    """Kandinsky 2, IF and unCLIP UNets attend over added K/V projections (``AttnAddedKVProcessor2_0``): a
+    processor made without ``inner=`` infers that stock processor for them."""
+    import diffusers as d
+
+    torch.manual_seed(0)
+    model = d.UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=1, sample_size=16, in_channels=4, out_channels=4,
+        down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
+        up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"), mid_block_type="UNetMidBlock2DSimpleCrossAttn",
+        cross_attention_dim=32, attention_head_dim=8, resnet_time_scale_shift="scale_shift").eval()
+    g = torch.Generator().manual_seed(1)
+    x = dict(sample=torch.randn(1, 4, 16, 16, generator=g), timestep=torch.tensor(10),
+             encoder_hidden_states=torch.randn(1, 7, 32, generator=g))
+    stock = run(model, x)
+    model.set_attn_processor(Int8DiffusionProcessor(mode="fp16"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one warning that the stock processor is inferred
+        assert torch.equal(run(model, x), stock)
+
+
+def test_per_token_timesteps_are_read_at_their_highest_level():
+    """Image-to-video pipelines (Wan 2.2 TI2V, LTX, Sana-Video) give each token its timestep, the conditioning
+    frame's tokens 0: the step's level is the highest."""
+    model, x = build("wan")
+    seen = []
+    handle = enable(model, "int8", schedule=lambda t: (seen.append(t), "fp16")[1])
+    tokens = 2 * 4 * 4  # frames x (8 / 2) x (8 / 2) patches
+    timestep = torch.full((1, tokens), 700.0)
+    timestep[:, :16] = 0
+    run(model, dict(x, timestep=timestep))
+    assert handle.state.timestep == 700.0 and handle.state.timestep_scale == 1000.0 and set(seen) == {700.0}
+    handle.disable()
 
 
 def test_isinstance_answers_as_for_the_stock_processor():

@@ -43,9 +43,8 @@ class Int8Handle:
     config: Int8Config | None = None
 
     def disable(self, *, _stacklevel: int = 2) -> None:
-        """Put back the processors ``enable`` replaced where an INT8 one is installed (this one, or a copy diffusers
-        made of it: ``load_ip_adapter`` makes ``type(processor)()`` for the modules it does not adapt); any other
-        processor set since (``load_ip_adapter``'s, ``set_attn_processor``) stays, and a warning says where. A
+        """Put back the processors ``enable`` replaced where an INT8 one is installed; any other processor set since
+        (``load_ip_adapter``'s, ``set_attn_processor``) stays, and a warning says where. A
         handle already disabled does nothing (a later ``enable`` on the model has its own handle, which this one
         must not touch)."""
         for other in self.others.values():
@@ -309,7 +308,11 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], steps: St
         t = args[index]
     if t is None:
         return None
-    t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
+    if isinstance(t, torch.Tensor):
+        # per-token timesteps (image-to-video: Wan 2.2 TI2V, LTX, Sana-Video put the conditioning frame's tokens at
+        # 0) give each token its level; the step's is the highest of the first sample's
+        t = t.reshape(t.shape[0], -1)[0].amax() if t.dim() > 1 else t.reshape(-1)[0]
+    t = float(t)
     if state.timestep is None or t > state.timestep:
         # a new generation: denoising starts at its highest noise level, which also tells the scale
         state.step, state.timestep_scale = -1, 1000.0 if t > 1.0 else 1.0

@@ -49,16 +49,18 @@ def stock_processor_for(attn: torch.nn.Module, called_with_context: bool):
     """The processor diffusers' own model code gives ``attn``, inferred from the module.
 
     New-style modules (Flux, Wan, …) name it in ``_default_processor_cls``. Legacy ``Attention`` modules
-    take ``JointAttnProcessor2_0`` (SD3: added K/V projections), ``CogVideoXAttnProcessor2_0`` (self-
-    attention that receives the text tokens to attend jointly) or ``AttnProcessor2_0``.
+    take ``JointAttnProcessor2_0`` (SD3's added K/V projections), ``AttnAddedKVProcessor2_0`` (the UNets' added
+    K/V projections), ``CogVideoXAttnProcessor2_0`` (self-attention that receives the text tokens to attend
+    jointly) or ``AttnProcessor2_0``.
     """
     from diffusers.models import attention_processor as ap
 
     cls = getattr(type(attn), "_default_processor_cls", None)
     if cls is not None:
         return cls()
-    if getattr(attn, "add_k_proj", None) is not None and getattr(attn, "context_pre_only", None) is not None:
-        return ap.JointAttnProcessor2_0()
+    if getattr(attn, "add_k_proj", None) is not None:  # SD3's joint blocks; the UNets of Kandinsky 2, IF, unCLIP
+        return (ap.JointAttnProcessor2_0() if getattr(attn, "context_pre_only", None) is not None
+                else ap.AttnAddedKVProcessor2_0())
     if called_with_context and not getattr(attn, "is_cross_attention", True):
         return ap.CogVideoXAttnProcessor2_0()
     return ap.AttnProcessor2_0()
@@ -235,6 +237,18 @@ def declaring_subclass(base: type, sig: inspect.Signature, also: type | None = N
             cls = type(base.__name__, (base,), body)
         _DECLARING[key] = cls
     return cls
+
+
+def skip_metadata_as(cls: type, stock: type) -> None:
+    """Register ``cls`` (a processor class wrapping ``stock``) where diffusers' layer-skip hooks look processors up
+    by their exact class (``apply_layer_skip``: SkipLayerGuidance, PerturbedAttentionGuidance), with ``stock``'s
+    entry; nothing where ``stock`` has none (the hooks refuse it stock too) or diffusers has no such registry."""
+    try:
+        from diffusers.hooks._helpers import AttentionProcessorRegistry
+        metadata = AttentionProcessorRegistry.get(stock)
+    except (ImportError, ValueError):
+        return
+    AttentionProcessorRegistry.register(cls, metadata)
 
 
 def other_denoisers(pipe, main: torch.nn.Module | None = None) -> list[tuple[str, torch.nn.Module]]:

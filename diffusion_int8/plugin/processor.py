@@ -30,8 +30,8 @@ from .balance import BalanceChoice
 from .carry import BlockCarry
 from .config import Int8Config
 from .context_parallel import DispatcherCalls, context_split, heads_share, ulysses_share
-from .models import (any_stock_signature, call_params, declaring_subclass, stock_processor_for, stock_signature,
-                     text_position)
+from .models import (any_stock_signature, call_params, declaring_subclass, skip_metadata_as, stock_processor_for,
+                     stock_signature, text_position)
 from .observer import AttentionCall, Observer
 from .routing import RouteToInt8, attention_dispatch, int8_core, kernel_takes, other_backend, routed
 from .state import Int8State, block_pairs
@@ -57,6 +57,8 @@ class Int8DiffusionProcessor(DispatcherCalls):
 
     def __new__(cls, *args, inner: Any = None, **kwargs):
         if cls is not Int8DiffusionProcessor:  # a declaring subclass already
+            if not args and not kwargs and inner is None:
+                return _rebuilt(cls)
             return super().__new__(cls)
         return super().__new__(_subclass_for(inner))
 
@@ -176,6 +178,8 @@ class Int8DiffusionProcessor(DispatcherCalls):
         params, var_kw = call_params(type(inner))
         if not var_kw:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
+        if torch._C._is_torch_function_mode_enabled() and _scores_skipped():
+            return inner(attn, hidden_states, *args, **kwargs)
         mode = self.current_mode()
         tracing = self.state.trace is not None
         if tracing and not torch.compiler.is_compiling():  # kept in eager mode only, as the counts are
@@ -550,7 +554,40 @@ def _subclass_of(stock: type) -> type:
         also = None  # a property of the stock type could take an attribute the wrapper sets (none in diffusers)
     else:
         also = _with_stock_weights(stock) if issubclass(stock, torch.nn.Module) else stock
-    return declaring_subclass(Int8DiffusionProcessor, stock_signature(stock), also)
+    cls = declaring_subclass(Int8DiffusionProcessor, stock_signature(stock), also)
+    _STOCK_OF[cls] = stock
+    skip_metadata_as(cls, stock)
+    return cls
+
+
+_STOCK_OF: dict[type, type] = {}  # the class of a processor wrapping a stock type -> that type
+
+
+def _rebuilt(cls: type):
+    """``cls()``: diffusers rebuilding a processor by its class, as ``load_ip_adapter``, ``unload_ip_adapter`` and
+    ``UNetMotionModel.from_unet2d`` do for the modules they do not adapt. Which ``enable()`` the class's processors
+    came from, with which settings, the class does not know: the module gets its stock processor back (exact
+    attention), and a warning says so rather than running defaults the user never chose."""
+    stock = _STOCK_OF.get(cls)
+    what = f"{stock.__name__}, exact attention" if stock is not None else "a processor with the default settings"
+    warn_user(f"diffusion_int8: diffusers rebuilt an INT8 attention processor by its class (load_ip_adapter, "
+              f"unload_ip_adapter or from_unet2d after enable()), which keeps none of enable()'s settings: that "
+              f"module runs {what}. Load adapters before diffusion_int8.enable(), or call handle.disable() and "
+              f"enable() again after")
+    if stock is not None:
+        return stock()
+    return object.__new__(cls)
+
+
+@torch.compiler.disable
+def _scores_skipped() -> bool:
+    """Whether diffusers' layer skip replaces attention by V around this call (``skip_attention_scores``: its
+    ``AttentionScoreSkipFunctionMode`` intercepts SDPA, which the INT8 path never calls): the stock processor runs."""
+    try:
+        from diffusers.hooks.layer_skip import AttentionScoreSkipFunctionMode
+    except ImportError:
+        return False
+    return any(isinstance(m, AttentionScoreSkipFunctionMode) for m in torch.overrides._get_current_function_mode_stack())
 
 
 def _sparse(tau: float | None, key, attn_mask) -> bool:
