@@ -49,6 +49,8 @@ def test_cpu_without_interpreter_falls_back_with_one_warning(monkeypatch):
     q, k, v = realistic_qkv(1, 2, 33, 33, 64)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        info = diffusion_int8.kernel_info("cpu")  # asks, runs nothing: says why, and leaves the warning to the call
+        assert info["backend"] == "emulation" and "CUDA GPU" in info["reason"] and not caught
         out1 = int8_attention(q, k, v, mode="int8")
         out2 = int8_attention(q, k, v, mode="int8")
     msgs = [str(w.message) for w in caught if "emulation" in str(w.message)]
@@ -159,6 +161,65 @@ def test_qk_balance_flag_is_checked_after_a_cached_call():
     int8_attention(d["q"], d["k"], d["v"], mode="int8", qk_balance=True)
     with pytest.raises(TypeError, match="qk_balance must be True, False or a tensor"):
         int8_attention(d["q"], d["k"], d["v"], mode="int8", qk_balance=1)
+
+
+def test_flags_and_scale_are_checked_after_a_cached_call():
+    d = _qkv()
+    int8_attention(d["q"], d["k"], d["v"], mode="int8", scale=1)
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        int8_attention(d["q"], d["k"], d["v"], mode="int8", scale=True)
+    for name in ("smooth_k", "return_lse"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+            int8_attention(d["q"], d["k"], d["v"], mode="int8", **{name: 1})
+
+
+def test_fp16_mode_takes_the_masks_the_int8_modes_take():
+    """A 1-D key mask, a float64 or a bfloat16 additive mask beside float16 queries: SDPA refuses them as given, the
+    INT8 modes take them; mode fp16 runs them as SDPA runs the equivalent 2-D / float32 mask."""
+    d = _qkv()
+    q, k, v = d["q"], d["k"], d["v"]
+    Sk = k.shape[2]
+    keep = torch.arange(Sk) % 3 != 1
+    bias = torch.linspace(-2, 1, Sk, dtype=torch.float64).expand(1, 1, q.shape[2], Sk)
+    for given, as_sdpa in ((keep, keep.reshape(1, Sk)), (bias, bias.float()), (bias.bfloat16(), bias.bfloat16().float())):
+        int8_attention(q, k, v, mode="int8", attn_mask=given)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=as_sdpa)
+        assert torch.equal(int8_attention(q, k, v, mode="fp16", attn_mask=given), want)
+
+
+def test_the_int8_modes_have_no_backward_and_say_so(monkeypatch):
+    monkeypatch.setenv(config.ENV_BACKEND, "emulation")
+    d = _qkv()
+    q, k, v = (t.clone().requires_grad_() for t in (d["q"], d["k"], d["v"]))
+    with pytest.warns(RuntimeWarning, match="no backward"):
+        out = int8_attention(q, k, v, mode="int8_fp16v")
+    assert not out.requires_grad  # never a gradient through the quantization scales alone
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(int8_attention(q, k, v, mode="int8_fp16v"), out, atol=0, rtol=0)
+    exact = int8_attention(q, k, v, mode="fp16")
+    exact.float().sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def test_the_default_dtype_does_not_reach_the_kernels(monkeypatch):
+    monkeypatch.setenv(config.ENV_BACKEND, "emulation")
+    q, k, v = realistic_qkv(1, 2, 300, 300, 64)
+    want = int8_attention(q, k, v, mode="int8", qk_rotate=True, return_lse=True)
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = int8_attention(q, k, v, mode="int8", qk_rotate=True, return_lse=True)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert got[1].dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_fp16_mode_compiles_with_dynamic_shapes():
+    q, k, v = (t.half() for t in torch.randn(3, 1, 2, 64, 64).unbind(0))
+    f = torch.compile(lambda q, k, v: int8_attention(q, k, v, mode="fp16"), fullgraph=True, dynamic=True,
+                      backend="eager")
+    assert torch.equal(f(q, k, v), F.scaled_dot_product_attention(q, k, v))
 
 
 def test_static_ranges_rejected_in_fp16_mode():

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
+from ..caller import warn_user
 from .config import (ENV_BACKEND, ENV_PV8, MAX_HEAD_DIM, PV, SPARSE_BLOCK, Backend, Kernel, Mode, padded_head_dim,
-                     pv_for_mode, select_backend)
+                     pv_for_mode, select_backend, triton_unavailable)
 from . import cache
 from .cache import signature
 from .layout import check_rotation, output_like, to_bhsd
@@ -126,6 +127,9 @@ def int8_attention(
         row without keys (in either layout, as ``torch.nn.functional.scaled_dot_product_attention``'s kernels
         give it); with ``return_skipped``, the skipped blocks' output and log-sum-exp after those; with
         ``return_block_mask``, the predicted mask last.
+
+    The INT8 modes have no backward: inputs that require grad are read as detached (one warning says so); mode
+    ``fp16`` is SDPA, gradients included.
     """
     # 1. Validate, once per call signature: a signature seen before skips every check and choice (the hot path)
     key, call = _checked_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate,
@@ -137,6 +141,9 @@ def int8_attention(
     if call.mode is Mode.FP16:
         return _exact(q, k, v, call, layout, attn_mask, block_mask, sparsity, keep_kv_blocks, return_lse,
                       return_skipped, return_block_mask)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        _warn_no_backward()
+        q, k, v = q.detach(), k.detach(), v.detach()
     if call.empty:
         return _empty(q, k, layout, return_lse, return_skipped, return_block_mask)
     # 3. Run: plain eager tensors go straight to the launch plan of their signature (the custom op's dispatch
@@ -158,6 +165,11 @@ def int8_attention(
                     *((mask,) if return_block_mask else ()))
 
 
+def _warn_no_backward() -> None:
+    warn_user("diffusion_int8: the INT8 modes have no backward: their output carries no gradient to q, k and v (run "
+              "inference under torch.no_grad() or torch.inference_mode(); mode 'fp16' is SDPA, with its gradients)")
+
+
 def _checked_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax, k_amax,
                   v_amax, k_mean, sparsity, keep_kv_blocks, return_lse, return_skipped,
                   return_block_mask) -> tuple[tuple | None, "_Call"]:
@@ -166,7 +178,8 @@ def _checked_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k,
     try:
         plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         key = None if torch.compiler.is_compiling() or not plain else (  # no data_ptr() to trace
-            "call", mode, layout, scale, smooth_k, balance_key(qk_balance), balance_key(qk_rotate), return_lse,
+            "call", mode, layout, balance_key(scale), balance_key(smooth_k), balance_key(qk_balance),
+            balance_key(qk_rotate), balance_key(return_lse),
             balance_key(return_skipped), balance_key(sparsity), balance_key(return_block_mask),
             os.environ.get(ENV_BACKEND), os.environ.get(ENV_PV8), signature(q), signature(k), signature(v), signature(attn_mask),
             signature(block_mask), signature(q_amax), signature(k_amax), signature(v_amax), signature(k_mean),
@@ -176,7 +189,7 @@ def _checked_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k,
         key, call = None, None
     if call is None:
         call = _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax,
-                        k_amax, v_amax, k_mean, sparsity, keep_kv_blocks, return_skipped, return_block_mask)
+                        k_amax, v_amax, k_mean, sparsity, keep_kv_blocks, return_lse, return_skipped, return_block_mask)
         if key is not None:
             cache.remember(key, call)
     return key, call
@@ -201,6 +214,8 @@ def _exact(q, k, v, call: "_Call", layout, attn_mask, block_mask, sparsity, keep
         dense = _exact(q, k, v, call, layout, attn_mask, None, None, None, return_lse, False, False)
         return _results(*(dense if return_lse else (dense,)), *skipped)
     qb, kb, vb = (t if layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v))
+    if attn_mask is not None:
+        attn_mask = _sdpa_mask(attn_mask, qb.dtype)
     if sparsity is not None:
         block_mask = predict_block_mask(qb, kb, sparsity, sm_scale=call.scale, keep_kv_blocks=keep_kv_blocks)
     if block_mask is not None:
@@ -214,14 +229,25 @@ def _exact(q, k, v, call: "_Call", layout, attn_mask, block_mask, sparsity, keep
     return out if layout == "BHSD" else out.transpose(1, 2)
 
 
+def _sdpa_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A mask the INT8 modes take as SDPA takes it: at least 2-D, and an additive one in float32 unless it has the
+    query's dtype (SDPA refuses float64, and bfloat16 beside float16 queries)."""
+    if mask.dim() < 2:
+        mask = mask.reshape(1, -1)
+    if mask.is_floating_point() and mask.dtype not in (torch.float32, dtype):
+        mask = mask.float()
+    return mask
+
+
 def _empty(q, k, layout, return_lse: bool, return_skipped: bool, return_block_mask: bool):
     """No batch, queries or keys: no work, and rows without keys are 0 (as fully masked rows are)."""
     B, H, Sq = to_bhsd(q, layout).shape[:3]
     Sk = to_bhsd(k, layout).shape[2]
     out = output_like(q, zero=True)
-    lse = (torch.full((B, H, Sq), float("-inf"), device=q.device),) if return_lse else ()
+    lse = (torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device),) if return_lse else ()
     mask = torch.ones((B, H, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)), dtype=torch.bool, device=q.device)
-    skipped = (output_like(q, zero=True), torch.full((B, H, Sq), float("-inf"), device=q.device)) if return_skipped \
+    skipped = (output_like(q, zero=True), torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device)) \
+        if return_skipped \
         else ()
     return _results(out, *lse, *skipped, *((mask,) if return_block_mask else ()))
 
@@ -244,13 +270,14 @@ class _Call(NamedTuple):
 
 
 def _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax, k_amax,
-             v_amax, k_mean, sparsity, keep_kv_blocks, return_skipped, return_block_mask) -> _Call:
+             v_amax, k_mean, sparsity, keep_kv_blocks, return_lse, return_skipped, return_block_mask) -> _Call:
     """Check a call and choose its backend and P·V format (raises on bad arguments)."""
     mode, scale, gqa, empty = _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance,
                                           qk_rotate, q_amax, k_amax, v_amax, k_mean)
     _check_sparsity(q, k, layout, attn_mask, block_mask, sparsity, keep_kv_blocks, return_block_mask)
-    if not isinstance(return_skipped, bool):
-        raise TypeError(f"return_skipped must be True or False, got {type(return_skipped).__name__}")
+    for name, flag in (("return_skipped", return_skipped), ("return_lse", return_lse), ("smooth_k", smooth_k)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {type(flag).__name__}")
     if return_skipped and block_mask is None:
         raise ValueError("return_skipped needs a block_mask (the blocks it skips are returned apart); with sparsity=, "
                          "predict the mask first (kernels.sparsity.predict_block_mask) and give it as block_mask")
@@ -261,7 +288,7 @@ def _prepare(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_b
 
 def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate, q_amax, k_amax,
                 v_amax, k_mean):
-    """Every check of ``int8_attention``'s arguments; returns (mode, scale, grouped heads) or raises."""
+    """Every check of ``int8_attention``'s arguments; returns (mode, scale, grouped heads, empty) or raises."""
     mode = Mode.parse(mode)
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
@@ -287,7 +314,7 @@ def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q
         if any(t is not None for t in (q_amax, k_amax, v_amax, k_mean)) or given_bal:
             raise ValueError("static quantization inputs (q_amax/k_amax/v_amax/k_mean, a qk_balance tensor) do not "
                              "apply to mode 'fp16'")
-        return mode, float(scale), Hq != Hkv, False
+        return mode, float(scale), True if Hq != Hkv else False, False  # a bool, not a SymBool, for SDPA
     if given_bal:
         _check_amax("qk_balance", qk_balance, q, (B, Hkv, D))
     check_rotation(qk_rotate, q_amax, k_amax)
@@ -297,7 +324,7 @@ def _check_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, q
     _check_amax("k_mean", k_mean, q, (B, Hkv, D))
     if k_mean is not None and not smooth_k:
         raise ValueError("k_mean is a smoothing vector: it needs smooth_k=True")
-    return mode, float(scale), Hq != Hkv, 0 in (B, Sq, Sk)
+    return mode, float(scale), True if Hq != Hkv else False, 0 in (B, Sq, Sk)
 
 
 def kernel_info(device: torch.device | str, mode: str | Mode = "int8", head_dim: int = 128) -> dict:
@@ -306,15 +333,15 @@ def kernel_info(device: torch.device | str, mode: str | Mode = "int8", head_dim:
     Returns a dict: ``mode``; ``backend`` (``"triton"``, ``"emulation"`` or ``"sdpa"`` for ``fp16``); ``pv``
     (the P·V format); ``kernel``, the kernel an unmasked call at ``head_dim`` runs (``"sm90_gluon"``,
     ``"triton"``, ``"emulation"`` or ``"sdpa"``); and ``reason``: why the sm_90 Gluon kernel does not run
-    where it would apply (e.g. this Triton's Gluon API is not supported), else None.
+    where it would apply (e.g. this Triton's Gluon API is not supported) or why the emulation runs, else None.
     """
     device = torch.device(device)
     mode = Mode.parse(mode)
     if mode is Mode.FP16:
         return {"mode": mode.value, "backend": "sdpa", "pv": None, "kernel": Kernel.SDPA.value, "reason": None}
-    backend, pv = select_backend(device), pv_for_mode(mode, device)
+    backend, pv = select_backend(device, warn=False), pv_for_mode(mode, device)
     info = {"mode": mode.value, "backend": backend.value, "pv": pv.value, "kernel": Kernel(backend.value).value,
-            "reason": None}
+            "reason": triton_unavailable(device) if backend is Backend.EMULATION else None}
     if backend is Backend.TRITON and device.type == "cuda":
         from . import attention  # imports triton: only where the Triton backend runs
 
@@ -449,7 +476,7 @@ def sdpa_with_lse(qb, kb, vb, attn_mask=None, scale: float | None = None) -> tup
         except RuntimeError:  # a shape or GPU flash attention does not take: the general path below
             pass
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, scale=scale,
-                                         enable_gqa=qb.shape[1] != kb.shape[1])
+                                         enable_gqa=True if qb.shape[1] != kb.shape[1] else False)
     return out, exact_lse(qb, kb, attn_mask, scale=scale)
 
 

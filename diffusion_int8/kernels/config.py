@@ -206,11 +206,12 @@ def _warn_fallback(reason: str) -> None:
         f"much slower). Set {ENV_BACKEND}=emulation to silence this.")
 
 
-def select_backend(device: torch.device) -> Backend:
+def select_backend(device: torch.device, warn: bool = True) -> Backend:
     """The backend that runs INT8 modes on ``device``.
 
     ``DIFFUSION_INT8_BACKEND`` = ``triton`` | ``emulation`` | ``auto`` (default) overrides the choice.
-    Asking for ``triton`` where it cannot run raises, naming the device and what is missing.
+    Asking for ``triton`` where it cannot run raises, naming the device and what is missing. Falling back to the
+    emulation warns once, unless ``warn`` is False (a question about the backend, not a call).
     """
     requested = _requested_backend()
     if requested not in ("auto", "triton", "emulation"):
@@ -222,7 +223,8 @@ def select_backend(device: torch.device) -> Backend:
         return Backend.TRITON
     if requested == "triton":
         raise RuntimeError(f"{ENV_BACKEND}=triton, but {reason}")
-    _warn_fallback(reason)
+    if warn:
+        _warn_fallback(reason)
     return Backend.EMULATION
 
 

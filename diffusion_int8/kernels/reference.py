@@ -173,7 +173,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     for _ in range(x.shape[-1].bit_length() - 1):  # the fast transform; integer sums, exact in float64
         a, b = grid[..., 0::2], grid[..., 1::2]
         grid = torch.cat([a + b, a - b], dim=-1)
-    poison = torch.where(amax < float("inf"), 0.0, float("nan"))
+    poison = torch.where(amax < float("inf"), torch.zeros_like(amax), float("nan"))
     return grid.float() * (_pow2(2 * 127 - shift) + poison)
 
 
@@ -368,9 +368,9 @@ def emulate_attention(
             raise ValueError(f"a block mask needs key tiles that divide {SPARSE_BLOCK}, got block_n={block_n}")
         keep = block_mask.expand(B, H, -(-Sq // SPARSE_BLOCK), -1).repeat_interleave(SPARSE_BLOCK, dim=2)[:, :, :Sq]
     p_shift = FP8_P_SHIFT if pv is PV.FP8 else 0.0  # FP8: P·2^8 through the exponent, cancels in acc / l
-    m_i = torch.full((B, H, Sq), -math.inf, device=q.device)
-    l_i = torch.zeros((B, H, Sq), device=q.device)
-    acc = torch.zeros((B, H, Sq, q8.shape[-1]), device=q.device)
+    m_i = torch.full((B, H, Sq), -math.inf, dtype=torch.float32, device=q.device)
+    l_i = torch.zeros((B, H, Sq), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((B, H, Sq, q8.shape[-1]), dtype=torch.float32, device=q.device)
     for tile, kind in steps:
         start = tile * block_n
         end = min(start + block_n, Sk)
