@@ -38,6 +38,8 @@ def test_public_op_matches_emulation(kdev, mode, pv):
 def test_env_forces_int8_pv(monkeypatch):
     monkeypatch.setenv(config.ENV_PV8, "int8")
     assert diffusion_int8.kernel_info("cpu", "int8")["pv"] == "int8"
+    monkeypatch.setenv(config.ENV_PV8, "FP8")
+    assert diffusion_int8.kernel_info("cpu", "int8")["pv"] == "fp8"
     monkeypatch.setenv(config.ENV_PV8, "fp9")
     with pytest.raises(ValueError, match="fp8 or int8"):
         diffusion_int8.kernel_info("cpu", "int8")
@@ -161,6 +163,19 @@ def test_qk_balance_flag_is_checked_after_a_cached_call():
     int8_attention(d["q"], d["k"], d["v"], mode="int8", qk_balance=True)
     with pytest.raises(TypeError, match="qk_balance must be True, False or a tensor"):
         int8_attention(d["q"], d["k"], d["v"], mode="int8", qk_balance=1)
+
+
+def test_the_emulation_takes_pv_by_name():
+    q, k, v = realistic_qkv(1, 2, 20, 30, 64)
+    for pv in config.PV:
+        torch.testing.assert_close(R.emulate_attention(q, k, v, pv=pv.value), R.emulate_attention(q, k, v, pv=pv),
+                                   atol=0, rtol=0)
+
+
+def test_no_heads_is_named_as_such():
+    q = torch.randn(1, 0, 8, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="at least one head of each"):
+        int8_attention(q, q, q)
 
 
 def test_flags_and_scale_are_checked_after_a_cached_call():

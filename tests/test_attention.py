@@ -605,6 +605,23 @@ def test_replayed_launch_plans(kdev, case):
             assert plans() == before  # replayed
 
 
+def test_a_call_with_aliased_inputs_leaves_its_key_a_plan_to_record(kdev):
+    # int8_attention(x, x, x) cannot be recorded (its inputs' pointers are one), but it says nothing of the key's
+    # other calls: the next call with distinct tensors records a replayable plan
+    from diffusion_int8.kernels import cache
+    from diffusion_int8.kernels.launch import Plan
+
+    x, k, v = realistic_qkv(1, 2, 130, 130, 64, device=kdev)
+    kw = dict(pv=PV.FP8, layout="BHSD")
+    check(run_kernel(x, x, x, **kw), R.emulate_attention(x, x, x, **kw), R.attention_ref(x, x, x), PV.FP8, x.dtype,
+          call=(x, x, x, kw))
+    before = set(cache.ENTRIES)
+    check(run_kernel(x, k, v, **kw), R.emulate_attention(x, k, v, **kw), R.attention_ref(x, k, v), PV.FP8, x.dtype,
+          call=(x, k, v, kw))
+    recorded = [cache.ENTRIES[key] for key in set(cache.ENTRIES) - before if key[0] == "plan"]
+    assert len(recorded) == 1 and isinstance(recorded[0], Plan)
+
+
 def test_launch_plans_from_two_threads(kdev):
     # Two threads calling at once, each alternating between two signatures: every result equals the same call
     # made alone (plans are built without locks and only read afterwards)

@@ -377,7 +377,10 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {D} is not supported; accepted: 1 to {MAX_HEAD_DIM}")
     hq, hkv = q.shape[h_ax], k.shape[h_ax]
-    if hkv == 0 or hq % hkv:
+    if hkv == 0 or hq == 0:
+        raise ValueError(f"q has {hq} heads and k/v have {hkv}: attention needs at least one head of each (check the "
+                         f"layout: {layout!r} puts heads on dim {h_ax})")
+    if hq % hkv:
         raise ValueError(
             f"q has {hq} heads and k/v have {hkv}: the query heads must be a multiple of the key/value "
             f"heads (check the layout: {layout!r} puts heads on dim {h_ax})"

@@ -1,7 +1,8 @@
 """Precisions, tile configuration and backend selection for the attention kernels.
 
-Everything here is decided once per device and cached; nothing on the hot path reads global
-mutable state.
+Everything here is decided once per device and cached; on the hot path only the two environment
+variables that override the backend and the 8-bit P·V format are read, as part of a call's cache key, so that a
+changed setting takes effect at the next call.
 """
 
 from __future__ import annotations
@@ -259,9 +260,9 @@ def _has_fp8(device_type: str, index: int | None) -> bool:
 def default_pv8(device: torch.device) -> PV:
     """The 8-bit P·V format of mode ``int8``: FP8 e4m3 on sm89+ (and on CPU), INT8 before that.
 
-    ``DIFFUSION_INT8_PV8`` = ``fp8`` | ``int8`` overrides it.
+    ``DIFFUSION_INT8_PV8`` = ``fp8`` | ``int8`` (any case) overrides it.
     """
-    forced = os.environ.get(ENV_PV8)
+    forced = os.environ.get(ENV_PV8, "").lower()
     if forced:
         if forced not in ("fp8", "int8"):
             raise ValueError(f"{ENV_PV8} must be fp8 or int8, got {forced!r}")

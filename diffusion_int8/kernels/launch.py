@@ -103,6 +103,11 @@ class NotReplayable(Exception):
     """The first call passed a pointer the plan cannot derive from the inputs or the workspace."""
 
 
+class InputsShareMemory(NotReplayable):
+    """Two of this call's inputs start at one address (``int8_attention(x, x, x)``): a plan could not tell their
+    pointers apart, but another call of the key may have distinct inputs."""
+
+
 class Plan:
     """Replays a recorded call: ``plan(inputs)`` launches the recorded kernels on new inputs of the same signature.
 
@@ -122,7 +127,7 @@ class Plan:
         self.workspace_bytes = max(size, 1)
         starts = [None if t is None else t.data_ptr() for t in inputs]
         if len({s for s in starts if s is not None}) != sum(s is not None for s in starts):
-            raise NotReplayable("two inputs share a data pointer")
+            raise InputsShareMemory("two inputs share a data pointer")
 
         def hole(pos, t, desc=None):
             p = t.data_ptr()
@@ -247,6 +252,8 @@ def plan_or_run(key: tuple, inputs: list, record: Callable[[Runner], None]) -> N
     record(rec)
     try:
         plan = Plan(rec, inputs)
+    except InputsShareMemory:  # this call's, not the key's: a later call records again
+        return
     except NotReplayable:  # remembered, so later calls of the key skip the recording
         plan = _NO_PLAN
     cache.remember(key, plan)

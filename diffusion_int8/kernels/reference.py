@@ -295,7 +295,7 @@ def emulate_attention(
     v: torch.Tensor,
     *,
     layout: str = "BHSD",
-    pv: PV = PV.FP16,
+    pv: PV | str = PV.FP16,
     sm_scale: float | None = None,
     smooth_k: bool = True,
     qk_balance: bool | torch.Tensor = False,
@@ -323,6 +323,7 @@ def emulate_attention(
     """
     from .config import tile_config
 
+    pv = PV(pv)  # "fp8" as PV.FP8
     qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
     B, H, Sq, D = qb.shape
     H_kv, Sk = kb.shape[1], kb.shape[2]
