@@ -227,6 +227,21 @@ def test_disable_leaves_a_processor_set_after_enable_with_a_warning():
     assert after[name] is mine and all(after[n] is p for n, p in before.items() if n != name)
 
 
+def test_the_summary_counts_modules_given_another_processor_since():
+    """``fuse_qkv_projections`` after ``enable`` gives every legacy module diffusers' fused processor: the summary
+    stops counting them as routed and names them."""
+    model, x = build("unet")
+    handle = enable(model, "int8")
+    n = len(handle.originals)
+    assert sum(handle.summary()["routed"].values()) == n and handle.summary()["replaced"] == []
+    model.fuse_qkv_projections()
+    summary = handle.summary()
+    assert summary["routed"] == {} and sorted(summary["replaced"]) == sorted(handle.originals)
+    assert f"{n} given another processor since enable()" in str(handle)
+    with pytest.warns(RuntimeWarning, match="got another processor after enable"):
+        handle.disable()
+
+
 def _ip_adapter_weights(unet, seed=3):
     """A random IP-Adapter state dict for ``unet`` (as ``load_ip_adapter`` reads one from a file)."""
     g = torch.Generator().manual_seed(seed)

@@ -71,23 +71,26 @@ class Int8Handle:
 
     def summary(self) -> dict:
         """What ``enable`` installed: ``{"model": class name, "settings": {mode, schedule (its name), schedule_levels,
-        sparsity, refresh_every, speed_gate, calibration}, "routed": {stock processor class: modules},
-        "left_stock": {module name: reason}, "qk_balance": {what the module does (``Int8DiffusionProcessor.
-        balance_status``): [module names]}}`` (``routed`` and ``qk_balance`` are empty once disabled), and
+        sparsity, refresh_every, speed_gate, calibration}, "routed": {stock processor class: modules that run the INT8
+        processor}, "left_stock": {module name: reason}, "qk_balance": {what the module does
+        (``Int8DiffusionProcessor.balance_status``): [module names]}, "replaced": [modules given another processor
+        since, e.g. by ``fuse_qkv_projections``]}`` (``routed``, ``qk_balance`` and ``replaced`` are empty once
+        disabled), and
         ``"others": {component: its summary}`` where the pipeline has other denoising models."""
         routed: dict[str, int] = {}
-        for proc in self.originals.values():
-            routed[type(proc).__name__] = routed.get(type(proc).__name__, 0) + 1
         balance: dict[str, list[str]] = {}
-        if self.originals:
-            modules = attention_modules(self.model)
-            for name in self.originals:
-                proc = modules[name].processor
-                if isinstance(proc, Int8DiffusionProcessor):
-                    balance.setdefault(proc.balance_status(), []).append(name)
+        replaced: list[str] = []
+        modules = attention_modules(self.model) if self.originals else {}
+        for name, original in self.originals.items():
+            proc = getattr(modules.get(name), "processor", None)
+            if isinstance(proc, Int8DiffusionProcessor):
+                routed[type(original).__name__] = routed.get(type(original).__name__, 0) + 1
+                balance.setdefault(proc.balance_status(), []).append(name)
+            else:  # set since (fuse_qkv_projections, load_ip_adapter, set_attn_processor): runs as it is
+                replaced.append(name)
         out = {"model": type(self.model).__name__, "settings": _settings(self.config),
                "routed": dict(sorted(routed.items())), "left_stock": dict(sorted(self.skipped.items())),
-               "qk_balance": dict(sorted(balance.items()))}
+               "qk_balance": dict(sorted(balance.items())), "replaced": replaced}
         if self.others:
             out["others"] = {name: other.summary() for name, other in self.others.items()}
         return out
@@ -110,9 +113,12 @@ class Int8Handle:
             said.append(f"skipped blocks carried, refresh every {settings['refresh_every']} steps")
         said.append("speed gate " + ("on" if settings["speed_gate"] else "off"))
         lines = [f"{indent}diffusion_int8 on {s['model']} ({'; '.join(said)}): {sum(s['routed'].values())} attention "
-                 f"module(s) routed to INT8"]
+                 f"module(s) routed"]
         lines += [f"{indent}  {n} x {cls}" for cls, n in s["routed"].items()]
         lines += [f"{indent}  Q·Kᵀ balance {status}: {len(names)} module(s)" for status, names in s["qk_balance"].items()]
+        if s["replaced"]:
+            lines.append(f"{indent}  {len(s['replaced'])} given another processor since enable(), which runs as it is: "
+                         f"{', '.join(s['replaced'][:4])}{', ...' if len(s['replaced']) > 4 else ''}")
         if s["left_stock"]:
             lines.append(f"{indent}  {len(s['left_stock'])} left on their stock processor:")
             lines += [f"{indent}    {name}: {why}" for name, why in s["left_stock"].items()]
