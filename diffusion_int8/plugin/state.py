@@ -16,9 +16,11 @@ from ..kernels.layout import cdiv
 class Int8State:
     """The denoising position the processors read, held by the user's handle (no module globals).
 
-    ``timestep`` is the value the denoiser was last called with (first element for CFG batches),
-    ``step`` counts denoiser calls since ``reset()`` (a call of another of the pipeline's models at the same timestep,
-    a ControlNet's before its UNet's, is the same step); ``steps`` is the number of noise levels this generation runs
+    ``timestep`` is the value the denoiser was last called with (first element for CFG batches; the highest of the
+    first sample's for per-token timesteps), ``step`` counts denoiser calls since ``reset()``: a pipeline that runs
+    CFG as two calls (Wan, Qwen-Image) counts two per denoising step, so ``trace`` and ``block_counts`` are per call
+    (a call of another of the pipeline's models at the same timestep, a ControlNet's before its UNet's, is the same
+    step); ``steps`` is the number of noise levels this generation runs
     at, where the pipeline's scheduler tells it (``enable`` on a pipeline), else None; ``trace``, when a list, records
     ``(step, timestep, layer, mode)`` for every attention call (the mode the schedule chose, before the speed
     gate); ``int8_calls`` and ``gated_calls`` count the calls that ran INT8 and those the gate sent to SDPA (in eager
