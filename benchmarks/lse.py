@@ -3,8 +3,9 @@ whole call with and without it against SDPA's default backend, and mode fp16's f
 
     python benchmarks/lse.py [--out lse.json]
 
-Eager calls on a CUDA GPU, ``triton.testing.do_bench`` medians after warm-up, one process; ratios are SDPA's time
-over the row's, from the same run. Prints a Markdown table; ``--out`` also writes the times as JSON.
+Eager calls on a CUDA GPU, ``triton.testing.do_bench`` medians after warm-up, one process; each column's ratio is
+SDPA's time over the variant's, at the row's shape, from the same run. Prints a Markdown table; ``--out`` also
+writes the times as JSON.
 """
 
 import argparse

@@ -196,7 +196,8 @@ def test_fp16_mode_takes_the_masks_the_int8_modes_take():
     Sk = k.shape[2]
     keep = torch.arange(Sk) % 3 != 1
     bias = torch.linspace(-2, 1, Sk, dtype=torch.float64).expand(1, 1, q.shape[2], Sk)
-    for given, as_sdpa in ((keep, keep.reshape(1, Sk)), (bias, bias.float()), (bias.bfloat16(), bias.bfloat16().float())):
+    cases = ((keep, keep.reshape(1, Sk)), (bias, bias.float()), (bias.bfloat16(), bias.bfloat16().float()))
+    for given, as_sdpa in cases:
         int8_attention(q, k, v, mode="int8", attn_mask=given)
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=as_sdpa)
         assert torch.equal(int8_attention(q, k, v, mode="fp16", attn_mask=given), want)

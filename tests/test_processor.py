@@ -240,6 +240,23 @@ def test_the_summary_counts_modules_given_another_processor_since():
     assert f"{n} given another processor since enable()" in str(handle)
     with pytest.warns(RuntimeWarning, match="got another processor after enable"):
         handle.disable()
+    model, _ = build("unet")
+    handle = enable(model, "fp16")
+    model.set_attn_processor(Int8DiffusionProcessor(mode="int8"))  # INT8, but not this handle's
+    assert handle.summary()["routed"] == {} and len(handle.summary()["replaced"]) == n
+    handle.disable()
+
+
+def test_data_parallel_replicas_keep_the_processors_settings():
+    """``nn.DataParallel`` replicates a processor that is a module (IP-Adapter's, wrapped) through ``__new__``
+    alone: the replica is the same INT8 processor, not one rebuilt with other settings."""
+    from diffusers.models.attention_processor import IPAdapterAttnProcessor2_0
+
+    proc = Int8DiffusionProcessor("int8_fp16v", inner=IPAdapterAttnProcessor2_0(hidden_size=32, cross_attention_dim=16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replica = proc._replicate_for_data_parallel()
+    assert type(replica) is type(proc) and replica.mode is diffusion_int8.Mode.INT8_FP16V and replica.inner is proc.inner
 
 
 def _ip_adapter_weights(unet, seed=3):
@@ -266,21 +283,25 @@ def test_an_ip_adapter_loaded_after_enable_runs_exact_with_a_warning():
         model, x = build("unet")
         handle = enable(model, "fp16") if enabled else None
         model._load_ip_adapter_weights([_ip_adapter_weights(model)], low_cpu_mem_usage=False)
-        x = dict(x, added_cond_kwargs={"image_embeds": [torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(5))]})
+        embeds = torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(5))
+        x = dict(x, added_cond_kwargs={"image_embeds": [embeds]})
         return run(model, x), handle
 
     stock, _ = run_with_adapter(False)
     with pytest.warns(RuntimeWarning, match=r"rebuilt an INT8 attention processor by its class \(load_ip_adapter"):
         got, handle = run_with_adapter(True)
     assert torch.equal(got, stock)
-    assert not any(isinstance(m.processor, Int8DiffusionProcessor) for m in attention_modules(handle.model).values())
+    rebuilt = [m.processor for m in attention_modules(handle.model).values()
+               if isinstance(m.processor, Int8DiffusionProcessor)]
+    assert rebuilt and all(p.mode is diffusion_int8.Mode.FP16 for p in rebuilt)
+    assert handle.summary()["routed"] == {} and len(handle.summary()["replaced"]) == len(handle.originals)
     with pytest.warns(RuntimeWarning, match="got another processor after enable"):
         handle.disable()  # the adapter's processors stay
 
 
 def test_diffusers_layer_skip_applies_to_enabled_models():
     """Skip-layer guidance and PAG (``apply_layer_skip``) look a processor up by its exact class and replace
-    attention by V through a torch-function mode around SDPA: both reach the INT8 processors."""
+    attention by V through a torch-function mode around SDPA: both reach the processors ``enable`` installs."""
     from diffusers.hooks import LayerSkipConfig, apply_layer_skip
     from diffusers.hooks.layer_skip import AttentionScoreSkipFunctionMode
 
@@ -319,7 +340,8 @@ def test_the_diffusers_way_on_a_unet_with_added_kv_projections():
     model = d.UNet2DConditionModel(
         block_out_channels=(32, 64), layers_per_block=1, sample_size=16, in_channels=4, out_channels=4,
         down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
-        up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"), mid_block_type="UNetMidBlock2DSimpleCrossAttn",
+        up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
+        mid_block_type="UNetMidBlock2DSimpleCrossAttn",
         cross_attention_dim=32, attention_head_dim=8, resnet_time_scale_shift="scale_shift").eval()
     g = torch.Generator().manual_seed(1)
     x = dict(sample=torch.randn(1, 4, 16, 16, generator=g), timestep=torch.tensor(10),

@@ -128,8 +128,8 @@ def int8_attention(
         give it); with ``return_skipped``, the skipped blocks' output and log-sum-exp after those; with
         ``return_block_mask``, the predicted mask last.
 
-    The INT8 modes have no backward: inputs that require grad are read as detached (one warning says so); mode
-    ``fp16`` is SDPA, gradients included.
+    The INT8 modes have no backward: in eager mode inputs that require grad are read as detached, and a warning
+    says so (under ``torch.compile`` the op refuses them); mode ``fp16`` is SDPA, gradients included.
     """
     # 1. Validate, once per call signature: a signature seen before skips every check and choice (the hot path)
     key, call = _checked_call(q, k, v, mode, layout, attn_mask, block_mask, scale, smooth_k, qk_balance, qk_rotate,
@@ -141,7 +141,8 @@ def int8_attention(
     if call.mode is Mode.FP16:
         return _exact(q, k, v, call, layout, attn_mask, block_mask, sparsity, keep_kv_blocks, return_lse,
                       return_skipped, return_block_mask)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad) \
+            and not torch.compiler.is_compiling():  # compiled, the op's missing autograd formula is the error
         _warn_no_backward()
         q, k, v = q.detach(), k.detach(), v.detach()
     if call.empty:

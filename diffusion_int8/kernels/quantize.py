@@ -649,7 +649,8 @@ def _hadamard_int8(dp: int, device: torch.device) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("int8_attention(..., qk_rotate=True): call it once outside CUDA graph capture first (as "
                                "for any new shape: that call also compiles the kernels)")
-        h = hadamard(torch.eye(dp, dtype=torch.float32)).to(torch.int8)  # the emulation's transform of the unit rows: H itself
+        # the emulation's transform of the unit rows: H itself
+        h = hadamard(torch.eye(dp, dtype=torch.float32)).to(torch.int8)
         h = _HADAMARD.setdefault((dp, device), h.to(device))  # the first thread's, if two get here
     return h
 

@@ -83,10 +83,10 @@ class Int8Handle:
         modules = attention_modules(self.model) if self.originals else {}
         for name, original in self.originals.items():
             proc = getattr(modules.get(name), "processor", None)
-            if isinstance(proc, Int8DiffusionProcessor):
+            if isinstance(proc, Int8DiffusionProcessor) and proc.state is self.state:
                 routed[type(original).__name__] = routed.get(type(original).__name__, 0) + 1
                 balance.setdefault(proc.balance_status(), []).append(name)
-            else:  # set since (fuse_qkv_projections, load_ip_adapter, set_attn_processor): runs as it is
+            elif proc is not original:  # set since (fuse_qkv_projections, load_ip_adapter, set_attn_processor)
                 replaced.append(name)
         out = {"model": type(self.model).__name__, "settings": _settings(self.config),
                "routed": dict(sorted(routed.items())), "left_stock": dict(sorted(self.skipped.items())),

@@ -37,6 +37,13 @@ from .routing import RouteToInt8, attention_dispatch, int8_core, kernel_takes, o
 from .state import Int8State, block_pairs
 
 
+class _Default(str):
+    """``mode``'s default, ``"int8"``, told apart from a mode given as ``"int8"``."""
+
+
+_DEFAULT_MODE = _Default("int8")
+
+
 class Int8DiffusionProcessor(DispatcherCalls):
     """A diffusers attention processor whose attention core runs in INT8.
 
@@ -56,14 +63,18 @@ class Int8DiffusionProcessor(DispatcherCalls):
     """
 
     def __new__(cls, *args, inner: Any = None, **kwargs):
-        if cls is not Int8DiffusionProcessor:  # a declaring subclass already
-            if not args and not kwargs and inner is None:
-                return _rebuilt(cls)
+        if cls is not Int8DiffusionProcessor:  # a declaring subclass already (a copy, or diffusers' type(proc)())
             return super().__new__(cls)
-        return super().__new__(_subclass_for(inner))
+        proc = super().__new__(_subclass_for(inner))
+        proc.__dict__["_made"] = True  # made as Int8DiffusionProcessor(...), not rebuilt by its class
+        return proc
 
-    def __init__(self, mode: "Int8Config | str | Mode" = "int8", *, inner: Any = None, state: Int8State | None = None,
-                 name: str | None = None, observer: Observer | None = None, **options):
+    def __init__(self, mode: "Int8Config | str | Mode" = _DEFAULT_MODE, *, inner: Any = None,
+                 state: Int8State | None = None, name: str | None = None, observer: Observer | None = None, **options):
+        if not self.__dict__.pop("_made", False) and mode is _DEFAULT_MODE and inner is None and state is None \
+                and name is None and observer is None and not options:
+            mode, inner = _rebuilt(type(self))
+        mode = "int8" if mode is _DEFAULT_MODE else mode
         if isinstance(self, torch.nn.Module):  # wrapping a stock processor with weights (``_StockWeights``)
             torch.nn.Module.__init__(self)
             if inner is not None:
@@ -563,20 +574,18 @@ def _subclass_of(stock: type) -> type:
 _STOCK_OF: dict[type, type] = {}  # the class of a processor wrapping a stock type -> that type
 
 
-def _rebuilt(cls: type):
-    """``cls()``: diffusers rebuilding a processor by its class, as ``load_ip_adapter``, ``unload_ip_adapter`` and
-    ``UNetMotionModel.from_unet2d`` do for the modules they do not adapt. Which ``enable()`` the class's processors
-    came from, with which settings, the class does not know: the module gets its stock processor back (exact
-    attention), and a warning says so rather than running defaults the user never chose."""
+def _rebuilt(cls: type) -> tuple[str, Any]:
+    """The mode and stock processor of ``cls()``: diffusers rebuilding a processor by its class, as
+    ``load_ip_adapter``, ``unload_ip_adapter`` and ``UNetMotionModel.from_unet2d`` do for the modules they do not
+    adapt. Which ``enable()`` the class's processors came from, with which settings, the class does not know: the
+    module runs its stock processor, exact (mode fp16), and a warning says so rather than running defaults the user
+    never chose."""
     stock = _STOCK_OF.get(cls)
-    what = f"{stock.__name__}, exact attention" if stock is not None else "a processor with the default settings"
     warn_user(f"diffusion_int8: diffusers rebuilt an INT8 attention processor by its class (load_ip_adapter, "
               f"unload_ip_adapter or from_unet2d after enable()), which keeps none of enable()'s settings: that "
-              f"module runs {what}. Load adapters before diffusion_int8.enable(), or call handle.disable() and "
-              f"enable() again after")
-    if stock is not None:
-        return stock()
-    return object.__new__(cls)
+              f"module runs its stock processor{f' ({stock.__name__})' if stock else ''}, exact. Load adapters "
+              f"before diffusion_int8.enable(), or call handle.disable() and enable() again after")
+    return "fp16", None if stock is None else stock()
 
 
 @torch.compiler.disable
@@ -587,7 +596,8 @@ def _scores_skipped() -> bool:
         from diffusers.hooks.layer_skip import AttentionScoreSkipFunctionMode
     except ImportError:
         return False
-    return any(isinstance(m, AttentionScoreSkipFunctionMode) for m in torch.overrides._get_current_function_mode_stack())
+    modes = torch.overrides._get_current_function_mode_stack()
+    return any(isinstance(m, AttentionScoreSkipFunctionMode) for m in modes)
 
 
 def _sparse(tau: float | None, key, attn_mask) -> bool:
