@@ -247,9 +247,9 @@ def _empty(q, k, layout, return_lse: bool, return_skipped: bool, return_block_ma
     out = output_like(q, zero=True)
     lse = (torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device),) if return_lse else ()
     mask = torch.ones((B, H, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK)), dtype=torch.bool, device=q.device)
-    skipped = (output_like(q, zero=True), torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device)) \
-        if return_skipped \
-        else ()
+    skipped = ()
+    if return_skipped:
+        skipped = (output_like(q, zero=True), torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device))
     return _results(out, *lse, *skipped, *((mask,) if return_block_mask else ()))
 
 

@@ -44,9 +44,8 @@ class Int8Handle:
 
     def disable(self, *, _stacklevel: int = 2) -> None:
         """Put back the processors ``enable`` replaced where an INT8 one is installed; any other processor set since
-        (``load_ip_adapter``'s, ``set_attn_processor``) stays, and a warning says where. A
-        handle already disabled does nothing (a later ``enable`` on the model has its own handle, which this one
-        must not touch)."""
+        (``load_ip_adapter``'s, ``set_attn_processor``) stays, and a warning says where. A handle already disabled
+        does nothing (a later ``enable`` on the model has its own handle, which this one must not touch)."""
         for other in self.others.values():
             other.disable(_stacklevel=_stacklevel + 1)
         if self.model.__dict__.get("_diffusion_int8_handle") is not self:
@@ -75,8 +74,7 @@ class Int8Handle:
         processor}, "left_stock": {module name: reason}, "qk_balance": {what the module does
         (``Int8DiffusionProcessor.balance_status``): [module names]}, "replaced": [modules given another processor
         since, e.g. by ``fuse_qkv_projections``]}`` (``routed``, ``qk_balance`` and ``replaced`` are empty once
-        disabled), and
-        ``"others": {component: its summary}`` where the pipeline has other denoising models."""
+        disabled), and ``"others": {component: its summary}`` where the pipeline has other denoising models."""
         routed: dict[str, int] = {}
         balance: dict[str, list[str]] = {}
         replaced: list[str] = []
