@@ -23,7 +23,7 @@ import time
 import torch
 
 from diffusion_int8 import int8_attention
-from diffusion_int8.kernels import PV, attention_ref, emulate_attention
+from diffusion_int8.kernels import attention_ref, emulate_attention
 from diffusion_int8.kernels.config import pv_for_mode, Mode
 from diffusion_int8.compare import cosine
 from diffusion_int8.inputs import realistic_qkv

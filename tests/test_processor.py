@@ -331,6 +331,25 @@ def test_diffusers_layer_skip_applies_to_enabled_models():
     handle.disable()
 
 
+def test_diffusers_layer_skip_with_processors_made_without_inner():
+    """A processor made the diffusers way (``set_attn_processor(Int8DiffusionProcessor(...))``, no ``inner=``) has no
+    stock type of its own: layer skip takes the entry of the stock processor inferred for each module."""
+    from diffusers.hooks import LayerSkipConfig, apply_layer_skip
+
+    config = lambda: LayerSkipConfig(indices=[0], fqn="transformer_blocks", skip_attention=True,
+                                     skip_attention_scores=False, skip_ff=False)  # noqa: E731
+    model, x = build("pixart")
+    plain = run(model, x)
+    apply_layer_skip(model, config())
+    stock = run(model, x)
+    assert not torch.equal(stock, plain)  # the skip changed the output
+    model, x = build("pixart")
+    with pytest.warns(RuntimeWarning, match="made without inner="):
+        model.set_attn_processor(Int8DiffusionProcessor(mode="fp16"))
+        apply_layer_skip(model, config())
+        assert torch.equal(run(model, x), stock)
+
+
 def test_the_diffusers_way_on_a_unet_with_added_kv_projections():
     """Kandinsky 2, IF and unCLIP UNets attend over added K/V projections (``AttnAddedKVProcessor2_0``): a
     processor made without ``inner=`` infers that stock processor for them."""

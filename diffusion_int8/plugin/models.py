@@ -251,6 +251,23 @@ def skip_metadata_as(cls: type, stock: type) -> None:
     AttentionProcessorRegistry.register(cls, metadata)
 
 
+def skip_metadata_inferred(cls: type) -> None:
+    """Register ``cls`` (processors made without ``inner``, which infer their stock processor per module) for
+    diffusers' layer-skip hooks, with an entry that defers, at the call, to the entry of the stock processor
+    ``stock_processor_for`` infers for the module at hand (diffusers' error where that one has none)."""
+    try:
+        from diffusers.hooks._helpers import AttentionProcessorMetadata, AttentionProcessorRegistry
+    except ImportError:
+        return
+
+    def skip_output(attn, *args, **kwargs):  # the module's forward arguments: hidden_states first
+        context = args[1] if len(args) > 1 else kwargs.get("encoder_hidden_states")
+        stock = type(stock_processor_for(attn, context is not None))
+        return AttentionProcessorRegistry.get(stock).skip_processor_output_fn(attn, *args, **kwargs)
+
+    AttentionProcessorRegistry.register(cls, AttentionProcessorMetadata(skip_processor_output_fn=skip_output))
+
+
 def other_denoisers(pipe, main: torch.nn.Module | None = None) -> list[tuple[str, torch.nn.Module]]:
     """(component name, model) of each model of ``pipe`` but ``main`` that runs at the denoising steps and has
     attention modules: one whose ``forward`` takes a timestep (``TIMESTEP_ARGUMENTS``), such as Wan 2.2's second

@@ -30,8 +30,8 @@ from .balance import BalanceChoice
 from .carry import BlockCarry
 from .config import Int8Config
 from .context_parallel import DispatcherCalls, context_split, heads_share, ulysses_share
-from .models import (any_stock_signature, call_params, declaring_subclass, skip_metadata_as, stock_processor_for,
-                     stock_signature, text_position)
+from .models import (any_stock_signature, call_params, declaring_subclass, skip_metadata_as, skip_metadata_inferred,
+                     stock_processor_for, stock_signature, text_position)
 from .observer import AttentionCall, Observer
 from .routing import RouteToInt8, attention_dispatch, int8_core, kernel_takes, other_backend, routed
 from .state import Int8State, block_pairs
@@ -553,9 +553,14 @@ def _subclass_for(inner) -> type:
     loaders find processors of a kind that way (Qwen-Image 2.1 builds its flex BlockMask only for
     QwenImage21FlexAttnProcessor; ``set_ip_adapter_scale`` looks for IP-Adapter's) and would otherwise skip the work
     they do for it. A stock type that is an ``nn.Module`` comes with ``_StockWeights``."""
-    if inner is None:
-        return declaring_subclass(Int8DiffusionProcessor, any_stock_signature())
-    return _subclass_of(type(inner))
+    return _inferring_subclass() if inner is None else _subclass_of(type(inner))
+
+
+@functools.lru_cache(maxsize=None)
+def _inferring_subclass() -> type:
+    cls = declaring_subclass(Int8DiffusionProcessor, any_stock_signature())
+    skip_metadata_inferred(cls)
+    return cls
 
 
 @functools.lru_cache(maxsize=None)
