@@ -333,7 +333,8 @@ def test_diffusers_layer_skip_applies_to_enabled_models():
 
 def test_diffusers_layer_skip_with_processors_made_without_inner():
     """A processor made the diffusers way (``set_attn_processor(Int8DiffusionProcessor(...))``, no ``inner=``) has no
-    stock type of its own: layer skip takes the entry of the stock processor inferred for each module."""
+    stock type of its own: layer skip takes the entry of the stock processor inferred for each module, and where
+    that one has none (CogVideoX's), diffusers' own error comes at the call."""
     from diffusers.hooks import LayerSkipConfig, apply_layer_skip
 
     config = lambda: LayerSkipConfig(indices=[0], fqn="transformer_blocks", skip_attention=True,
@@ -348,6 +349,30 @@ def test_diffusers_layer_skip_with_processors_made_without_inner():
         model.set_attn_processor(Int8DiffusionProcessor(mode="fp16"))
         apply_layer_skip(model, config())
         assert torch.equal(run(model, x), stock)
+
+    model, x = build("cogvideox")
+    with pytest.raises(ValueError, match="CogVideoXAttnProcessor2_0.* not registered"):
+        apply_layer_skip(model, config())  # stock
+    model, x = build("cogvideox")
+    model.set_attn_processor(Int8DiffusionProcessor(mode="fp16"))
+    apply_layer_skip(model, config())
+    with pytest.raises(ValueError, match="CogVideoXAttnProcessor2_0.* not registered"):
+        run(model, x)  # the skipped block's processor is not called: no inference, no warning
+
+
+def test_a_processor_made_without_inner_declares_what_models_loaded_later_pass():
+    """The declared signature follows the diffusers modules loaded so far (diffusers drops undeclared keywords)."""
+    import subprocess
+    import sys
+
+    code = ("import inspect, diffusion_int8 as di\n"
+            "params = lambda: inspect.signature(type(di.Int8DiffusionProcessor()).__call__).parameters\n"
+            "before = 'encoder_hidden_states_mask' in params()\n"
+            "import diffusers.models.transformers.transformer_qwenimage\n"
+            "print(before, 'encoder_hidden_states_mask' in params())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
 
 
 def test_the_diffusers_way_on_a_unet_with_added_kv_projections():

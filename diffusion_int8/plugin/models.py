@@ -254,7 +254,8 @@ def skip_metadata_as(cls: type, stock: type) -> None:
 def skip_metadata_inferred(cls: type) -> None:
     """Register ``cls`` (processors made without ``inner``, which infer their stock processor per module) for
     diffusers' layer-skip hooks, with an entry that defers, at the call, to the entry of the stock processor
-    ``stock_processor_for`` infers for the module at hand (diffusers' error where that one has none)."""
+    ``stock_processor_for`` infers for the module at hand. Where that one has none, diffusers' "not registered" error
+    comes at the module's first skipped forward instead of at ``apply_layer_skip``."""
     try:
         from diffusers.hooks._helpers import AttentionProcessorMetadata, AttentionProcessorRegistry
     except ImportError:

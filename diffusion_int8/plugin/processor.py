@@ -556,11 +556,16 @@ def _subclass_for(inner) -> type:
     return _inferring_subclass() if inner is None else _subclass_of(type(inner))
 
 
-@functools.lru_cache(maxsize=None)
 def _inferring_subclass() -> type:
+    # made for the signature of every stock processor imported so far, which grows as diffusers loads model modules
     cls = declaring_subclass(Int8DiffusionProcessor, any_stock_signature())
-    skip_metadata_inferred(cls)
+    if cls not in _SKIP_REGISTERED:
+        _SKIP_REGISTERED.add(cls)
+        skip_metadata_inferred(cls)
     return cls
+
+
+_SKIP_REGISTERED: set[type] = set()  # classes of processors made without inner= given a layer-skip entry
 
 
 @functools.lru_cache(maxsize=None)
