@@ -1,31 +1,48 @@
-"""Why ratios move with the GPU's power state: cuDNN's fp16 attention and the ``int8`` call each run back to back
-for a few seconds while ``nvidia-smi`` samples the SM clock, the power draw and the throttle reasons.
+"""Why ratios move with the GPU's power state: SDPA's cuDNN backend in fp16 and the ``int8`` call each run back to
+back for a few seconds while ``nvidia-smi`` samples the SM clock, the power draw and the throttle reasons.
 
     python benchmarks/clocks.py [--shape 2,24,4608,128] [--seconds 4] [--out clocks.json]
 
 The two take turns (cuDNN, int8, cuDNN, int8) in one process, each call replayed from a CUDA graph, so the host
-does not pace the GPU. Prints a Markdown table of calls a second and the median (and lowest) SM clock, median
-power and the throttle reasons seen while each ran; ``--out`` also writes every sample as JSON.
+does not pace the GPU; each turn runs 0.5 s before its counting and sampling start, so the clock has left the
+previous turn's. Prints a Markdown table of calls a second (the mean of the turns), the median and lowest SM clock,
+the median power and the throttle reasons seen while each ran; ``--out`` also writes every sample as JSON.
 """
 
 import argparse
 import json
+import statistics
 import subprocess
 import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diffusion_int8 import int8_attention
 from diffusion_int8.inputs import realistic_qkv
-from diffusion_int8.timing import graphed, median
+from diffusion_int8.timing import graphed
 
 QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
-REASONS = {0x4: "power cap", 0x20: "SW thermal", 0x40: "HW thermal", 0x8: "HW slowdown", 0x80: "power brake"}
+# NVML's clock event reasons (nvmlClocksEventReason*)
+REASONS = {0x1: "idle", 0x2: "application clocks", 0x4: "power cap", 0x8: "HW slowdown", 0x10: "sync boost",
+           0x20: "SW thermal", 0x40: "HW thermal", 0x80: "power brake", 0x100: "display clocks"}
 
 
-def sample(seconds: float, fn, interval_ms: int = 50) -> tuple[float, list[tuple[float, float, int]]]:
-    """Run ``fn`` back to back for ``seconds`` while nvidia-smi samples; calls a second and (MHz, W, reasons)."""
+def _number(text: str, kind=float):
+    try:
+        return kind(text)
+    except ValueError:
+        return None  # "[N/A]" or a field cut short
+
+
+def sample(seconds: float, fn, interval_ms: int = 50) -> tuple[float, list[tuple]]:
+    """Run ``fn`` back to back for ``seconds`` while nvidia-smi samples, after 0.5 s of the same unsampled; calls a
+    second and (MHz, W, reason bits) per sample, None where a field could not be read."""
+    end = time.perf_counter() + 0.5
+    while time.perf_counter() < end:
+        fn()
+    torch.cuda.synchronize()
     index = torch.cuda.current_device()
     smi = subprocess.Popen(["nvidia-smi", "-i", str(index), f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
                             f"-lms={interval_ms}"], stdout=subprocess.PIPE, text=True)
@@ -45,10 +62,8 @@ def sample(seconds: float, fn, interval_ms: int = 50) -> tuple[float, list[tuple
     rows = []
     for line in smi.communicate()[0].splitlines():
         parts = [p.strip() for p in line.split(",")]
-        try:
-            rows.append((float(parts[1]), float(parts[2]), int(parts[3], 16)))
-        except (IndexError, ValueError):
-            continue  # a line cut by terminate, or a field the GPU does not report
+        if len(parts) == 4:
+            rows.append((_number(parts[1]), _number(parts[2]), _number(parts[3], lambda t: int(t, 16))))
     return rate, rows
 
 
@@ -62,8 +77,12 @@ def main():
         p.error("needs a CUDA GPU")
     B, H, N, D = (int(x) for x in args.shape.split(","))
     q, k, v = realistic_qkv(B, H, N, N, D, device="cuda")
-    fns = {"cuDNN fp16": graphed(lambda: F.scaled_dot_product_attention(q, k, v)),
-           "int8": graphed(lambda: int8_attention(q, k, v, mode="int8"))}
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    fns = {"cuDNN fp16": graphed(cudnn), "int8": graphed(lambda: int8_attention(q, k, v, mode="int8"))}
     results = {label: {"calls_per_s": [], "samples": []} for label in fns}
     for label in list(fns) * 2:
         rate, rows = sample(args.seconds, fns[label])
@@ -74,12 +93,14 @@ def main():
     print("| variant | calls/s | SM MHz median (lowest) | W median | throttle reasons seen |")
     print("|---|---|---|---|---|")
     for label, r in results.items():
-        mhz = [s[0] for s in r["samples"]] or [float("nan")]
-        watts = [s[1] for s in r["samples"]] or [float("nan")]
-        seen = sorted({name for s in r["samples"] for bit, name in REASONS.items() if s[2] & bit}) or ["none"]
-        print(f"| {label} | {median(r['calls_per_s']):.0f} | {median(mhz):.0f} ({min(mhz):.0f}) | {median(watts):.0f} "
-              f"| {', '.join(seen)} |")
-    base, cand = (median(results[l]["calls_per_s"]) for l in fns)
+        mhz = [s[0] for s in r["samples"] if s[0] is not None] or [float("nan")]
+        watts = [s[1] for s in r["samples"] if s[1] is not None] or [float("nan")]
+        bits = [s[2] for s in r["samples"] if s[2] is not None]
+        seen = sorted({name for b in bits for bit, name in REASONS.items() if b & bit})
+        seen = ", ".join(seen) if seen else "none" if bits else "not reported"
+        print(f"| {label} | {statistics.mean(r['calls_per_s']):.0f} | {statistics.median(mhz):.0f} ({min(mhz):.0f}) "
+              f"| {statistics.median(watts):.0f} | {seen} |")
+    base, cand = (statistics.mean(results[label]["calls_per_s"]) for label in fns)
     print(f"\nint8 ÷ cuDNN, calls a second: {cand / base:.2f}×")
     if args.out:
         with open(args.out, "w") as f:

@@ -1,13 +1,16 @@
-"""The worst accuracy of the smallest calls: one query row against a few keys, many random draws, each P·V format.
+"""The worst accuracy of the smallest calls: one query row a head against a few keys, many random draws, each P·V
+format.
 
-    python benchmarks/tiny_draws.py [--draws 20000] [--keys 129] [--head-dim 64] [--out tiny.json]
+    python benchmarks/tiny_draws.py [--draws 20000] [--keys 129] [--heads 2] [--head-dim 64] [--out tiny.json]
 
 With one query row the whole output rests on one per-token Q scale: an outlier channel that scale must cover, over
-attention peaked on a few keys, moves the row's cosine far more than at real lengths, where rows average out. This
-is what ``tests/test_attention.py``'s tiny-case bounds are set from. Runs the kernel's emulation on the CPU
-(bit-faithful to the kernels, so no GPU is needed), in batches of 500 draws (each batch's own seed, inputs from
-``realistic_qkv``), against float64 attention. Prints the worst cosine and relative L1 per format and the cosine's
-0.1% quantile.
+attention peaked on a few keys, moves the row's cosine far more than at real lengths, where rows average out. The
+smallest case ``tests/test_attention.py`` checks against its tiny-case bounds has this shape. A draw is one call
+(B = 1, ``--heads`` heads, one query row each, inputs from ``realistic_qkv`` with the draw's own seed: its own
+outlier channels, K bias and sink); its cosine and relative L1 are over the whole call's output, as the test takes
+them. Runs the kernel's emulation on the CPU (bit-faithful to the kernels, so no GPU is needed), 500 draws batched
+at a time, against float64 attention. Prints the worst cosine and relative L1 per format and the cosine's 0.1%
+quantile.
 """
 
 import argparse
@@ -40,18 +43,20 @@ def main():
         p.error(f"--draws must be a positive multiple of {CHUNK}, got {args.draws}")
 
     results = {pv.value: {"cos": [], "l1": []} for pv in PV}
-    for seed in range(args.draws // CHUNK):
-        q, k, v = realistic_qkv(CHUNK, args.heads, 1, args.keys, args.head_dim, seed=seed)
+    for chunk in range(args.draws // CHUNK):
+        draws = [realistic_qkv(1, args.heads, 1, args.keys, args.head_dim, seed=chunk * CHUNK + i)
+                 for i in range(CHUNK)]
+        q, k, v = (torch.cat(t) for t in zip(*draws))
         ref = exact(q, k, v)
         for pv in PV:
-            out = R.emulate_attention(q, k, v, pv=pv)  # one draw = one batch element: its heads' query rows
+            out = R.emulate_attention(q, k, v, pv=pv)  # per batch element: K's smoothing and scales, as alone
             results[pv.value]["cos"] += cosine(out, ref, start_dim=1).tolist()
             results[pv.value]["l1"] += rel_l1(out, ref, start_dim=1).tolist()
-        done = (seed + 1) * CHUNK
+        done = (chunk + 1) * CHUNK
         if done % 5000 == 0 or done == args.draws:
             print(f"  {done:,} / {args.draws:,} draws", flush=True)
 
-    print(f"\n{args.draws:,} draws of 1 query row x {args.keys} keys ({args.heads} heads, D = {args.head_dim}), "
+    print(f"\n{args.draws:,} draws of 1 query row x {args.keys} keys a head ({args.heads} heads, D = {args.head_dim}), "
           "the emulation against float64\n")
     print("| P·V | worst cos | 0.1% quantile cos | worst rel L1 |")
     print("|---|---|---|---|")
