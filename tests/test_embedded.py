@@ -10,7 +10,7 @@ from diffusion_int8.embedded import CLASSES, EMBEDDED_PATH, load_pipeline
 from diffusion_int8.eval.metrics import psnr
 
 # Mean and worst-image PSNR (dB) against exact attention: 8 classes, 20 steps, seeds 0..7, CPU, fp32
-# model (the kernel's emulation computes in fp16). Set 3 dB under a first measurement (int8 47.74 / 38.10,
+# model (the kernel's emulation computes in fp16). Set about 3 dB under a first measurement (int8 47.74 / 38.10,
 # int8_fp16v 59.30 / 47.47, balanced 50.53 / 38.47), for other CPUs and libraries; current figures in BENCHMARKS.md.
 BOUNDS = {"int8": (44.5, 35.0), "int8_fp16v": (56.0, 44.5), "balanced": (47.5, 35.5)}
 LABELS = list(CLASSES[::2])
