@@ -5,7 +5,10 @@ scheduler, pipe and stall counters with, for example (Flux's shape, the sm_90 pi
     ncu --kernel-name regex:_attn_fwd --launch-skip 2 --launch-count 1 --section SchedulerStats \\
         --section WarpStateStats --section ComputeWorkloadAnalysis python benchmarks/profile_call.py 2,24,4608,128
 
-Stall reasons per issued instruction: ``--metrics smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio``
+BENCHMARKS.md's table takes these, with ``--metrics`` instead of the sections:
+``smsp__issue_active.avg.pct_of_peak_sustained_active`` (issue slots busy),
+``smsp__warps_eligible.avg.per_cycle_active``, ``sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active`` (MUFU)
+and the stalls per issued instruction ``smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio``
 (``barrier``, ``wait``, ``long_scoreboard``, ``not_selected``, ...). Times under ``ncu`` are at its locked clocks:
 read them against each other, not against the benchmarks'.
 """
