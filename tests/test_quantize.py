@@ -33,12 +33,30 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _v_bits(v8: torch.Tensor, pv: PV, block_n: int) -> torch.Tensor:
     """The bits of the kernels' 8-bit V with its keys in the emulation's order (FP8 Vᵀ (B, H, DP, S_pad) stores
-    them in ``layout.v8_key_order`` at head dim 128 with 128-key tiles)."""
+    them in ``layout.v8_key_order`` with 128-key tiles)."""
     from diffusion_int8.kernels import layout as L
 
     if pv is PV.FP8 and L.fp8_v_keys_permuted(v8.shape[2], block_n):
-        return _bits(v8).index_select(-1, L.v8_key_order(v8.shape[-1]).to(v8.device))
+        return _bits(v8).index_select(-1, L.v8_key_order(v8.shape[-1], v8.shape[2]).to(v8.device))
     return _bits(v8)
+
+
+@pytest.mark.parametrize("dp", [32, 64, 128])
+def test_v8_key_order_keeps_each_threads_p_where_its_kernel_reads_it(dp):
+    """The accumulator gives the thread at place t of a quad the columns 8i + 2t + e of a tile. At padded head dim
+    128 (P staged in shared memory) they must be the thread's 32 contiguous bytes; at ≤ 64 (P as the MMA's 8-bit
+    register operand) bytes 4t .. 4t + 3 of every 16, so no byte of P moves between threads."""
+    from diffusion_int8.kernels import layout as L
+
+    order = L.v8_key_order(256, dp)
+    assert sorted(order.tolist()) == list(range(256)) and torch.equal(order[128:] - 128, order[:128])
+    for t in range(4):
+        placed = order[torch.tensor([8 * i + 2 * t + e for i in range(16) for e in range(2)])]
+        if dp == 128:
+            assert torch.equal(placed.sort().values, torch.arange(32 * t, 32 * t + 32))
+        else:
+            assert torch.equal(placed % 16 // 4, torch.full((32,), t))
+            assert torch.equal(placed.sort().values % 4, torch.arange(32) % 4)  # four consecutive bytes a register
 
 
 @pytest.mark.parametrize("D", HEAD_DIMS)

@@ -126,7 +126,7 @@ def _attn_block(
         else:
             p8 = p.to(tl.float8e4nv)  # already scaled by 2^P_SHIFT through the exponent
         if v8_keys_permuted(DP, BLOCK_N):  # V's keys are stored in layout.v8_key_order: P's columns follow
-            p8 = columns_to_v8_order(p8)
+            p8 = columns_to_v8_order(p8, DP)
         if (_ABLATE_PV_MMA & ABLATE) != 0:
             acc = acc * alpha[:, None] + tl.sum(p8.to(tl.float32), 1)[:, None]
         else:

@@ -47,19 +47,27 @@ def rows_16b_aligned(x: torch.Tensor) -> bool:
 
 
 def fp8_v_keys_permuted(dp: int, block_n: int) -> bool:
-    """Whether FP8 Vᵀ stores each tile's keys in ``v8_key_order``: at padded head dim 128 with 128-key tiles
-    (the tile table's for FP8 P·V there), which the sm_90 kernel runs."""
-    return dp == 128 and block_n == 128
+    """Whether FP8 Vᵀ stores each tile's keys in ``v8_key_order``: with 128-key tiles (the tile table's for FP8
+    P·V at padded head dim 32 to 128)."""
+    return dp <= 128 and block_n == 128
 
 
-def v8_key_order(s_pad: int) -> torch.Tensor:
-    """Where FP8 Vᵀ (with ``fp8_v_keys_permuted``) stores key k, (s_pad,) int64: in each 128-key tile, key
-    8i + 2t + e (i < 16, t < 4, e < 2) at 32t + 2i + e. The sm_90 wgmma's accumulator gives the thread of a
-    quad at place t the columns 8i + 2t + e of its rows; with V's keys in this order the kernels multiply P
-    with its columns in the same order, and a thread's row of P is 32 contiguous bytes, two 16-byte stores to
-    shared memory instead of sixteen 2-byte ones. The product is the same sum."""
+def v8_key_order(s_pad: int, dp: int) -> torch.Tensor:
+    """Where FP8 Vᵀ (with ``fp8_v_keys_permuted``) stores key k, (s_pad,) int64, in each 128-key tile. P·V sums
+    over keys, so V's keys may be stored in any order P's columns are multiplied in; the order is chosen so that
+    P, as the Q·Kᵀ accumulator holds it, needs no data moved between threads. The accumulator (wgmma and
+    mma.sync alike) gives the thread of a quad at place t the columns 8i + 2t + e (i < 16, e < 2) of its rows.
+
+    - padded head dim 128, where the sm_90 kernel stages P in shared memory: key 8i + 2t + e at 32t + 2i + e, so
+      a thread's row of P is 32 contiguous bytes, two 16-byte stores instead of sixteen 2-byte ones;
+    - padded head dim ≤ 64, where the portable kernel gives P to the MMA from registers, whose 8-bit A operand
+      holds k = 16h + 4t + e' (h < 2, e' < 4) of every 32: key 32c + 16h + 8j + 2t + e (c < 4, j < 2) at
+      32c + 16h + 4t + 2j + e, so each thread's register of P already holds the keys the MMA reads from it."""
     k = torch.arange(s_pad)
-    return k // 128 * 128 + k % 8 // 2 * 32 + k % 128 // 8 * 2 + k % 2
+    tile, r = k // 128 * 128, k % 128
+    if dp == 128:
+        return tile + r % 8 // 2 * 32 + r // 8 * 2 + r % 2
+    return tile + r // 16 * 16 + r % 8 // 2 * 4 + r // 8 % 2 * 2 + r % 2
 
 
 def static_range(amax: torch.Tensor) -> torch.Tensor:

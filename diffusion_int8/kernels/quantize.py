@@ -1,7 +1,7 @@
 """Triton kernels that quantize Q, K and V for the attention kernel.
 
 They produce bit for bit what ``reference.quantize_q/k/v`` produce (see that module for the
-numerics); FP8 V in 128-key tiles at padded head dim 128 stores each tile's keys in ``layout.v8_key_order``,
+numerics); FP8 V in 128-key tiles stores each tile's keys in ``layout.v8_key_order``,
 the order the attention kernels multiply P's columns in. Inputs are read through their strides, so
 (B, S, H, D) views need no copy; outputs are contiguous, padded to ``SEQ_PAD`` tokens and a power-of-two
 head dim, so the attention kernel loads whole tiles without masks.
@@ -250,7 +250,7 @@ def _quant_v_tile(
         inv = rdiv(_FP8_MAX, amax)
         y = tl.minimum(tl.maximum(v * inv[None, :], -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
         if v8_keys_permuted(DP, BLOCK):
-            y = keys_to_v8_order(y)
+            y = keys_to_v8_order(y, DP)
         # stored transposed, (DP, S_PAD): the FP8 MMA wants V K-major
         tl.store(V8 + base + offs_d[:, None] * S_PAD + offs_s[None, :], tl.trans(y))
         qmax = _FP8_MAX

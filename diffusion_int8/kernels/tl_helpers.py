@@ -32,14 +32,22 @@ def round_to_int8(y):
 
 
 @triton.jit
-def keys_to_v8_order(y):
-    """A (128, N) tile's rows, keys in natural order, moved to ``layout.v8_key_order``: key 8i + 2t + e to
-    32t + 2i + e."""
-    return tl.reshape(tl.permute(tl.reshape(y, [y.shape[0] // 8, 4, 2, y.shape[1]]), (1, 0, 2, 3)), y.shape)
+def keys_to_v8_order(y, DP: tl.constexpr):
+    """A (128, N) tile's rows, keys in natural order, moved to ``layout.v8_key_order`` at padded head dim ``DP``:
+    key 8i + 2t + e to 32t + 2i + e (128), key 32c + 16h + 8j + 2t + e to 32c + 16h + 4t + 2j + e (≤ 64)."""
+    if DP == 128:
+        return tl.reshape(tl.permute(tl.reshape(y, [y.shape[0] // 8, 4, 2, y.shape[1]]), (1, 0, 2, 3)), y.shape)
+    else:
+        return tl.reshape(tl.permute(tl.reshape(y, [y.shape[0] // 16, 2, 4, 2, y.shape[1]]), (0, 2, 1, 3, 4)),
+                          y.shape)
 
 
 @triton.jit
-def columns_to_v8_order(p):
+def columns_to_v8_order(p, DP: tl.constexpr):
     """An (M, 128) tile's columns (keys) moved to ``layout.v8_key_order``, as ``keys_to_v8_order`` moves rows: P's
     columns in the order of FP8 V's keys."""
-    return tl.reshape(tl.permute(tl.reshape(p, [p.shape[0], p.shape[1] // 8, 4, 2]), (0, 2, 1, 3)), p.shape)
+    if DP == 128:
+        return tl.reshape(tl.permute(tl.reshape(p, [p.shape[0], p.shape[1] // 8, 4, 2]), (0, 2, 1, 3)), p.shape)
+    else:
+        return tl.reshape(tl.permute(tl.reshape(p, [p.shape[0], p.shape[1] // 16, 2, 4, 2]), (0, 1, 3, 2, 4)),
+                          p.shape)
