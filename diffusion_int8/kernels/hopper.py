@@ -203,7 +203,8 @@ def _stage_p(p, p_bufs, j):
     p = p.to(p_bufs.dtype)
     if p_bufs.dtype == gl.float8e4nv:
         # FP8 V's keys are stored in layout.v8_key_order, so P's columns go in the same order: the thread's
-        # columns 8i + 2t + e land at 32t + 2i + e, its row's 32 bytes contiguous (two 16-byte stores)
+        # columns 8i + 2t + e land at 32t + 2i + e, its row's 32 bytes contiguous (two 16-byte stores). That is
+        # the order at padded head dim 128, the only one this kernel runs (at <= 64 V's keys are in another)
         M: gl.constexpr = p.shape[0]
         N: gl.constexpr = p.shape[1]
         gl.static_assert(N == 128)

@@ -58,11 +58,14 @@ def v8_key_order(s_pad: int, dp: int) -> torch.Tensor:
     P, as the Q·Kᵀ accumulator holds it, needs no data moved between threads. The accumulator (wgmma and
     mma.sync alike) gives the thread of a quad at place t the columns 8i + 2t + e (i < 16, e < 2) of its rows.
 
-    - padded head dim 128, where the sm_90 kernel stages P in shared memory: key 8i + 2t + e at 32t + 2i + e, so
-      a thread's row of P is 32 contiguous bytes, two 16-byte stores instead of sixteen 2-byte ones;
+    - padded head dim 128, where the sm_90 kernel stages P in shared memory (the portable kernel, where it runs
+      instead, follows the same order): key 8i + 2t + e at 32t + 2i + e, so a thread's row of P is 32 contiguous
+      bytes, two 16-byte stores instead of sixteen 2-byte ones;
     - padded head dim ≤ 64, where the portable kernel gives P to the MMA from registers, whose 8-bit A operand
       holds k = 16h + 4t + e' (h < 2, e' < 4) of every 32: key 32c + 16h + 8j + 2t + e (c < 4, j < 2) at
       32c + 16h + 4t + 2j + e, so each thread's register of P already holds the keys the MMA reads from it."""
+    if dp not in (32, 64, 128):
+        raise ValueError(f"FP8 V's keys are permuted at padded head dims 32, 64 and 128, got {dp}")
     k = torch.arange(s_pad)
     tile, r = k // 128 * 128, k % 128
     if dp == 128:
