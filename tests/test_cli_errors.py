@@ -638,8 +638,10 @@ def test_signals_end_a_run_in_one_line_and_leave_no_temporary_outputs(sig, statu
     out = tmp_path / "demo"
     argv = [sys.executable, "-m", "diffusion_int8", "demo", "--class-labels", "red circle", "--batch-size", "1",
             "--out", str(out)]
+    # SIGINT as a terminal delivers it: a test run started in the background of a non-interactive shell ignores
+    # SIGINT, its children inherit that, and Python then leaves it ignored (the demo ran on to status 0)
     proc = subprocess.Popen(argv, cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not list(tmp_path.glob(".demo.tmp-*")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
