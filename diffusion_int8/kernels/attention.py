@@ -656,22 +656,22 @@ def attend(
         pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, blocks is not None, _ablate, lse is not None,
         skipped is not None,
     ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
-            **(split_options(pv, q8.shape[-1], skipped is not None) if is_sm90(ob.device) else {})))
+            **(launch_options(pv, q8.shape[-1], mask_kind, skipped is not None) if is_sm90(ob.device) else {})))
 
 
-# The portable kernel's FP8 loop at head dim 64 holds 168 registers a thread: three 4-warp CTAs an SM.
-_SPLIT_MAXNREG = 168
+def launch_options(pv: PV, dp: int, mask_kind: int, split: bool) -> dict:
+    """The portable kernel's launch options beyond its tile, on sm_90: register caps for its FP8 P·V loops at padded
+    head dim 64, where 4-warp CTAs share an SM three at 168 registers a thread and four at 128.
 
-
-def split_options(pv: PV, dp: int, split: bool) -> dict:
-    """The portable kernel's launch options beyond its tile, on sm_90. Writing the skipped blocks apart (a carried
-    refresh) takes its FP8 loop at padded head dim 64 to about 215 registers a thread at CogVideoX's launch (unit
-    channel strides, head dim a multiple of 16): two CTAs an SM where the dense and the block-listed loops (168, 166)
-    have three. Capped at ``_SPLIT_MAXNREG`` it spills nothing there with Triton 3.6 (8 bytes with 3.9; a few dozen
-    at head dims off 16), and the refresh runs at 1.00-1.02x the dense call at CogVideoX's shape (H100, Triton 3.6;
-    uncapped, 1.12-1.14x). A cap at 168 cost a dense 16-bit P·V loop 15%, so it stays with FP8; other head dims and
-    GPUs were not measured."""
-    return dict(maxnreg=_SPLIT_MAXNREG) if split and pv is PV.FP8 and dp == 64 else {}
+    The dense and block-listed loops need about 165 and run 1-4% faster capped at 128 (four CTAs an SM, a few bytes
+    of spills). The refresh's loop (``split``: the skipped blocks written apart) needs about 215 and the key-mask
+    loop 241 where the keys end in a partial tile; capped at 168 they spill nothing at CogVideoX's launch, and the
+    key-mask loop runs 8-10% faster than uncapped; at 128 neither gains more. Elementwise masks and 16-bit P·V are
+    left uncapped (a cap at 168 cost the dense 16-bit P·V loop 15%). Measured on an NVIDIA H200 with Triton 3.6;
+    other head dims were not measured."""
+    if pv is not PV.FP8 or dp != 64 or mask_kind in (_MASK_BOOL, _MASK_ADD):
+        return {}
+    return dict(maxnreg=168 if split or mask_kind == _MASK_KEY else 128)
 
 
 def call_kernel(ob: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, masked: bool) -> Kernel:
