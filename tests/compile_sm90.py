@@ -95,7 +95,7 @@ def attention_variant(D, pv, mask, dt="fp16", sparse=False, split=False):
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=pv.code, MASK=mask,
         V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups, SPARSE=sparse, ABLATE=0, RETURN_LSE=False,
         SPLIT=split),
-        divisible=("SQ_PAD", "SK_PAD", "N_FULL"), options=A.launch_options(pv, padded_head_dim(D), mask, split))
+        divisible=("SQ_PAD", "SK_PAD", "N_FULL"), options=A.launch_options(pv, padded_head_dim(D), mask))
 
 
 def sparse_variants() -> int:

@@ -656,22 +656,22 @@ def attend(
         pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, blocks is not None, _ablate, lse is not None,
         skipped is not None,
     ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
-            **(launch_options(pv, q8.shape[-1], mask_kind, skipped is not None) if is_sm90(ob.device) else {})))
+            **(launch_options(pv, q8.shape[-1], mask_kind) if is_sm90(ob.device) else {})))
 
 
-def launch_options(pv: PV, dp: int, mask_kind: int, split: bool) -> dict:
+def launch_options(pv: PV, dp: int, mask_kind: int) -> dict:
     """The portable kernel's launch options beyond its tile, on sm_90: register caps for its FP8 P·V loops at padded
     head dim 64, where 4-warp CTAs share an SM three at 168 registers a thread and four at 128.
 
-    The dense and block-listed loops need about 165 and run 1-4% faster capped at 128 (four CTAs an SM, a few bytes
-    of spills). The refresh's loop (``split``: the skipped blocks written apart) needs about 215 and the key-mask
-    loop 241 where the keys end in a partial tile; capped at 168 they spill nothing at CogVideoX's launch, and the
-    key-mask loop runs 8-10% faster than uncapped; at 128 neither gains more. Elementwise masks and 16-bit P·V are
-    left uncapped (a cap at 168 cost the dense 16-bit P·V loop 15%). Measured on an NVIDIA H200 with Triton 3.6;
-    other head dims were not measured."""
+    Capped at 128 the dense and block-listed loops (about 165 uncapped) run 1-4% faster at every head-dim-64 shape
+    timed, and the refresh's (the skipped blocks written apart; about 210 uncapped) 6-14% faster than uncapped and
+    up to 4% faster than at 168, despite a few dozen bytes of spills. The key-mask loop (about 240 where the keys end
+    in a partial tile) runs best at 168, which spills nothing: 8-9% faster than uncapped there, and 1-5% slower at
+    128 where it fits in 168 anyway. Elementwise masks and 16-bit P·V are left uncapped (a cap at 168 cost the dense
+    16-bit P·V loop 15%). Measured on an NVIDIA H200 with Triton 3.6; other head dims were not measured."""
     if pv is not PV.FP8 or dp != 64 or mask_kind in (_MASK_BOOL, _MASK_ADD):
         return {}
-    return dict(maxnreg=168 if split or mask_kind == _MASK_KEY else 128)
+    return dict(maxnreg=168 if mask_kind == _MASK_KEY else 128)
 
 
 def call_kernel(ob: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, masked: bool) -> Kernel:
