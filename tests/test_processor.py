@@ -220,7 +220,8 @@ def test_disable_leaves_a_processor_set_after_enable_with_a_warning():
     handle = enable(model, "int8")
     name, module = next(iter(attention_modules(model).items()))
     mine = AttnProcessor()  # as load_ip_adapter or set_attn_processor would install
-    module.set_processor(mine)
+    with pytest.warns(RuntimeWarning, match=f"{name} got AttnProcessor after enable"):
+        module.set_processor(mine)
     with pytest.warns(RuntimeWarning, match=r"1 attention module\(s\) got another processor after enable"):
         handle.disable()
     after = {n: m.processor for n, m in attention_modules(model).items()}
@@ -234,7 +235,8 @@ def test_the_summary_counts_modules_given_another_processor_since():
     handle = enable(model, "int8")
     n = len(handle.originals)
     assert sum(handle.summary()["routed"].values()) == n and handle.summary()["replaced"] == []
-    model.fuse_qkv_projections()
+    with pytest.warns(RuntimeWarning, match="got FusedAttnProcessor2_0 after enable"):
+        model.fuse_qkv_projections()
     summary = handle.summary()
     assert summary["routed"] == {} and sorted(summary["replaced"]) == sorted(handle.originals)
     assert f"{n} given another processor since enable()" in str(handle)
@@ -244,6 +246,36 @@ def test_the_summary_counts_modules_given_another_processor_since():
     handle = enable(model, "fp16")
     model.set_attn_processor(Int8DiffusionProcessor(mode="int8"))  # INT8, but not this handle's
     assert handle.summary()["routed"] == {} and len(handle.summary()["replaced"]) == n
+    handle.disable()
+
+
+@pytest.mark.parametrize("family", ["unet", "sd3"])
+def test_fusing_projections_after_enable_says_once_that_int8_is_off(family, recwarn):
+    """Diffusers' ``fuse_qkv_projections`` puts its stock fused processor on every module: with one warning at the
+    user's call, naming the remedy; unfusing gives the INT8 processors back without one; after ``disable()``,
+    nothing is watched."""
+    model, _ = build(family)
+    handle = enable(model, "int8")
+    n = sum(handle.summary()["routed"].values())
+    model.fuse_qkv_projections()
+    told = [w for w in recwarn if "after enable()" in str(w.message)]
+    assert len(told) == 1 and told[0].filename == __file__, [str(w.message) for w in recwarn]
+    assert "run stock attention" in str(told[0].message) and "Fuse projections before enable()" in str(told[0].message)
+    assert handle.summary()["routed"] == {}
+    recwarn.clear()
+    model.unfuse_qkv_projections()  # diffusers puts back the processors it kept: enable()'s
+    assert sum(handle.summary()["routed"].values()) == n and not [w for w in recwarn if "diffusion_int8" in str(w.message)]
+    handle.disable()
+    assert not any("set_processor" in m.__dict__ for m in model.modules())
+    model.fuse_qkv_projections()
+    assert not [w for w in recwarn if "diffusion_int8" in str(w.message)]
+
+
+def test_an_int8_processor_set_after_enable_is_not_reported_as_stock(recwarn):
+    model, _ = build("unet")
+    handle = enable(model, "fp16")
+    model.set_attn_processor(Int8DiffusionProcessor(mode="int8"))
+    assert not [w for w in recwarn if "after enable()" in str(w.message)]
     handle.disable()
 
 

@@ -41,6 +41,7 @@ class Int8Handle:
     _hook: Any = field(default=None, repr=False)
     others: dict[str, "Int8Handle"] = field(default_factory=dict)
     config: Int8Config | None = None
+    _told_replaced: bool = field(default=False, repr=False)
 
     def disable(self, *, _stacklevel: int = 2) -> None:
         """Put back the processors ``enable`` replaced where an INT8 one is installed; any other processor set since
@@ -53,6 +54,8 @@ class Int8Handle:
         modules = attention_modules(self.model)
         replaced = []
         for name, proc in self.originals.items():
+            if isinstance(getattr(modules.get(name), "__dict__", {}).get("set_processor"), _WatchedSetProcessor):
+                del modules[name].set_processor
             current = getattr(modules.get(name), "processor", None)
             if isinstance(current, Int8DiffusionProcessor):
                 set_processor(modules[name], proc)
@@ -67,6 +70,15 @@ class Int8Handle:
             self._hook.remove()
         del self.model.__dict__["_diffusion_int8_handle"]
         self.originals = {}
+
+    def _replaced_since(self, name: str, processor: Any) -> None:
+        """``_WatchedSetProcessor``'s report of a processor not INT8 put on module ``name``: one warning a handle."""
+        if self._told_replaced or self.model.__dict__.get("_diffusion_int8_handle") is not self:
+            return
+        self._told_replaced = True
+        warn_user(f"diffusion_int8: {type(self.model).__name__}: {name} got {type(processor).__name__} after enable() "
+                  f"(fuse_qkv_projections and set_attn_processor give it to every attention module): those modules now "
+                  f"run stock attention. Fuse projections before enable(), or call handle.disable() and enable() again")
 
     def summary(self) -> dict:
         """What ``enable`` installed: ``{"model": class name, "settings": {mode, schedule (its name), schedule_levels,
@@ -261,6 +273,23 @@ def _one_model(config: Int8Config, observer) -> bool:
     return config.calibration is not None or observer is not None or per_layer
 
 
+class _WatchedSetProcessor:
+    """A routed module's ``set_processor`` while ``enable``'s processor is on it. diffusers replaces processors
+    through it (``fuse_qkv_projections``, ``set_attn_processor``); a stock one put there would turn INT8 off with
+    nothing said, so the handle is told (``Int8Handle._replaced_since``). Another INT8 processor is not reported:
+    one diffusers rebuilt by its class warns itself, one the user set is meant. ``disable()`` removes it."""
+
+    __slots__ = ("module", "name", "handle")
+
+    def __init__(self, module: torch.nn.Module, name: str, handle: Int8Handle):
+        self.module, self.name, self.handle = module, name, handle
+
+    def __call__(self, processor, *args, **kwargs):
+        type(self.module).set_processor(self.module, processor, *args, **kwargs)
+        if not isinstance(processor, Int8DiffusionProcessor):
+            self.handle._replaced_since(self.name, processor)
+
+
 def _install(model: torch.nn.Module, modules: dict, outside: list[str], config: Int8Config, state: Int8State,
              observer: Observer | None, record: bool, steps: "StepCount | None") -> Int8Handle:
     """Route ``model``'s attention ``modules`` (``outside``: its attention with no processor, which stays stock) and
@@ -283,6 +312,9 @@ def _install(model: torch.nn.Module, modules: dict, outside: list[str], config: 
             functools.partial(_read_timestep, state, timestep_argument(model), steps), with_kwargs=True)
     handle = Int8Handle(model, state, originals, skipped, hook, config=config)
     model.__dict__["_diffusion_int8_handle"] = handle
+    for name in originals:
+        if callable(getattr(type(modules[name]), "set_processor", None)):
+            modules[name].set_processor = _WatchedSetProcessor(modules[name], name, handle)
     return handle
 
 
