@@ -271,6 +271,20 @@ def test_fusing_projections_after_enable_says_once_that_int8_is_off(family, recw
     assert not [w for w in recwarn if "diffusion_int8" in str(w.message)]
 
 
+def test_a_processor_says_what_it_runs_where_diffusers_prints_it():
+    """diffusers prints processors in its errors: ``set_default_attn_processor`` (UNets) refuses any it does not
+    know, INT8 ones included, and works again after ``disable()``."""
+    assert repr(Int8DiffusionProcessor(mode="int8_fp16v")) == (
+        "Int8DiffusionProcessor(int8_fp16v, wrapping the stock one inferred per module)")
+    model, _ = build("unet")
+    handle = enable(model, "int8")
+    with pytest.raises(ValueError, match=r"of type Int8DiffusionProcessor\(int8, wrapping AttnProcessor2_0\)"):
+        model.set_default_attn_processor()
+    handle.disable()
+    model.set_default_attn_processor()
+    assert all(type(p).__name__ == "AttnProcessor" for p in model.attn_processors.values())
+
+
 def test_an_int8_processor_set_after_enable_is_not_reported_as_stock(recwarn):
     model, _ = build("unet")
     handle = enable(model, "fp16")

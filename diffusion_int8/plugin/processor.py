@@ -161,6 +161,11 @@ class Int8DiffusionProcessor(DispatcherCalls):
         with self._lock:
             return self._call(attn, hidden_states, *args, **kwargs)
 
+    def __repr__(self) -> str:  # what diffusers prints of a processor (attn_processors, its errors)
+        what = self.mode.value if self.schedule is None else "scheduled"
+        inner = "the stock one inferred per module" if self.inner is None else type(self.inner).__name__
+        return f"Int8DiffusionProcessor({what}, wrapping {inner})"
+
     # identity, as before a stock type was among the bases (a dataclass one would make it unhashable)
     __eq__ = object.__eq__
     __hash__ = object.__hash__
