@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # must precede the kernels' import
 
@@ -84,18 +87,32 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
     return n
 
 
-def attention_variant(D, pv, mask, dt="fp16", sparse=False, split=False):
-    """The portable kernel; ``mask`` 0 none, 1 bool, 2 additive, 3 a key mask's bias and tile lists; ``split``: a
-    block mask's skipped blocks written apart (``sparse`` too)."""
+def attention_variant(D, pv, mask, dt="fp16", sparse=False, split=False, contiguous=False):
+    """The portable kernel, compiled; ``mask`` 0 none, 1 bool, 2 additive, 3 a key mask's bias and tile lists;
+    ``split``: a block mask's skipped blocks written apart (``sparse`` too); ``contiguous``: specialized as a launch
+    with V and the output channels-contiguous and their other strides and the head dim multiples of 16 (most calls)."""
     ptrs = dict(Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V=_PV_PTR[pv] or "*" + dt, VS="*fp32",
                 MASK_PTR={0: "*fp32", 1: "*u8", 2: "*" + dt, 3: "*fp32"}[mask], KB_CNT="*i32", KB_CLEAN="*i32",
                 KB_IDX="*i32", O="*" + dt, LSE="*fp32", OS="*" + dt, LSES="*fp32")
     cfg = tile_config(D, pv)
-    compile_kernel(A._attn_fwd_kernel, ptrs, set(), dict(
+    return compile_kernel(A._attn_fwd_kernel, ptrs, set(), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=pv.code, MASK=mask,
         V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups, SPARSE=sparse, ABLATE=0, RETURN_LSE=False,
         SPLIT=split),
-        divisible=("SQ_PAD", "SK_PAD", "N_FULL"), options=A.launch_options(pv, padded_head_dim(D), mask))
+        divisible=("SQ_PAD", "SK_PAD", "N_FULL") + (
+            ("stride_vb", "stride_vh", "stride_vs", "stride_ob", "stride_oh", "stride_os") if contiguous else ())
+        + (("D",) if contiguous and D % 16 == 0 else ()),
+        ones=("stride_vd", "stride_od") if contiguous else (), options=A.launch_options(pv, padded_head_dim(D), mask, split))
+
+
+def local_memory_bytes(kernel) -> int:
+    """Bytes of local memory (spilled registers) a thread of the compiled ``kernel`` uses (``cuobjdump``'s STACK)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
 def sparse_variants() -> int:

@@ -656,22 +656,33 @@ def attend(
         pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, blocks is not None, _ablate, lse is not None,
         skipped is not None,
     ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
-            **(launch_options(pv, q8.shape[-1], mask_kind) if is_sm90(ob.device) else {})))
+            **(launch_options(pv, q8.shape[-1], mask_kind, skipped is not None) if is_sm90(ob.device) else {})))
 
 
-def launch_options(pv: PV, dp: int, mask_kind: int) -> dict:
+# Register caps that make the portable kernel's loops spill are applied only with the Triton release they were timed
+# with (``launch_options``): another release allocates differently (3.9 keeps local loads inside the capped loops).
+_SPILLING_CAPS_TIMED = triton.__version__.startswith("3.6.")
+
+
+def launch_options(pv: PV, dp: int, mask_kind: int, split: bool) -> dict:
     """The portable kernel's launch options beyond its tile, on sm_90: register caps for its FP8 P·V loops at padded
     head dim 64, where 4-warp CTAs share an SM three at 168 registers a thread and four at 128.
 
-    Capped at 128 the dense and block-listed loops (about 165 uncapped) run 1-4% faster at every head-dim-64 shape
-    timed, and the refresh's (the skipped blocks written apart; about 210 uncapped) 6-14% faster than uncapped and
-    up to 4% faster than at 168, despite a few dozen bytes of spills. The key-mask loop (about 240 where the keys end
-    in a partial tile) runs best at 168, which spills nothing: 8-9% faster than uncapped there, and 1-5% slower at
-    128 where it fits in 168 anyway. Elementwise masks and 16-bit P·V are left uncapped (a cap at 168 cost the dense
-    16-bit P·V loop 15%). Measured on an NVIDIA H200 with Triton 3.6; other head dims were not measured."""
+    With Triton 3.6 (where they were timed, NVIDIA H200): capped at 128 the dense and block-listed loops (about 165
+    uncapped) run 1-4% and 0.5-3% faster at every head-dim-64 shape timed, and the refresh's (``split``: the skipped blocks
+    written apart; about 210 uncapped) 6-14% faster than uncapped and up to 4% faster than at 168, despite a few
+    dozen bytes of spills, mostly outside the loops. The key-mask loop (about 240 where the keys end in a partial
+    tile) runs best at 168: 8-9% faster than uncapped there, and 1-5% slower at 128 where it fits in 168 anyway.
+    With other releases only caps that spill nothing in the offline sm_90 build are kept: 168 for the refresh and
+    the key-mask loop (3.9 too). Elementwise masks and 16-bit P·V are left uncapped (a cap at 168 cost the dense
+    16-bit P·V loop 15%)."""
     if pv is not PV.FP8 or dp != 64 or mask_kind in (_MASK_BOOL, _MASK_ADD):
         return {}
-    return dict(maxnreg=168 if mask_kind == _MASK_KEY else 128)
+    if mask_kind == _MASK_KEY:
+        return dict(maxnreg=168)
+    if _SPILLING_CAPS_TIMED:
+        return dict(maxnreg=128)
+    return dict(maxnreg=168) if split else {}
 
 
 def call_kernel(ob: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, masked: bool) -> Kernel:
