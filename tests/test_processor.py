@@ -252,21 +252,25 @@ def test_the_summary_counts_modules_given_another_processor_since():
 @pytest.mark.parametrize("family", ["unet", "sd3"])
 def test_fusing_projections_after_enable_says_once_that_int8_is_off(family, recwarn):
     """Diffusers' ``fuse_qkv_projections`` puts its stock fused processor on every module: with one warning at the
-    user's call, naming the remedy; unfusing gives the INT8 processors back without one; after ``disable()``,
-    nothing is watched."""
+    user's call, naming the remedy; unfusing gives the INT8 processors back without one, and fusing again warns
+    again; after ``disable()``, nothing is watched."""
     model, _ = build(family)
     handle = enable(model, "int8")
     n = sum(handle.summary()["routed"].values())
     model.fuse_qkv_projections()
     told = [w for w in recwarn if "after enable()" in str(w.message)]
     assert len(told) == 1 and told[0].filename == __file__, [str(w.message) for w in recwarn]
-    assert "run stock attention" in str(told[0].message) and "Fuse projections before enable()" in str(told[0].message)
+    assert "run stock attention" in str(told[0].message) and "Make such calls before enable()" in str(told[0].message)
     assert handle.summary()["routed"] == {}
     recwarn.clear()
     model.unfuse_qkv_projections()  # diffusers puts back the processors it kept: enable()'s
     assert sum(handle.summary()["routed"].values()) == n and not [w for w in recwarn if "diffusion_int8" in str(w.message)]
+    model.fuse_qkv_projections()
+    assert len([w for w in recwarn if "after enable()" in str(w.message)]) == 1
+    model.unfuse_qkv_projections()
     handle.disable()
     assert not any("set_processor" in m.__dict__ for m in model.modules())
+    recwarn.clear()
     model.fuse_qkv_projections()
     assert not [w for w in recwarn if "diffusion_int8" in str(w.message)]
 

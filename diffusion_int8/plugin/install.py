@@ -54,7 +54,8 @@ class Int8Handle:
         modules = attention_modules(self.model)
         replaced = []
         for name, proc in self.originals.items():
-            if isinstance(getattr(modules.get(name), "__dict__", {}).get("set_processor"), _WatchedSetProcessor):
+            watch = getattr(modules.get(name), "__dict__", {}).get("set_processor")
+            if isinstance(watch, _WatchedSetProcessor) and watch.handle is self:
                 del modules[name].set_processor
             current = getattr(modules.get(name), "processor", None)
             if isinstance(current, Int8DiffusionProcessor):
@@ -72,13 +73,18 @@ class Int8Handle:
         self.originals = {}
 
     def _replaced_since(self, name: str, processor: Any) -> None:
-        """``_WatchedSetProcessor``'s report of a processor not INT8 put on module ``name``: one warning a handle."""
+        """``_WatchedSetProcessor``'s report of ``processor`` put on module ``name``: one warning for the first one
+        not INT8, and again after this handle's processors are back (``unfuse_qkv_projections``)."""
+        if isinstance(processor, Int8DiffusionProcessor):
+            self._told_replaced &= processor.state is not self.state
+            return
         if self._told_replaced or self.model.__dict__.get("_diffusion_int8_handle") is not self:
             return
         self._told_replaced = True
-        warn_user(f"diffusion_int8: {type(self.model).__name__}: {name} got {type(processor).__name__} after enable() "
-                  f"(fuse_qkv_projections and set_attn_processor give it to every attention module): those modules now "
-                  f"run stock attention. Fuse projections before enable(), or call handle.disable() and enable() again")
+        warn_user(f"diffusion_int8: {type(self.model).__name__}: {name} got {type(processor).__name__} after enable(), "
+                  f"as calls that set processors give every attention module theirs (fuse_qkv_projections, "
+                  f"set_attn_processor, enable_xformers_memory_efficient_attention): those modules now run stock "
+                  f"attention. Make such calls before enable(), or call handle.disable() and enable() again")
 
     def summary(self) -> dict:
         """What ``enable`` installed: ``{"model": class name, "settings": {mode, schedule (its name), schedule_levels,
@@ -277,7 +283,9 @@ class _WatchedSetProcessor:
     """A routed module's ``set_processor`` while ``enable``'s processor is on it. diffusers replaces processors
     through it (``fuse_qkv_projections``, ``set_attn_processor``); a stock one put there would turn INT8 off with
     nothing said, so the handle is told (``Int8Handle._replaced_since``). Another INT8 processor is not reported:
-    one diffusers rebuilt by its class warns itself, one the user set is meant. ``disable()`` removes it."""
+    one diffusers rebuilt by its class warns itself, one the user set is meant. ``disable()`` removes it. A shallow
+    copy of the module (``copy.copy``, DataParallel's replicas) shares it, and its ``set_processor`` then sets the
+    original's processor; ``deepcopy`` copies it with the module."""
 
     __slots__ = ("module", "name", "handle")
 
@@ -286,8 +294,7 @@ class _WatchedSetProcessor:
 
     def __call__(self, processor, *args, **kwargs):
         type(self.module).set_processor(self.module, processor, *args, **kwargs)
-        if not isinstance(processor, Int8DiffusionProcessor):
-            self.handle._replaced_since(self.name, processor)
+        self.handle._replaced_since(self.name, processor)
 
 
 def _install(model: torch.nn.Module, modules: dict, outside: list[str], config: Int8Config, state: Int8State,
@@ -313,8 +320,9 @@ def _install(model: torch.nn.Module, modules: dict, outside: list[str], config: 
     handle = Int8Handle(model, state, originals, skipped, hook, config=config)
     model.__dict__["_diffusion_int8_handle"] = handle
     for name in originals:
-        if callable(getattr(type(modules[name]), "set_processor", None)):
-            modules[name].set_processor = _WatchedSetProcessor(modules[name], name, handle)
+        module = modules[name]  # watched unless its set_processor is already an attribute of its own (someone's)
+        if callable(getattr(type(module), "set_processor", None)) and "set_processor" not in module.__dict__:
+            module.set_processor = _WatchedSetProcessor(module, name, handle)
     return handle
 
 
