@@ -102,7 +102,8 @@ def attention_variant(D, pv, mask, dt="fp16", sparse=False, split=False, contigu
         divisible=("SQ_PAD", "SK_PAD", "N_FULL") + (
             ("stride_vb", "stride_vh", "stride_vs", "stride_ob", "stride_oh", "stride_os") if contiguous else ())
         + (("D",) if contiguous and D % 16 == 0 else ()),
-        ones=("stride_vd", "stride_od") if contiguous else (), options=A.launch_options(pv, padded_head_dim(D), mask, split))
+        ones=("stride_vd", "stride_od") if contiguous else (),
+        options=A.launch_options(pv, padded_head_dim(D), mask, split))
 
 
 def local_memory_bytes(kernel) -> int:

@@ -669,9 +669,9 @@ def launch_options(pv: PV, dp: int, mask_kind: int, split: bool) -> dict:
     head dim 64, where 4-warp CTAs share an SM three at 168 registers a thread and four at 128.
 
     With Triton 3.6 (where they were timed, NVIDIA H200): capped at 128 the dense and block-listed loops (about 165
-    uncapped) run 1-4% and 0.5-3% faster at every head-dim-64 shape timed, and the refresh's (``split``: the skipped blocks
-    written apart; about 210 uncapped) 6-14% faster than uncapped and up to 4% faster than at 168, despite a few
-    dozen bytes of spills, mostly outside the loops. The key-mask loop (about 240 where the keys end in a partial
+    uncapped) run 1-4% and 0.5-3% faster at every head-dim-64 shape timed, and the refresh's (``split``: the
+    skipped blocks written apart; about 210 uncapped) 6-14% faster than uncapped and up to 4% faster than at 168,
+    despite a few dozen bytes of spills, mostly outside the loops. The key-mask loop (about 240 where the keys end in a partial
     tile) runs best at 168: 8-9% faster than uncapped there, and 1-5% slower at 128 where it fits in 168 anyway.
     With other releases only caps that spill nothing in the offline sm_90 build are kept: 168 for the refresh and
     the key-mask loop (3.9 too). Elementwise masks and 16-bit P·V are left uncapped (a cap at 168 cost the dense
