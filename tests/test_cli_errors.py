@@ -570,6 +570,14 @@ def test_tune_out_is_checked_before_measuring(tmp_path, capsys, fake_gpu, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
+def test_tune_names_what_it_does_not_accept_before_measuring(tmp_path, capsys, fake_gpu):
+    for flag, value in (("--masks", "none,causal"), ("--dtypes", "float32"), ("--head-dims", "0")):
+        code, err = cli(["tune", "--out", tmp_path / "t.json", flag, value], capsys)
+        assert_usage_error(code, err, "tune", "not accepted: [")
+        assert "masks ['none', 'key']" in err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("failure, status", [(OSError("No space left on device"), 2), (KeyboardInterrupt(), 130)])
 def test_tune_leaves_no_temporary_file(failure, status, tmp_path, capsys, fake_gpu, monkeypatch):
     from diffusion_int8.plugin import speed_gate

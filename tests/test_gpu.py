@@ -141,7 +141,7 @@ def test_families_at_real_shapes(name):
 
 def test_tune_measures_a_table_the_gate_reads(tmp_path):
     """``diffusion-int8 tune`` at one head dim and dtype: a table for this GPU's architecture with both INT8 modes'
-    grids, every measured cell a positive speed-up, which a speed gate loads and decides with (long sequences, where
+    grids, unmasked and with a key mask, every measured cell a positive speed-up, which a speed gate loads and decides with (long sequences, where
     BENCHMARKS.md measures INT8 ahead on the H100, pay; the shortest do not)."""
     import subprocess
     import sys
@@ -155,12 +155,15 @@ def test_tune_measures_a_table_the_gate_reads(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     table = CrossoverTable.load(out)
     assert table.arch == arch_of(torch.device("cuda"))
-    assert {(g.mode, g.head_dim, g.dtype) for g in table.grids} == {("int8", 128, "float16"), ("int8_fp16v", 128, "float16")}
+    assert {(g.mode, g.head_dim, g.dtype, g.mask) for g in table.grids} == {
+        (m, 128, "float16", mask) for m in ("int8", "int8_fp16v") for mask in ("none", "key")}
     assert all(x is None or x > 0 for g in table.grids for r in g.speedup for x in r)
     gate = SpeedGate(out)
     q = torch.empty(1, 24, 32768, 128, dtype=torch.float16, device="cuda")
     short = torch.empty(1, 24, 1024, 128, dtype=torch.float16, device="cuda")
     assert gate.pays(Mode.INT8, q, q) and not gate.pays(Mode.INT8, short, short)
+    keys = torch.ones(1, 1, 1, 32768, dtype=torch.bool, device="cuda")
+    assert gate.pays(Mode.INT8, q, q, keys) and not gate.pays(Mode.INT8, short, short, keys[..., :1024])
 
 
 @pytest.mark.parametrize("D", [40, 96, 128, 256])

@@ -180,6 +180,7 @@ def test_a_cached_table_of_another_architecture_is_ignored_with_a_warning(tmp_pa
     path.write_text(json.dumps({**data, "arch": "sm_80"}))
     monkeypatch.setattr(speed_gate, "cache_path", lambda device: path)
     monkeypatch.setattr(speed_gate, "arch_of", lambda device: "sm_90")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")  # none of its own
     with pytest.warns(RuntimeWarning, match="measured on sm_80, and this GPU is sm_90"):
         table = speed_gate._find_table(torch.device("cuda", 0))
     assert table == speed_gate.CrossoverTable.load(speed_gate.SHIPPED / "sm_90.json")

@@ -10,7 +10,8 @@ import torch
 
 from diffusion_int8 import enable
 from diffusion_int8.kernels import Mode
-from diffusion_int8.plugin.speed_gate import SHIPPED, CrossoverTable, Grid, SpeedGate
+from diffusion_int8.plugin import speed_gate
+from diffusion_int8.plugin.speed_gate import MASKS, SHIPPED, CrossoverTable, Grid, SpeedGate, shipped_path
 from tiny_models import build
 
 
@@ -89,6 +90,7 @@ def test_table_files_round_trip_and_bad_files_name_the_problem(tmp_path):
         "unsorted keys": json.dumps({**good, "grids": [{**good["grids"][0], "keys": [4096, 64]}]}),
         "bad mode": json.dumps({**good, "grids": [{**good["grids"][0], "mode": "int4"}]}),
         "bad dtype": json.dumps({**good, "grids": [{**good["grids"][0], "dtype": "float64"}]}),
+        "bad mask": json.dumps({**good, "grids": [{**good["grids"][0], "mask": "causal"}]}),
     }
     for what, text in cases.items():
         path.write_text(text)
@@ -96,12 +98,27 @@ def test_table_files_round_trip_and_bad_files_name_the_problem(tmp_path):
             CrossoverTable.load(path)
 
 
+def test_version_1_files_load_as_unmasked_grids(tmp_path):
+    t = table()
+    data = t.to_json()
+    data["version"] = 1
+    for g in data["grids"]:
+        del g["mask"]
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(data))
+    assert CrossoverTable.load(path) == t and all(g.mask == "none" for g in t.grids)
+
+
 def test_shipped_tables_load():
     files = sorted(SHIPPED.glob("*.json"))
-    assert files, "a crossover table ships for sm_90"
+    assert any(f.stem == "sm_90" for f in files), "a crossover table ships for sm_90"
     for f in files:
         t = CrossoverTable.load(f)
-        assert t.arch == f.stem and t.grids
+        assert t.grids and f == shipped_path(t.arch, None if f.stem == t.arch else t.device), f
+        # a GPU's own table measures what the architecture's does, and the key-masked calls too
+        if f.stem != t.arch:
+            grids = {(g.mode, g.head_dim, g.dtype, g.mask) for g in t.grids}
+            assert grids == {(m, d, dt, mask) for m, d, dt, _ in grids for mask in MASKS}, f
 
 
 def test_processor_sends_gated_calls_to_sdpa_and_counts_them(tmp_path):
@@ -266,3 +283,35 @@ def test_the_gate_judges_a_masked_call_as_it_will_run():
     assert not gate.pays(Mode.INT8, q, k, torch.ones(4096, 4096, dtype=torch.bool))
     short = torch.zeros(1, 16, 64, 64, dtype=torch.float16)  # where INT8 does not pay, a key mask changes nothing
     assert not gate.pays(Mode.INT8, short, short) and not gate.pays(Mode.INT8, short, short, keys[..., :64])
+
+
+def test_key_masked_calls_are_judged_by_the_masked_grids_where_a_table_has_them():
+    # SDPA slows down with a key mask and the kernels do not: a table measured with the mask says INT8 pays at a
+    # shape where it does not unmasked; without masked grids, a masked call is judged as an unmasked one
+    plain = table(head_dim=64).grids
+    masked = tuple(Grid(g.mode, g.head_dim, g.dtype, g.keys, g.rows, ((0.9, 1.3), (1.2, 1.9)), "key")
+                   for g in plain if g.mode == "int8")
+    q = torch.zeros(1, 16, 64, 64, dtype=torch.float16)  # 1024 rows, 512 keys: 0.88 unmasked, 1.30 masked
+    k = torch.zeros(1, 16, 512, 64, dtype=torch.float16)
+    keys = torch.ones(1, 1, 1, 512, dtype=torch.bool)
+    gate = SpeedGate(CrossoverTable("test GPU", "sm_00", plain + masked, margin=1.05))
+    assert not gate.pays(Mode.INT8, q, k) and gate.pays(Mode.INT8, q, k, keys)
+    assert gate.table_for(q.device).speedup("int8", 64, torch.float16, 1024, 512, key_mask=True) == pytest.approx(1.3)
+    assert not gate.pays(Mode.INT8_FP16V, q, k, keys)  # no masked grid for int8_fp16v: its unmasked one judges
+    assert not gate.pays(Mode.INT8, q, k, torch.ones(1, 1, 64, 512, dtype=torch.bool))  # element-wise: never
+    unmasked_only = SpeedGate(CrossoverTable("test GPU", "sm_00", plain, margin=1.05))
+    assert not unmasked_only.pays(Mode.INT8, q, k, keys)
+
+
+def test_a_gpu_with_its_own_shipped_table_reads_it_before_its_architectures(monkeypatch, tmp_path):
+    own = CrossoverTable("NVIDIA Test GPU", "sm_90", table(head_dim=64).grids)
+    monkeypatch.setattr(speed_gate, "SHIPPED", tmp_path)
+    monkeypatch.setattr(speed_gate, "cache_path", lambda device: tmp_path / "no-cached-table.json")
+    monkeypatch.setattr(speed_gate, "arch_of", lambda device: "sm_90")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+    arch = CrossoverTable("NVIDIA Other GPU", "sm_90", table(head_dim=128).grids)
+    arch.save(tmp_path / "sm_90.json")
+    assert speed_gate._find_table(torch.device("cuda", 0)) == arch
+    own.save(tmp_path / "sm_90-nvidia-test-gpu.json")
+    assert speed_gate.shipped_path("sm_90", "NVIDIA Test GPU") == tmp_path / "sm_90-nvidia-test-gpu.json"
+    assert speed_gate._find_table(torch.device("cuda", 0)) == own

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.config import MAX_HEAD_DIM
-from ..plugin.speed_gate import DTYPES, cache_path, measure
+from ..plugin.speed_gate import DTYPES, MASKS, cache_path, measure
 from .outputs import check_out_file, command
 from .usage import UsageError, user_errors
 
@@ -16,10 +16,10 @@ from .usage import UsageError, user_errors
 DESCRIPTION = """diffusion-int8 tune: measure where INT8 attention beats SDPA on this GPU. Needs a CUDA GPU.
 
 Times SDPA and each INT8 mode over a grid of sequence lengths (1,024 to 32,768 keys) and query rows, for each
-head dim and dtype asked for, and writes the table the speed gate reads to decide, per attention call, whether
-INT8 pays: by default to this GPU's cache file, which enable() then finds. On an H100 it takes about 2 minutes
-the first time (compiling the kernels), 26 s after. A GPU of an architecture diffusion-int8 ships a table for
-(sm_90) uses that one until it has its own.
+head dim and dtype asked for, without a mask and with a key mask (a padded prompt's), and writes the table the
+speed gate reads to decide, per attention call, whether INT8 pays: by default to this GPU's cache file, which
+enable() then finds. On an H100 or H200 it takes a few minutes the first time (compiling the kernels), about half
+that after. A GPU of an architecture diffusion-int8 ships a table for (sm_90) uses that one until it has its own.
 
     diffusion-int8 tune                                   # this GPU's table, into the cache
     diffusion-int8 tune --head-dims 128 --dtypes bfloat16 --out table.json"""
@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="table file to write (default: this GPU's cache file, see cache_path)")
     p.add_argument("--head-dims", default="64,128", help="comma-separated head dims to measure (default 64,128)")
     p.add_argument("--dtypes", default="float16,bfloat16", help="float16 and/or bfloat16")
+    p.add_argument("--masks", default="none,key",
+                   help="none (calls without a mask) and/or key (with a key mask); default both")
     p.add_argument("--overwrite", action="store_true", help="replace an existing table file")
     p.set_defaults(func=command(run))
 
@@ -40,10 +42,12 @@ def run(args) -> int:
         head_dims = tuple(int(x) for x in args.head_dims.split(","))
     except ValueError:
         raise UsageError(f"--head-dims takes comma-separated integers, got {args.head_dims!r}") from None
-    dtypes = tuple(args.dtypes.split(","))
-    bad = [d for d in head_dims if not 1 <= d <= MAX_HEAD_DIM] + [t for t in dtypes if t not in DTYPES]
+    dtypes, masks = tuple(args.dtypes.split(",")), tuple(args.masks.split(","))
+    bad = ([d for d in head_dims if not 1 <= d <= MAX_HEAD_DIM] + [t for t in dtypes if t not in DTYPES]
+           + [m for m in masks if m not in MASKS])
     if bad:
-        raise UsageError(f"not accepted: {bad} (head dims 1..{MAX_HEAD_DIM}; dtypes {sorted(DTYPES)})")
+        raise UsageError(f"not accepted: {bad} (head dims 1..{MAX_HEAD_DIM}; dtypes {sorted(DTYPES)}; masks "
+                         f"{list(MASKS)})")
     if args.out:
         check_out_file(args.out, "--out", args.overwrite, make_parents=True)
     if not torch.cuda.is_available():
@@ -51,7 +55,7 @@ def run(args) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     out = Path(args.out) if args.out else cache_path(device)
     check_out_file(out, "--out" if args.out else "the cached table (no --out given)", args.overwrite, make_parents=True)
-    table = measure(device, head_dims=head_dims, dtypes=dtypes, progress=lambda s: print(s, flush=True))
+    table = measure(device, head_dims=head_dims, dtypes=dtypes, masks=masks, progress=lambda s: print(s, flush=True))
     with user_errors(OSError):  # save removes its temporary file on any failure
         table.save(out)
     print(f"wrote {out}")

@@ -2,10 +2,12 @@
 
 A crossover table holds, per INT8 mode, head dim and 16-bit dtype, the speed of the whole INT8 call (its
 quantization included) relative to ``F.scaled_dot_product_attention`` on a grid of key lengths and query
-rows (batch × heads × queries), measured on one GPU from CUDA-graph replays. A call runs INT8 when a
+rows (batch × heads × queries), measured on one GPU from CUDA-graph replays, without a mask and with a key mask
+(text padding: SDPA loses its fastest kernels to it, the INT8 kernels do not). A call runs INT8 when a
 least-squares surface through the grid (``Grid``: it smooths the cells' few percent of scatter) gives its shape a
-speed-up of at least ``margin``; elsewhere, and below the grid, it runs SDPA, which is exact. Tables ship for sm_90 (``tables/``); ``diffusion-int8 tune`` measures one for any other GPU
-and caches it (``cache_path``). The gate never benchmarks inside a call.
+speed-up of at least ``margin``; elsewhere, and below the grid, it runs SDPA, which is exact. Tables ship for sm_90
+(``tables/``: one for the architecture and one per GPU measured apart); ``diffusion-int8 tune`` measures one for any
+other GPU and caches it (``cache_path``). The gate never benchmarks inside a call.
 """
 
 from __future__ import annotations
@@ -28,19 +30,22 @@ from ..kernels.config import MAX_HEAD_DIM, Mode, padded_head_dim
 from ..kernels.key_mask import is_key_mask
 
 FORMAT = "diffusion-int8 crossover table"
-VERSION = 1
+VERSION = 2  # 2: grids measured with a key mask (``Grid.mask``); version 1 files (no such grids) still load
+READS = (1, 2)
 SHIPPED = Path(__file__).parent / "tables"
 # The measured Q·Kᵀ balance's share of an INT8 call at 4,096 keys (tables are measured without it). It is one more
 # pass over Q and K, O(S·D) against attention's O(S²·D), so its share falls as 1/keys; BENCHMARKS.md ("what the
 # default balance costs") has the measurements this rounds up.
 BALANCE_COST_4096 = 0.045
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # the dtypes a table measures, by their names
+MASKS = ("none", "key")  # what a grid's calls carry: no mask, or a key mask (``measure`` says which keys)
 
 
 @dataclass(frozen=True)
 class Grid:
-    """Speed-ups of one (mode, head dim, dtype): ``speedup[i][j]`` at ``keys[i]`` keys and ``rows[j]`` query rows
-    (SDPA's time over the INT8 call's; None where not measured).
+    """Speed-ups of one (mode, head dim, dtype, mask): ``speedup[i][j]`` at ``keys[i]`` keys and ``rows[j]`` query
+    rows (SDPA's time over the INT8 call's, both with the mask; None where not measured). ``mask``: "none", or
+    "key" for calls with a key mask (the same for every query), as ``measure`` times them.
 
     Decisions read a least-squares surface through the measured cells, not the cells themselves: each cell is one
     median with a few percent of scatter, and a surface in (log2 keys, log2 rows), quadratic in keys, linear in
@@ -55,6 +60,7 @@ class Grid:
     keys: tuple[int, ...]
     rows: tuple[int, ...]
     speedup: tuple[tuple[float | None, ...], ...]
+    mask: str = "none"
 
     def __post_init__(self):
         terms, coef = _fit_surface(self)
@@ -136,20 +142,23 @@ class CrossoverTable:
     measured: dict = field(default_factory=dict)  # torch / triton versions and the date
 
     def speedup(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int,
-                balance: bool = False) -> float | None:
+                balance: bool = False, key_mask: bool = False) -> float | None:
         """The measured speed-up that judges a call (``balance``: one that measures the Q·Kᵀ balance, its cost
-        taken off), or None when no grid covers it."""
-        grid = self._grid(mode, head_dim, str(dtype).removeprefix("torch."))
+        taken off; ``key_mask``: one with a key mask, judged by the masked grids where the table has them, else by
+        the unmasked ones, which understate what INT8 gains there), or None when no grid covers it."""
+        dt = str(dtype).removeprefix("torch.")
+        grid = (key_mask and self._grid(mode, head_dim, dt, "key")) or self._grid(mode, head_dim, dt, "none")
         return None if grid is None else grid.at(sk, rows, balance)
 
-    def pays(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int, balance: bool = False) -> bool:
-        s = self.speedup(mode, head_dim, dtype, rows, sk, balance)
+    def pays(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int, balance: bool = False,
+             key_mask: bool = False) -> bool:
+        s = self.speedup(mode, head_dim, dtype, rows, sk, balance, key_mask)
         return s is not None and s >= self.margin
 
-    def _grid(self, mode: str, head_dim: int, dtype: str) -> Grid | None:
+    def _grid(self, mode: str, head_dim: int, dtype: str, mask: str) -> Grid | None:
         # the same head dim, else one the kernel pads to the same width; the same dtype, else the other 16-bit one
         dp = padded_head_dim(head_dim)
-        same = [g for g in self.grids if g.mode == mode and padded_head_dim(g.head_dim) == dp]
+        same = [g for g in self.grids if g.mode == mode and g.mask == mask and padded_head_dim(g.head_dim) == dp]
         exact = [g for g in same if g.head_dim == head_dim] or same
         return next((g for g in exact if g.dtype == dtype), exact[0] if exact else None)
 
@@ -157,7 +166,7 @@ class CrossoverTable:
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "device": self.device, "arch": self.arch, "margin": self.margin,
                 "measured": self.measured,
-                "grids": [{"mode": g.mode, "head_dim": g.head_dim, "dtype": g.dtype, "keys": list(g.keys),
+                "grids": [{"mode": g.mode, "head_dim": g.head_dim, "dtype": g.dtype, "mask": g.mask, "keys": list(g.keys),
                            "rows": list(g.rows), "speedup": [list(r) for r in g.speedup]} for g in self.grids]}
 
     def save(self, path: str | Path) -> None:
@@ -184,8 +193,9 @@ class CrossoverTable:
     def _from_json(cls, data) -> "CrossoverTable":
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"expected a JSON object with \"format\": {FORMAT!r}")
-        if data.get("version") != VERSION:
-            raise ValueError(f"version {data.get('version')!r} is not supported (this release reads {VERSION})")
+        if data.get("version") not in READS:
+            raise ValueError(f"version {data.get('version')!r} is not supported (this release reads "
+                             f"{' and '.join(map(str, READS))})")
         if not isinstance(data.get("arch"), str) or not re.fullmatch(r"sm_\d+", data["arch"]):
             raise ValueError(f"arch must name a CUDA architecture such as 'sm_90', got {data.get('arch')!r}")
         if not isinstance(data.get("device"), str):
@@ -204,10 +214,13 @@ class CrossoverTable:
             head_dim = g["head_dim"]
             if not _count(head_dim) or not head_dim <= MAX_HEAD_DIM:
                 raise ValueError(f"grid {n}: head_dim {head_dim!r} is not an integer in 1..{MAX_HEAD_DIM}")
-            if (g["mode"], head_dim, g["dtype"]) in seen:
+            mask = g.get("mask", "none")
+            if mask not in MASKS:
+                raise ValueError(f"grid {n}: mask {mask!r} is not one of {list(MASKS)}")
+            if (g["mode"], head_dim, g["dtype"], mask) in seen:
                 raise ValueError(f"grid {n}: a second grid for mode {g['mode']!r}, head_dim {head_dim}, dtype "
-                                 f"{g['dtype']!r}; each may have one")
-            seen.add((g["mode"], head_dim, g["dtype"]))
+                                 f"{g['dtype']!r}, mask {mask!r}; each may have one")
+            seen.add((g["mode"], head_dim, g["dtype"], mask))
             for axis in ("keys", "rows"):
                 values = g[axis]
                 if not isinstance(values, list) or not values or not all(map(_count, values)) \
@@ -223,7 +236,7 @@ class CrossoverTable:
             if bad is not None:
                 raise ValueError(f"grid {n}: speed-ups must be finite positive numbers or null, got {bad!r}")
             grids.append(Grid(g["mode"], head_dim, g["dtype"], keys, rows,
-                              tuple(tuple(None if x is None else float(x) for x in r) for r in speedup)))
+                              tuple(tuple(None if x is None else float(x) for x in r) for r in speedup), mask))
         margin = data.get("margin", 1.03)
         if not (_number(margin) and margin > 0):
             raise ValueError(f"margin must be a finite positive number, got {margin!r}")
@@ -246,12 +259,22 @@ def arch_of(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
+def device_slug(name: str) -> str:
+    """A GPU's name as a file name part: "NVIDIA H200" -> "nvidia-h200"."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
 def cache_path(device: torch.device) -> Path:
     """Where ``diffusion-int8 tune`` keeps the table of this GPU (``$DIFFUSION_INT8_CACHE`` or ~/.cache)."""
     root = os.environ.get("DIFFUSION_INT8_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "diffusion_int8")
-    name = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name(device)).strip("-").lower()
-    return Path(root) / f"crossover-{name}-{arch_of(device)}.json"
+    return Path(root) / f"crossover-{device_slug(torch.cuda.get_device_name(device))}-{arch_of(device)}.json"
+
+
+def shipped_path(arch: str, device_name: str | None = None) -> Path:
+    """The table shipped for GPUs of ``arch`` (``tables/sm_90.json``), or for the one GPU named ``device_name``
+    (``tables/sm_90-nvidia-h200.json``)."""
+    return SHIPPED / (f"{arch}-{device_slug(device_name)}.json" if device_name else f"{arch}.json")
 
 
 class SpeedGate:
@@ -294,22 +317,24 @@ class SpeedGate:
         """Whether ``mode`` beats SDPA for (B, H, S, D) ``q`` and ``k`` (BHSD views) with ``attn_mask`` on their
         device. The call is judged as it will run: unmasked, or with a key mask (the same for every query: a text
         padding mask), which the kernels run at their unmasked speed while SDPA loses its fastest kernels to it,
-        by the table; with a mask that varies over the queries, which the kernels apply element by element
-        (unmeasured, and far slower), never. ``balance``: the call measures the Q·Kᵀ balance, whose cost
-        (``balance_cost``) the table's speed-up must cover too."""
+        by the table's masked grids (its unmasked ones where it has none); with a mask that varies over the
+        queries, which the kernels apply element by element (unmeasured, and far slower), never. ``balance``: the
+        call measures the Q·Kᵀ balance, whose cost (``balance_cost``) the table's speed-up must cover too."""
         if q.device.type != "cuda" and self._fixed is None:
             return True
         B, H, Sq, D = q.shape
         if attn_mask is not None and not is_key_mask(attn_mask.shape, B, H):
             return False
+        masked = attn_mask is not None
         if torch.compiler.is_compiling():  # traced once per graph; a dict keyed by the shape would fix its values
             table = self.table_for(q.device)
-            return table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance)
-        key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D, balance)
+            return table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance, masked)
+        key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D, balance, masked)
         decision = self._decisions.get(key)
         if decision is None:
             table = self.table_for(q.device)
-            decision = table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance)
+            decision = table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance,
+                                                        masked)
             self._decisions[key] = decision
         return decision
 
@@ -327,9 +352,9 @@ def _find_table(device: torch.device) -> CrossoverTable | None:
         except ValueError as exc:
             warn_user(f"diffusion_int8: ignoring the cached crossover table: {exc}. Run `diffusion-int8 tune "
                       f"--overwrite` to measure it again.")
-    shipped = SHIPPED / f"{arch_of(device)}.json"
-    if shipped.exists():
-        return CrossoverTable.load(shipped)
+    for shipped in (shipped_path(arch_of(device), torch.cuda.get_device_name(device)), shipped_path(arch_of(device))):
+        if shipped.exists():
+            return CrossoverTable.load(shipped)
     return _no_table(device)
 
 
@@ -347,19 +372,25 @@ KEYS = (1024, 2048, 4096, 8192, 16384, 32768)
 ROWS = (1 << 15, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21)
 
 
+# Keys a measured key mask masks, at the end: fewer than a key tile, so the INT8 kernels skip no tile for it (real text
+# padding often lets them skip some) while SDPA takes its masked path all the same.
+MASKED_KEYS = 48
+
+
 def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloat16"),
-            modes=("int8", "int8_fp16v"), keys=KEYS, rows=ROWS, reps: int = 20, max_work: float = 2**41,
-            progress=print) -> CrossoverTable:
+            modes=("int8", "int8_fp16v"), keys=KEYS, rows=ROWS, masks=MASKS, reps: int = 20,
+            max_work: float = 2**41, progress=print) -> CrossoverTable:
     """Time SDPA and each INT8 mode on self-attention shapes (keys × rows grid; cells past ``max_work``
     multiply-adds are left unmeasured; the fitted surface covers them) and return the table. Inputs are
-    laid out as diffusers passes them: (B, S, H, D) memory seen as (B, H, S, D)."""
+    laid out as diffusers passes them: (B, S, H, D) memory seen as (B, H, S, D). ``masks``: "none", and "key" for
+    every call again with a bool key mask (1, 1, 1, keys) masking the last ``MASKED_KEYS``, as a padded prompt's
+    joint attention carries."""
     import triton
-    import torch.nn.functional as F
-
-    from ..kernels import int8_attention
-    from ..timing import graph_ms
 
     grids = []
+    bad = [x for x in masks if x not in MASKS]
+    if bad or not masks:
+        raise ValueError(f"masks must be some of {list(MASKS)}, got {list(masks)}")
     cells = [(d, dt, n, r) for d in head_dims for dt in dtypes for n in keys for r in rows]
     todo = [c for c in cells if c[3] >= c[2] and c[3] * c[2] * c[0] <= max_work]
     results: dict[tuple, dict[str, float]] = {}
@@ -369,21 +400,38 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
         # (B, S, H, D) memory viewed (B, H, S, D), as diffusers' processors hand attention its inputs
         q, k, v = (torch.randn(1, n, bh, d, device=device, dtype=DTYPES[dt]).transpose(1, 2) for _ in range(3))
         k += 3.0 * torch.randn(1, bh, 1, d, device=device, dtype=DTYPES[dt])  # a K channel bias, as in real models
-        times = {"sdpa": graph_ms(lambda: F.scaled_dot_product_attention(q, k, v), reps)}
-        for m in modes:
-            times[m] = graph_ms(lambda m=m: int8_attention(q, k, v, mode=m), reps)
-        results[(d, dt, n, r)] = times
-        progress(f"[{i + 1}/{len(todo)}] head dim {d}, {dt}, {n} keys × {r} rows: sdpa {times['sdpa']:.3f} ms, "
-                 + ", ".join(f"{m} {times['sdpa'] / times[m]:.2f}×" for m in modes)
+        keep = torch.ones(1, 1, 1, n, dtype=torch.bool, device=device)
+        keep[..., n - MASKED_KEYS:] = False
+        line = []
+        for mask in masks:
+            times = _time_cell(q, k, v, keep if mask == "key" else None, modes, reps)
+            results[(d, dt, n, r, mask)] = times
+            line.append(("" if mask == "none" else "with a key mask: ") + f"sdpa {times['sdpa']:.3f} ms, "
+                        + ", ".join(f"{m} {times['sdpa'] / times[m]:.2f}×" for m in modes))
+        progress(f"[{i + 1}/{len(todo)}] head dim {d}, {dt}, {n} keys × {r} rows: " + "; ".join(line)
                  + f"  ({time.time() - t0:.0f} s)")
-        del q, k, v
-    for m in modes:
-        for d in head_dims:
-            for dt in dtypes:
-                speedup = tuple(tuple(
-                    round(results[(d, dt, n, r)]["sdpa"] / results[(d, dt, n, r)][m], 3) if (d, dt, n, r) in results else None
-                    for r in rows) for n in keys)
-                grids.append(Grid(m, d, dt, tuple(keys), tuple(rows), speedup))
+        del q, k, v, keep
+    for mask in masks:
+        for m in modes:
+            for d in head_dims:
+                for dt in dtypes:
+                    speedup = tuple(tuple(
+                        round(results[c]["sdpa"] / results[c][m], 3) if (c := (d, dt, n, r, mask)) in results else None
+                        for r in rows) for n in keys)
+                    grids.append(Grid(m, d, dt, tuple(keys), tuple(rows), speedup, mask))
     measured = {"torch": torch.__version__, "triton": triton.__version__,
                 "date": datetime.date.today().isoformat(), "timing": f"median of {reps} CUDA-graph replays"}
     return CrossoverTable(torch.cuda.get_device_name(device), arch_of(device), tuple(grids), measured=measured)
+
+
+def _time_cell(q, k, v, mask, modes, reps) -> dict[str, float]:
+    """Milliseconds of SDPA and of each INT8 mode on one cell, all with ``mask`` (or none)."""
+    import torch.nn.functional as F
+
+    from ..kernels import int8_attention
+    from ..timing import graph_ms
+
+    times = {"sdpa": graph_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), reps)}
+    for m in modes:
+        times[m] = graph_ms(lambda m=m: int8_attention(q, k, v, mode=m, attn_mask=mask), reps)
+    return times
