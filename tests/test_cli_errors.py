@@ -575,6 +575,8 @@ def test_tune_names_what_it_does_not_accept_before_measuring(tmp_path, capsys, f
         code, err = cli(["tune", "--out", tmp_path / "t.json", flag, value], capsys)
         assert_usage_error(code, err, "tune", "not accepted: [")
         assert "masks ['none', 'key']" in err
+    code, err = cli(["tune", "--out", tmp_path / "t.json", "--masks", "key"], capsys)
+    assert_usage_error(code, err, "tune", "--masks must include none")
     assert not any(tmp_path.iterdir())
 
 

@@ -186,6 +186,17 @@ def test_a_cached_table_of_another_architecture_is_ignored_with_a_warning(tmp_pa
     assert table == speed_gate.CrossoverTable.load(speed_gate.SHIPPED / "sm_90.json")
 
 
+def test_a_cached_table_without_masked_cells_is_used_with_a_warning(tmp_path, monkeypatch):
+    from diffusion_int8.plugin import speed_gate
+
+    path, _ = _table_json(tmp_path)
+    monkeypatch.setattr(speed_gate, "cache_path", lambda device: path)
+    monkeypatch.setattr(speed_gate, "arch_of", lambda device: "sm_90")
+    with pytest.warns(RuntimeWarning, match="has no cells measured with a key mask.*tune --overwrite"):
+        table = speed_gate._find_table(torch.device("cuda", 0))
+    assert table == speed_gate.CrossoverTable.load(path)
+
+
 def test_saving_a_table_does_not_follow_a_link_planted_beside_it(tmp_path):
     """The temporary file the write goes through is made new: a link planted at the name an earlier release used
     (``.{name}.{pid}.tmp``) is neither followed nor left changed, and no temporary file is left."""

@@ -91,6 +91,7 @@ def test_table_files_round_trip_and_bad_files_name_the_problem(tmp_path):
         "bad mode": json.dumps({**good, "grids": [{**good["grids"][0], "mode": "int4"}]}),
         "bad dtype": json.dumps({**good, "grids": [{**good["grids"][0], "dtype": "float64"}]}),
         "bad mask": json.dumps({**good, "grids": [{**good["grids"][0], "mask": "causal"}]}),
+        "masked grid in version 1": json.dumps({**good, "version": 1, "grids": [{**good["grids"][0], "mask": "key"}]}),
     }
     for what, text in cases.items():
         path.write_text(text)
@@ -270,6 +271,22 @@ def test_gate_decisions_guard_on_ranges_under_torch_compile():
     assert torch.equal(compiled(q, k), f(q, k)) and counter.frame_count == 2
 
 
+def test_compiled_calls_with_a_key_mask_read_the_masked_grids():
+    t = table(keys=(1024, 32768), rows=(1, 1 << 20), speedup=((0.5, 0.6), (1.4, 1.5)), head_dim=16)
+    masked = tuple(Grid(g.mode, g.head_dim, g.dtype, g.keys, g.rows, ((1.5, 1.6), (1.9, 2.0)), "key") for g in t.grids)
+    gate = SpeedGate(CrossoverTable(t.device, t.arch, t.grids + masked, t.margin))
+
+    def f(q, k, mask):
+        return q * 2 if gate.pays(Mode.INT8, q, k, mask) else q * 3
+
+    compiled = torch.compile(f, backend="eager", dynamic=True)
+    q = torch.randn(1, 2, 64, 16, dtype=torch.float16)
+    k = torch.randn(1, 2, 2000, 16, dtype=torch.float16)  # unmasked about 0.7: SDPA; with a key mask about 1.6: INT8
+    keys = torch.ones(1, 1, 1, 2000, dtype=torch.bool)
+    torch._dynamo.reset()
+    assert torch.equal(compiled(q, k, None), q * 3) and torch.equal(compiled(q, k, keys), q * 2)
+
+
 def test_the_gate_judges_a_masked_call_as_it_will_run():
     # a key mask (the same for every query: text padding) runs at the kernels' unmasked speed, so the table decides;
     # a mask that varies over the queries takes the element-wise path, which the table does not measure: SDPA
@@ -315,3 +332,42 @@ def test_a_gpu_with_its_own_shipped_table_reads_it_before_its_architectures(monk
     own.save(tmp_path / "sm_90-nvidia-test-gpu.json")
     assert speed_gate.shipped_path("sm_90", "NVIDIA Test GPU") == tmp_path / "sm_90-nvidia-test-gpu.json"
     assert speed_gate._find_table(torch.device("cuda", 0)) == own
+    # a table tune cached for this GPU comes first (with masked cells: no warning)
+    cached = CrossoverTable("NVIDIA Test GPU", "sm_90", own.grids + tuple(
+        Grid(g.mode, g.head_dim, g.dtype, g.keys, g.rows, g.speedup, "key") for g in own.grids))
+    cached.save(tmp_path / "cached.json")
+    monkeypatch.setattr(speed_gate, "cache_path", lambda device: tmp_path / "cached.json")
+    assert speed_gate._find_table(torch.device("cuda", 0)) == cached
+
+
+def test_the_shipped_h200_table_decides_as_benchmarks_says():
+    # BENCHMARKS.md, "The H200's own table": on an H200, LTX-Video's self-attention runs int8 and the image models'
+    # unmasked calls stay on SDPA; joint attention with a key mask runs INT8 from image lengths on
+    t = CrossoverTable.load(shipped_path("sm_90", "NVIDIA H200"))
+    assert t.device == "NVIDIA H200" and t.measured["date"] == "2026-11-30"
+    calls = {"LTX-Video": (torch.bfloat16, 64, 2 * 32 * 6144, 6144), "SD3.5": (torch.float16, 64, 2 * 24 * 4429, 4429),
+             "Flux": (torch.bfloat16, 128, 24 * 4608, 4608), "SDXL": (torch.float16, 64, 2 * 10 * 4096, 4096),
+             "PixArt": (torch.float16, 72, 2 * 16 * 4096, 4096), "DiT": (torch.float16, 72, 4 * 16 * 1024, 1024),
+             "Qwen-Image joint": (torch.bfloat16, 128, 24 * 4352, 4352), "Wan": (torch.bfloat16, 128, 12 * 20280, 20280)}
+    runs_int8 = {name: t.pays("int8", d, dtype, rows, keys) for name, (dtype, d, rows, keys) in calls.items()}
+    assert runs_int8 == {"LTX-Video": True, "SD3.5": False, "Flux": False, "SDXL": False, "PixArt": False,
+                         "DiT": False, "Qwen-Image joint": False, "Wan": True}
+    dtype, d, rows, keys = calls["Qwen-Image joint"]
+    assert t.pays("int8", d, dtype, rows, keys, key_mask=True)
+    assert t.speedup("int8", d, dtype, rows, keys, key_mask=True) == pytest.approx(1.45, abs=0.01)
+    # masked cells beat their unmasked ones nearly everywhere: SDPA slows down under a mask, the kernels do not
+    for g in t.grids:
+        if g.mask == "key":
+            plain = next(p for p in t.grids if (p.mode, p.head_dim, p.dtype, p.mask) == (g.mode, g.head_dim, g.dtype, "none"))
+            pairs = [(a, b) for ra, rb in zip(g.speedup, plain.speedup) for a, b in zip(ra, rb) if a is not None]
+            assert sum(a > 1.2 * b for a, b in pairs) >= 0.9 * len(pairs), g
+
+
+def test_grids_and_measure_refuse_masks_they_cannot_time():
+    with pytest.raises(ValueError, match="mask 'keys' is not one of"):
+        Grid("int8", 64, "float16", (1024,), (1024,), ((1.0,),), "keys")
+    for masks in (("key",), ("none", "none"), ("none", "causal")):
+        with pytest.raises(ValueError, match="masks must be 'none' and optionally 'key'"):
+            speed_gate.measure(torch.device("cpu"), masks=masks)
+    with pytest.raises(ValueError, match="every key length must exceed it, got 32"):
+        speed_gate.measure(torch.device("cpu"), keys=(32, 1024))

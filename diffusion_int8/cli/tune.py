@@ -18,8 +18,8 @@ DESCRIPTION = """diffusion-int8 tune: measure where INT8 attention beats SDPA on
 Times SDPA and each INT8 mode over a grid of sequence lengths (1,024 to 32,768 keys) and query rows, for each
 head dim and dtype asked for, without a mask and with a key mask (a padded prompt's), and writes the table the
 speed gate reads to decide, per attention call, whether INT8 pays: by default to this GPU's cache file, which
-enable() then finds. On an H100 or H200 it takes a few minutes the first time (compiling the kernels), about half
-that after. A GPU of an architecture diffusion-int8 ships a table for (sm_90) uses that one until it has its own.
+enable() then finds. On an H200 it took 263 s the first time (compiling the kernels). A GPU diffusion-int8 ships a
+table for (the H200, and any sm_90 GPU through the H100's) uses that one until it has its own.
 
     diffusion-int8 tune                                   # this GPU's table, into the cache
     diffusion-int8 tune --head-dims 128 --dtypes bfloat16 --out table.json"""
@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--head-dims", default="64,128", help="comma-separated head dims to measure (default 64,128)")
     p.add_argument("--dtypes", default="float16,bfloat16", help="float16 and/or bfloat16")
     p.add_argument("--masks", default="none,key",
-                   help="none (calls without a mask) and/or key (with a key mask); default both")
+                   help="none (calls without a mask), and key (with a key mask) unless left out; default both")
     p.add_argument("--overwrite", action="store_true", help="replace an existing table file")
     p.set_defaults(func=command(run))
 
@@ -42,12 +42,17 @@ def run(args) -> int:
         head_dims = tuple(int(x) for x in args.head_dims.split(","))
     except ValueError:
         raise UsageError(f"--head-dims takes comma-separated integers, got {args.head_dims!r}") from None
-    dtypes, masks = tuple(args.dtypes.split(",")), tuple(args.masks.split(","))
+    # each once, in the order given: a grid measured twice would make a file that does not load
+    head_dims, dtypes, masks = (tuple(dict.fromkeys(x)) for x in (head_dims, args.dtypes.split(","),
+                                                                  args.masks.split(",")))
     bad = ([d for d in head_dims if not 1 <= d <= MAX_HEAD_DIM] + [t for t in dtypes if t not in DTYPES]
            + [m for m in masks if m not in MASKS])
     if bad:
         raise UsageError(f"not accepted: {bad} (head dims 1..{MAX_HEAD_DIM}; dtypes {sorted(DTYPES)}; masks "
                          f"{list(MASKS)})")
+    if "none" not in masks:
+        raise UsageError(f"--masks must include none (calls without a mask are judged by those cells), got "
+                         f"{args.masks!r}")
     if args.out:
         check_out_file(args.out, "--out", args.overwrite, make_parents=True)
     if not torch.cuda.is_available():

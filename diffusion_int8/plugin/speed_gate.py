@@ -63,6 +63,8 @@ class Grid:
     mask: str = "none"
 
     def __post_init__(self):
+        if self.mask not in MASKS:
+            raise ValueError(f"mask {self.mask!r} is not one of {list(MASKS)}")
         terms, coef = _fit_surface(self)
         # the surface on a lattice of eighth-octave steps over the grid, so a call is judged by comparisons alone:
         # under torch.compile they guard on ranges of the shape, where arithmetic on it would fix each value
@@ -215,8 +217,9 @@ class CrossoverTable:
             if not _count(head_dim) or not head_dim <= MAX_HEAD_DIM:
                 raise ValueError(f"grid {n}: head_dim {head_dim!r} is not an integer in 1..{MAX_HEAD_DIM}")
             mask = g.get("mask", "none")
-            if mask not in MASKS:
-                raise ValueError(f"grid {n}: mask {mask!r} is not one of {list(MASKS)}")
+            if mask not in (MASKS if data["version"] >= 2 else ("none",)):
+                raise ValueError(f"grid {n}: mask {mask!r} is not one of {list(MASKS)}"
+                                 + (" (version 1 files have unmasked grids only)" if mask in MASKS else ""))
             if (g["mode"], head_dim, g["dtype"], mask) in seen:
                 raise ValueError(f"grid {n}: a second grid for mode {g['mode']!r}, head_dim {head_dim}, dtype "
                                  f"{g['dtype']!r}, mask {mask!r}; each may have one")
@@ -348,6 +351,10 @@ def _find_table(device: torch.device) -> CrossoverTable | None:
             table = CrossoverTable.load(path)
             if table.arch != arch_of(device):
                 raise ValueError(f"{path}: measured on {table.arch}, and this GPU is {arch_of(device)}")
+            if not any(g.mask == "key" for g in table.grids):
+                warn_user(f"diffusion_int8: the cached crossover table {path} has no cells measured with a key mask, "
+                          f"so calls with a text padding mask are judged as unmasked and run SDPA where INT8 would "
+                          f"pay. Run `diffusion-int8 tune --overwrite` to measure them.")
             return table
         except ValueError as exc:
             warn_user(f"diffusion_int8: ignoring the cached crossover table: {exc}. Run `diffusion-int8 tune "
@@ -388,9 +395,10 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
     import triton
 
     grids = []
-    bad = [x for x in masks if x not in MASKS]
-    if bad or not masks:
-        raise ValueError(f"masks must be some of {list(MASKS)}, got {list(masks)}")
+    if "none" not in masks or any(x not in MASKS for x in masks) or len(set(masks)) != len(masks):
+        raise ValueError(f"masks must be 'none' and optionally 'key', each once, got {list(masks)}")
+    if "key" in masks and min(keys) <= MASKED_KEYS:
+        raise ValueError(f"a key mask masks the last {MASKED_KEYS} keys: every key length must exceed it, got {min(keys)}")
     cells = [(d, dt, n, r) for d in head_dims for dt in dtypes for n in keys for r in rows]
     todo = [c for c in cells if c[3] >= c[2] and c[3] * c[2] * c[0] <= max_work]
     results: dict[tuple, dict[str, float]] = {}
