@@ -429,6 +429,11 @@ def test_the_speed_section_says_where_int8_pays():
     assert text.startswith("On this GPU INT8 attention pays from about 9,000 tokens at head dim 128.")
     assert "Wan2.1's attention runs 1.52× faster" in text and "SDXL, Flux.1 stay on SDPA" in text
     assert "Wan2.1-T2V-1.3B: a whole denoiser step runs 1.20× stock." in text and "shipped" not in text
+    assert "padding mask" not in text and "padding mask" not in headline(calls, steps, {"64": None, "128": 9000},
+                                                                         {"64": None, "128": 9000})
+    masked = headline(calls, steps, {"64": None, "128": 9000}, {"64": 1448, "128": 2048})
+    assert masked.startswith(text.split(".")[0] + ". With a text padding mask, which slows SDPA down, it pays from "
+                             "about 1,448 tokens at head dim 64 and about 2,048 tokens at head dim 128. Wan2.1's")
     section = {"device": "NVIDIA H100", "date": "2026-11-27", "calls": calls, "steps": steps,
                "pays_from": {"64": None, "128": 9000}, "headline": text}
     md = "\n".join(R.speed_markdown(section))

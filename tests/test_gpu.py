@@ -256,3 +256,6 @@ def test_the_speed_section_times_every_call_and_follows_the_gate():
         assert row["gate_int8"] == table.pays("int8", D, call.dtype, B * H * S, S, key_mask=bool(call.masked_text))
         assert row["you_get"] == (row["int8_speedup"] if row["gate_int8"] else 1.0)
     assert section["headline"].startswith("On this GPU INT8 attention pays from")
+    # a key mask slows SDPA and not the kernels: INT8 pays from as few tokens with one as without, or fewer
+    for d, n in section["pays_from"].items():
+        assert n is None or section["pays_from_masked"][d] <= n, (d, section["pays_from_masked"])

@@ -50,14 +50,16 @@ MODES = ("int8_fp16v", "int8")
 
 def measure(device: torch.device, progress: Callable[[str], None] = print, reps: int = 10, rounds: int = 3,
             steps: bool = True) -> dict:
-    """The speed section of a report: ``{"device", "date", "calls", "steps", "pays_from", "headline"}`` (see
-    ``call_rows``, ``step_rows``, ``pays_from``, ``headline``). ``steps=False`` leaves the denoiser steps out."""
+    """The speed section of a report: ``{"device", "date", "calls", "steps", "pays_from", "pays_from_masked",
+    "headline"}`` (see ``call_rows``, ``step_rows``, ``pays_from``, ``headline``). ``steps=False`` leaves the denoiser
+    steps out."""
     gate = SpeedGate()
     calls = call_rows(device, gate, progress, reps, rounds)
     step = step_rows(device, progress) if steps else []
-    crossover = pays_from(device, gate)
+    crossover, masked = pays_from(device, gate), pays_from(device, gate, key_mask=True)
     return {"device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
-            "calls": calls, "steps": step, "pays_from": crossover, "headline": headline(calls, step, crossover)}
+            "calls": calls, "steps": step, "pays_from": crossover, "pays_from_masked": masked,
+            "headline": headline(calls, step, crossover, masked)}
 
 
 def call_rows(device: torch.device, gate: SpeedGate, progress=print, reps: int = 10, rounds: int = 3) -> list[dict]:
@@ -162,9 +164,10 @@ def _step_ms(model, x: dict, steps: int) -> float:
     return median(times)
 
 
-def pays_from(device: torch.device, gate: SpeedGate) -> dict[str, int | None]:
+def pays_from(device: torch.device, gate: SpeedGate, key_mask: bool = False) -> dict[str, int | None]:
     """Per head dim (64, 128): the fewest tokens from which the gate runs the default mode's self-attention
-    with 24 heads, batch 1, bf16 (eighth-octave steps from 1,024 to 131,072), or None where it never does."""
+    with 24 heads, batch 1, bf16 (eighth-octave steps from 1,024 to 131,072), or None where it never does;
+    ``key_mask``: of calls with a key mask (a padded prompt's)."""
     table = gate.table_for(device)
     out = {}
     for d in (64, 128):
@@ -172,20 +175,25 @@ def pays_from(device: torch.device, gate: SpeedGate) -> dict[str, int | None]:
         if table is not None:
             for i in range(0, 7 * 8 + 1):
                 s = int(1024 * 2 ** (i / 8))
-                if table.pays("int8", d, torch.bfloat16, 24 * s, s):
+                if table.pays("int8", d, torch.bfloat16, 24 * s, s, key_mask=key_mask):
                     found = s
                     break
         out[str(d)] = found
     return out
 
 
-def headline(calls: list[dict], steps: list[dict], crossover: dict) -> str:
-    """The honest summary: from how many tokens INT8 pays on this GPU, which of the calls it speeds up, and that the
-    others run at stock speed."""
+def headline(calls: list[dict], steps: list[dict], crossover: dict, masked: dict | None = None) -> str:
+    """The honest summary: from how many tokens INT8 pays on this GPU (with a text padding mask too, where the gate
+    knows that to differ), which of the calls it speeds up, and that the others run at stock speed."""
     fast = [r for r in calls if r["gate_int8"]]
     slow = [r["model"] for r in calls if not r["gate_int8"]]
-    where = " and ".join(f"about {n:,} tokens at head dim {d}" for d, n in crossover.items() if n) or "no length measured"
-    text = f"On this GPU INT8 attention pays from {where}."
+
+    def lengths(found):
+        return " and ".join(f"about {n:,} tokens at head dim {d}" for d, n in found.items() if n)
+
+    text = f"On this GPU INT8 attention pays from {lengths(crossover) or 'no length measured'}."
+    if masked and masked != crossover and lengths(masked):
+        text += f" With a text padding mask, which slows SDPA down, it pays from {lengths(masked)}."
     if fast:
         text += " " + ", ".join(f"{r['model']}'s attention runs {r['you_get']:.2f}× faster" for r in fast) + "."
     if slow:
