@@ -571,12 +571,12 @@ def test_tune_out_is_checked_before_measuring(tmp_path, capsys, fake_gpu, monkey
 
 
 def test_tune_names_what_it_does_not_accept_before_measuring(tmp_path, capsys, fake_gpu):
-    for flag, value in (("--masks", "none,causal"), ("--dtypes", "float32"), ("--head-dims", "0")):
+    for flag, value in (("--kinds", "plain,causal"), ("--dtypes", "float32"), ("--head-dims", "0")):
         code, err = cli(["tune", "--out", tmp_path / "t.json", flag, value], capsys)
         assert_usage_error(code, err, "tune", "not accepted: [")
-        assert "masks ['none', 'key']" in err
-    code, err = cli(["tune", "--out", tmp_path / "t.json", "--masks", "key"], capsys)
-    assert_usage_error(code, err, "tune", "--masks must include none")
+        assert "kinds ['plain', 'tail', 'key']" in err
+    code, err = cli(["tune", "--out", tmp_path / "t.json", "--kinds", "key,tail"], capsys)
+    assert_usage_error(code, err, "tune", "--kinds must include plain")
     assert not any(tmp_path.iterdir())
 
 

@@ -155,8 +155,8 @@ def test_tune_measures_a_table_the_gate_reads(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     table = CrossoverTable.load(out)
     assert table.arch == arch_of(torch.device("cuda"))
-    assert {(g.mode, g.head_dim, g.dtype, g.mask) for g in table.grids} == {
-        (m, 128, "float16", mask) for m in ("int8", "int8_fp16v") for mask in ("none", "key")}
+    assert {(g.mode, g.head_dim, g.dtype, g.kind) for g in table.grids} == {
+        (m, 128, "float16", kind) for m in ("int8", "int8_fp16v") for kind in ("plain", "key")}  # tails: head dim 64
     assert all(x is None or x > 0 for g in table.grids for r in g.speedup for x in r)
     gate = SpeedGate(out)
     q = torch.empty(1, 24, 32768, 128, dtype=torch.float16, device="cuda")
@@ -166,9 +166,9 @@ def test_tune_measures_a_table_the_gate_reads(tmp_path):
     mid = torch.empty(1, 32, 2048, 128, dtype=torch.float16, device="cuda")
     keys = torch.ones(1, 1, 1, 2048, dtype=torch.bool, device="cuda")
     assert gate.pays(Mode.INT8, mid, mid, keys) and not gate.pays(Mode.INT8, mid, mid)
-    masked, plain = ({(n, r): x for g in table.grids if (g.mode, g.mask) == ("int8", mask)
+    masked, plain = ({(n, r): x for g in table.grids if (g.mode, g.kind) == ("int8", kind)
                       for n, row in zip(g.keys, g.speedup) for r, x in zip(g.rows, row) if x is not None}
-                     for mask in ("key", "none"))
+                     for kind in ("key", "plain"))
     assert sum(masked[c] > plain[c] for c in plain) >= 0.9 * len(plain)
 
 
@@ -244,7 +244,7 @@ def test_the_speed_section_times_every_call_and_follows_the_gate():
     # the demo's speed section at a few replays: every call timed, each decision the gate's own, and "you get" the
     # INT8 speed-up exactly where the gate runs INT8
     from diffusion_int8.eval.speed import CALLS, measure
-    from diffusion_int8.plugin.speed_gate import SpeedGate
+    from diffusion_int8.plugin.speed_gate import SpeedGate, kind_of_call
 
     lines = []
     section = measure(torch.device("cuda"), progress=lines.append, reps=2, rounds=1, steps=False)
@@ -253,7 +253,8 @@ def test_the_speed_section_times_every_call_and_follows_the_gate():
     for row, call in zip(section["calls"], CALLS):
         B, H, S, D = call.shape
         assert row["sdpa_ms"] > 0 and row["int8_ms"] > 0 and row["int8_fp16v_ms"] > 0
-        assert row["gate_int8"] == table.pays("int8", D, call.dtype, B * H * S, S, key_mask=bool(call.masked_text))
+        kind = kind_of_call(S, S, bool(call.masked_text))
+        assert row["gate_int8"] == table.pays("int8", D, call.dtype, B * H * S, S, kind=kind)
         assert row["you_get"] == (row["int8_speedup"] if row["gate_int8"] else 1.0)
     assert section["headline"].startswith("On this GPU INT8 attention pays from")
     # a key mask slows SDPA and not the kernels: INT8 pays from as few tokens with one as without, or fewer

@@ -192,7 +192,7 @@ def test_a_cached_table_without_masked_cells_is_used_with_a_warning(tmp_path, mo
     path, _ = _table_json(tmp_path)
     monkeypatch.setattr(speed_gate, "cache_path", lambda device: path)
     monkeypatch.setattr(speed_gate, "arch_of", lambda device: "sm_90")
-    with pytest.warns(RuntimeWarning, match="has no cells measured with a key mask.*tune --overwrite"):
+    with pytest.warns(RuntimeWarning, match="has no cells of the kinds tail, key .*tune --overwrite"):
         table = speed_gate._find_table(torch.device("cuda", 0))
     assert table == speed_gate.CrossoverTable.load(path)
 

@@ -11,7 +11,8 @@ import torch
 from diffusion_int8 import enable
 from diffusion_int8.kernels import Mode
 from diffusion_int8.plugin import speed_gate
-from diffusion_int8.plugin.speed_gate import MASKS, SHIPPED, CrossoverTable, Grid, SpeedGate, shipped_path
+from diffusion_int8.plugin.speed_gate import (KINDS, SHIPPED, TAIL_HEAD_DIM, CrossoverTable, Grid, SpeedGate,
+                                              kind_of_call, shipped_path)
 from tiny_models import build
 
 
@@ -90,8 +91,8 @@ def test_table_files_round_trip_and_bad_files_name_the_problem(tmp_path):
         "unsorted keys": json.dumps({**good, "grids": [{**good["grids"][0], "keys": [4096, 64]}]}),
         "bad mode": json.dumps({**good, "grids": [{**good["grids"][0], "mode": "int4"}]}),
         "bad dtype": json.dumps({**good, "grids": [{**good["grids"][0], "dtype": "float64"}]}),
-        "bad mask": json.dumps({**good, "grids": [{**good["grids"][0], "mask": "causal"}]}),
-        "masked grid in version 1": json.dumps({**good, "version": 1, "grids": [{**good["grids"][0], "mask": "key"}]}),
+        "bad kind": json.dumps({**good, "grids": [{**good["grids"][0], "kind": "causal"}]}),
+        "masked grid in version 1": json.dumps({**good, "version": 1, "grids": [{**good["grids"][0], "kind": "key"}]}),
     }
     for what, text in cases.items():
         path.write_text(text)
@@ -104,10 +105,10 @@ def test_version_1_files_load_as_unmasked_grids(tmp_path):
     data = t.to_json()
     data["version"] = 1
     for g in data["grids"]:
-        del g["mask"]
+        del g["kind"]
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(data))
-    assert CrossoverTable.load(path) == t and all(g.mask == "none" for g in t.grids)
+    assert CrossoverTable.load(path) == t and all(g.kind == "plain" for g in t.grids)
 
 
 def test_shipped_tables_load():
@@ -116,10 +117,11 @@ def test_shipped_tables_load():
     for f in files:
         t = CrossoverTable.load(f)
         assert t.grids and f == shipped_path(t.arch, None if f.stem == t.arch else t.device), f
-        # a GPU's own table measures what the architecture's does, and the key-masked calls too
+        # a GPU's own table measures what the architecture's does, and every kind of call (tails at head dim 64)
         if f.stem != t.arch:
-            grids = {(g.mode, g.head_dim, g.dtype, g.mask) for g in t.grids}
-            assert grids == {(m, d, dt, mask) for m, d, dt, _ in grids for mask in MASKS}, f
+            grids = {(g.mode, g.head_dim, g.dtype, g.kind) for g in t.grids}
+            assert grids == {(m, d, dt, kind) for m, d, dt, _ in grids for kind in KINDS
+                             if kind != "tail" or d <= TAIL_HEAD_DIM}, f
 
 
 def test_processor_sends_gated_calls_to_sdpa_and_counts_them(tmp_path):
@@ -313,11 +315,30 @@ def test_key_masked_calls_are_judged_by_the_masked_grids_where_a_table_has_them(
     keys = torch.ones(1, 1, 1, 512, dtype=torch.bool)
     gate = SpeedGate(CrossoverTable("test GPU", "sm_00", plain + masked, margin=1.05))
     assert not gate.pays(Mode.INT8, q, k) and gate.pays(Mode.INT8, q, k, keys)
-    assert gate.table_for(q.device).speedup("int8", 64, torch.float16, 1024, 512, key_mask=True) == pytest.approx(1.3)
+    assert gate.table_for(q.device).speedup("int8", 64, torch.float16, 1024, 512, kind="key") == pytest.approx(1.3)
     assert not gate.pays(Mode.INT8_FP16V, q, k, keys)  # no masked grid for int8_fp16v: its unmasked one judges
     assert not gate.pays(Mode.INT8, q, k, torch.ones(1, 1, 64, 512, dtype=torch.bool))  # element-wise: never
     unmasked_only = SpeedGate(CrossoverTable("test GPU", "sm_00", plain, margin=1.05))
     assert not unmasked_only.pays(Mode.INT8, q, k, keys)
+
+
+def test_lengths_past_whole_tiles_are_judged_by_the_tail_grids():
+    # SDPA runs a tenth or more slower where the sequence leaves a partial 128-key tile, the kernels hardly: a call
+    # with both lengths past whole tiles reads the tail grids, one with either length whole the plain ones
+    assert [kind_of_call(*c) for c in ((4096, 4096, False), (4429, 4429, False), (4429, 4429, True),
+                                       (4429, 4096, False), (4096, 4429, False), (64, 4173, False))] == [
+        "plain", "tail", "key", "plain", "plain", "tail"]
+    plain = table(head_dim=64).grids
+    tail = tuple(Grid(g.mode, g.head_dim, g.dtype, g.keys, g.rows, ((0.9, 1.3), (1.2, 1.9)), "tail") for g in plain)
+    gate = SpeedGate(CrossoverTable("test GPU", "sm_00", plain + tail, margin=1.05))
+    whole = torch.zeros(1, 16, 512, 64, dtype=torch.float16)  # 8192 rows, 512 keys: plain about 0.95, tail 1.4
+    past = torch.zeros(1, 16, 517, 64, dtype=torch.float16)
+    assert not gate.pays(Mode.INT8, whole, whole) and gate.pays(Mode.INT8, past, past)
+    assert not SpeedGate(CrossoverTable("test GPU", "sm_00", plain, margin=1.05)).pays(Mode.INT8, past, past)
+    # past padded head dim 64 the tail grids judge nothing: there the gain past whole tiles moves with the remainder
+    wide = tuple(Grid(g.mode, 128, g.dtype, g.keys, g.rows, g.speedup, g.kind) for g in plain + tail)
+    past128 = torch.zeros(1, 16, 517, 128, dtype=torch.float16)
+    assert not SpeedGate(CrossoverTable("test GPU", "sm_00", wide, margin=1.05)).pays(Mode.INT8, past128, past128)
 
 
 def test_a_gpu_with_its_own_shipped_table_reads_it_before_its_architectures(monkeypatch, tmp_path):
@@ -353,21 +374,28 @@ def test_the_shipped_h200_table_decides_as_benchmarks_says():
     assert runs_int8 == {"LTX-Video": True, "SD3.5": False, "Flux": False, "SDXL": False, "PixArt": False,
                          "DiT": False, "Qwen-Image joint": False, "Wan": True}
     dtype, d, rows, keys = calls["Qwen-Image joint"]
-    assert t.pays("int8", d, dtype, rows, keys, key_mask=True)
-    assert t.speedup("int8", d, dtype, rows, keys, key_mask=True) == pytest.approx(1.45, abs=0.01)
+    assert t.pays("int8", d, dtype, rows, keys, kind="key")
+    # past whole tiles: SD3.5's 4,429 tokens (head dim 64) run int8, Qwen-Image's unmasked joint attention at 4,296
+    # (head dim 128, where tails are not judged apart) stays on SDPA
+    assert t.pays("int8", 64, torch.float16, 2 * 24 * 4429, 4429, kind="tail")
+    assert not t.pays("int8", 128, torch.bfloat16, 24 * 4296, 4296, kind="tail")
+    assert t.speedup("int8", d, dtype, rows, keys, kind="key") == pytest.approx(1.45, abs=0.01)
     # masked cells beat their unmasked ones nearly everywhere: SDPA slows down under a mask, the kernels do not
     for g in t.grids:
-        if g.mask == "key":
-            plain = next(p for p in t.grids if (p.mode, p.head_dim, p.dtype, p.mask) == (g.mode, g.head_dim, g.dtype, "none"))
+        if g.kind == "key":
+            plain = next(p for p in t.grids
+                         if (p.mode, p.head_dim, p.dtype, p.kind) == (g.mode, g.head_dim, g.dtype, "plain"))
             pairs = [(a, b) for ra, rb in zip(g.speedup, plain.speedup) for a, b in zip(ra, rb) if a is not None]
             assert sum(a > 1.2 * b for a, b in pairs) >= 0.9 * len(pairs), g
 
 
 def test_grids_and_measure_refuse_masks_they_cannot_time():
-    with pytest.raises(ValueError, match="mask 'keys' is not one of"):
+    with pytest.raises(ValueError, match="kind 'keys' is not one of"):
         Grid("int8", 64, "float16", (1024,), (1024,), ((1.0,),), "keys")
-    for masks in (("key",), ("none", "none"), ("none", "causal")):
-        with pytest.raises(ValueError, match="masks must be 'none' and optionally 'key'"):
-            speed_gate.measure(torch.device("cpu"), masks=masks)
+    for kinds in ((), ("plain", "plain"), ("plain", "causal")):
+        with pytest.raises(ValueError, match="kinds must be some of"):
+            speed_gate.measure(torch.device("cpu"), kinds=kinds)
+    with pytest.raises(ValueError, match="whole 128-key tiles"):
+        speed_gate.measure(torch.device("cpu"), keys=(1000, 2048))
     with pytest.raises(ValueError, match="every key length must exceed it, got 32"):
         speed_gate.measure(torch.device("cpu"), keys=(32, 1024))

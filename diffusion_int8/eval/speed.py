@@ -56,7 +56,7 @@ def measure(device: torch.device, progress: Callable[[str], None] = print, reps:
     gate = SpeedGate()
     calls = call_rows(device, gate, progress, reps, rounds)
     step = step_rows(device, progress) if steps else []
-    crossover, masked = pays_from(device, gate), pays_from(device, gate, key_mask=True)
+    crossover, masked = pays_from(device, gate), pays_from(device, gate, kind="key")
     return {"device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
             "calls": calls, "steps": step, "pays_from": crossover, "pays_from_masked": masked,
             "headline": headline(calls, step, crossover, masked)}
@@ -85,7 +85,7 @@ def call_rows(device: torch.device, gate: SpeedGate, progress=print, reps: int =
             row[f"{m}_ms"] = median(times[m])
             row[f"{m}_speedup"] = median([a / b for a, b in zip(times["sdpa"], times[m])])
         default = Mode.parse("int8")
-        row["gate_int8"] = bool(gate.pays(default, q, k, mask))
+        row["gate_int8"] = bool(gate.pays(default, q, k, mask))  # by the grids of the call's kind
         row["you_get"] = row["int8_speedup"] if row["gate_int8"] else 1.0
         rows.append(row)
         progress(f"[{i + 1}/{len(CALLS)}] {call.model} {call.shape}: SDPA {sdpa:.2f} ms, "
@@ -164,10 +164,10 @@ def _step_ms(model, x: dict, steps: int) -> float:
     return median(times)
 
 
-def pays_from(device: torch.device, gate: SpeedGate, key_mask: bool = False) -> dict[str, int | None]:
+def pays_from(device: torch.device, gate: SpeedGate, kind: str = "plain") -> dict[str, int | None]:
     """Per head dim (64, 128): the fewest tokens from which the gate runs the default mode's self-attention
-    with 24 heads, batch 1, bf16 (eighth-octave steps from 1,024 to 131,072), or None where it never does;
-    ``key_mask``: of calls with a key mask (a padded prompt's)."""
+    with 24 heads, batch 1, bf16 (eighth-octave steps from 1,024 to 131,072), or None where it never does, judged
+    as calls of ``kind`` (``speed_gate.KINDS``: "key" for a padded prompt's key mask)."""
     table = gate.table_for(device)
     out = {}
     for d in (64, 128):
@@ -175,7 +175,7 @@ def pays_from(device: torch.device, gate: SpeedGate, key_mask: bool = False) -> 
         if table is not None:
             for i in range(0, 7 * 8 + 1):
                 s = int(1024 * 2 ** (i / 8))
-                if table.pays("int8", d, torch.bfloat16, 24 * s, s, key_mask=key_mask):
+                if table.pays("int8", d, torch.bfloat16, 24 * s, s, kind=kind):
                     found = s
                     break
         out[str(d)] = found

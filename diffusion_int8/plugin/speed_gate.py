@@ -2,8 +2,9 @@
 
 A crossover table holds, per INT8 mode, head dim and 16-bit dtype, the speed of the whole INT8 call (its
 quantization included) relative to ``F.scaled_dot_product_attention`` on a grid of key lengths and query
-rows (batch × heads × queries), measured on one GPU from CUDA-graph replays, without a mask and with a key mask
-(text padding: SDPA loses its fastest kernels to it, the INT8 kernels do not). A call runs INT8 when a
+rows (batch × heads × queries), measured on one GPU from CUDA-graph replays, for three kinds of call (``KINDS``):
+lengths that are whole 128-key tiles, lengths that leave a partial tile, and a key mask (text padding), since SDPA
+loses speed to the latter two and the INT8 kernels much less. A call runs INT8 when a
 least-squares surface through the grid (``Grid``: it smooths the cells' few percent of scatter) gives its shape a
 speed-up of at least ``margin``; elsewhere, and below the grid, it runs SDPA, which is exact. Tables ship for sm_90
 (``tables/``: one for the architecture and one per GPU measured apart); ``diffusion-int8 tune`` measures one for any
@@ -30,7 +31,7 @@ from ..kernels.config import MAX_HEAD_DIM, Mode, padded_head_dim
 from ..kernels.key_mask import is_key_mask
 
 FORMAT = "diffusion-int8 crossover table"
-VERSION = 2  # 2: grids measured with a key mask (``Grid.mask``); version 1 files (no such grids) still load
+VERSION = 2  # 2: grids of each kind of call (``Grid.kind``); version 1 files (plain grids only) still load
 READS = (1, 2)
 SHIPPED = Path(__file__).parent / "tables"
 # The measured Q·Kᵀ balance's share of an INT8 call at 4,096 keys (tables are measured without it). It is one more
@@ -38,14 +39,23 @@ SHIPPED = Path(__file__).parent / "tables"
 # default balance costs") has the measurements this rounds up.
 BALANCE_COST_4096 = 0.045
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # the dtypes a table measures, by their names
-MASKS = ("none", "key")  # what a grid's calls carry: no mask, or a key mask (``measure`` says which keys)
+# The kinds of call a grid measures: "plain", no mask and lengths of whole 128-key tiles (the powers of two of the
+# grid); "tail", no mask and lengths that leave a partial 128-key tile (the grid's plus ``TAIL_KEYS``); "key", a key
+# mask (``MASKED_KEYS`` masked) at the plain lengths. On an H200 SDPA ran about 15% slower per multiply-add past whole
+# tiles (median, head dim 64) and 1.4-1.7 times slower with a mask (BENCHMARKS.md, "The speed gate").
+KINDS = ("plain", "tail", "key")
+SDPA_TILE = 128
+# Tail grids are measured and read at padded head dim 64 only. There SDPA's loss past whole tiles is steady (INT8
+# 1.13-1.19x SDPA at 4,128-4,685 tokens whatever the remainder, 1.02-1.06x at 4,096-4,608 in whole tiles); at 128 it
+# moves with the remainder (0.99-1.09x), so one measured remainder would not judge the others (BENCHMARKS.md).
+TAIL_HEAD_DIM = 64
 
 
 @dataclass(frozen=True)
 class Grid:
-    """Speed-ups of one (mode, head dim, dtype, mask): ``speedup[i][j]`` at ``keys[i]`` keys and ``rows[j]`` query
-    rows (SDPA's time over the INT8 call's, both with the mask; None where not measured). ``mask``: "none", or
-    "key" for calls with a key mask (the same for every query), as ``measure`` times them.
+    """Speed-ups of one (mode, head dim, dtype, kind of call): ``speedup[i][j]`` at ``keys[i]`` keys and ``rows[j]``
+    query rows (SDPA's time over the INT8 call's, both on the same call; None where not measured). ``kind``: one of
+    ``KINDS``, as ``measure`` times them (a "tail" grid's axes are the plain lengths its calls extend).
 
     Decisions read a least-squares surface through the measured cells, not the cells themselves: each cell is one
     median with a few percent of scatter, and a surface in (log2 keys, log2 rows), quadratic in keys, linear in
@@ -60,11 +70,11 @@ class Grid:
     keys: tuple[int, ...]
     rows: tuple[int, ...]
     speedup: tuple[tuple[float | None, ...], ...]
-    mask: str = "none"
+    kind: str = "plain"
 
     def __post_init__(self):
-        if self.mask not in MASKS:
-            raise ValueError(f"mask {self.mask!r} is not one of {list(MASKS)}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind {self.kind!r} is not one of {list(KINDS)}")
         terms, coef = _fit_surface(self)
         # the surface on a lattice of eighth-octave steps over the grid, so a call is judged by comparisons alone:
         # under torch.compile they guard on ranges of the shape, where arithmetic on it would fix each value
@@ -144,23 +154,26 @@ class CrossoverTable:
     measured: dict = field(default_factory=dict)  # torch / triton versions and the date
 
     def speedup(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int,
-                balance: bool = False, key_mask: bool = False) -> float | None:
+                balance: bool = False, kind: str = "plain") -> float | None:
         """The measured speed-up that judges a call (``balance``: one that measures the Q·Kᵀ balance, its cost
-        taken off; ``key_mask``: one with a key mask, judged by the masked grids where the table has them, else by
-        the unmasked ones, which understate what INT8 gains there), or None when no grid covers it."""
+        taken off; ``kind``: the call's, ``kind_of_call``'s, judged by the grids of that kind where the table has
+        them (tail grids at padded head dim ``TAIL_HEAD_DIM`` only), else by the plain ones, which understate what
+        INT8 gains there), or None when no grid covers it."""
         dt = str(dtype).removeprefix("torch.")
-        grid = (key_mask and self._grid(mode, head_dim, dt, "key")) or self._grid(mode, head_dim, dt, "none")
+        if kind == "tail" and padded_head_dim(head_dim) > TAIL_HEAD_DIM:
+            kind = "plain"
+        grid = self._grid(mode, head_dim, dt, kind) or self._grid(mode, head_dim, dt, "plain")
         return None if grid is None else grid.at(sk, rows, balance)
 
     def pays(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int, balance: bool = False,
-             key_mask: bool = False) -> bool:
-        s = self.speedup(mode, head_dim, dtype, rows, sk, balance, key_mask)
+             kind: str = "plain") -> bool:
+        s = self.speedup(mode, head_dim, dtype, rows, sk, balance, kind)
         return s is not None and s >= self.margin
 
-    def _grid(self, mode: str, head_dim: int, dtype: str, mask: str) -> Grid | None:
+    def _grid(self, mode: str, head_dim: int, dtype: str, kind: str) -> Grid | None:
         # the same head dim, else one the kernel pads to the same width; the same dtype, else the other 16-bit one
         dp = padded_head_dim(head_dim)
-        same = [g for g in self.grids if g.mode == mode and g.mask == mask and padded_head_dim(g.head_dim) == dp]
+        same = [g for g in self.grids if g.mode == mode and g.kind == kind and padded_head_dim(g.head_dim) == dp]
         exact = [g for g in same if g.head_dim == head_dim] or same
         return next((g for g in exact if g.dtype == dtype), exact[0] if exact else None)
 
@@ -168,8 +181,9 @@ class CrossoverTable:
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "device": self.device, "arch": self.arch, "margin": self.margin,
                 "measured": self.measured,
-                "grids": [{"mode": g.mode, "head_dim": g.head_dim, "dtype": g.dtype, "mask": g.mask, "keys": list(g.keys),
-                           "rows": list(g.rows), "speedup": [list(r) for r in g.speedup]} for g in self.grids]}
+                "grids": [{"mode": g.mode, "head_dim": g.head_dim, "dtype": g.dtype, "kind": g.kind,
+                           "keys": list(g.keys), "rows": list(g.rows), "speedup": [list(r) for r in g.speedup]}
+                          for g in self.grids]}
 
     def save(self, path: str | Path) -> None:
         """Write atomically (``jsonfile.write``), making the directory if missing."""
@@ -216,14 +230,14 @@ class CrossoverTable:
             head_dim = g["head_dim"]
             if not _count(head_dim) or not head_dim <= MAX_HEAD_DIM:
                 raise ValueError(f"grid {n}: head_dim {head_dim!r} is not an integer in 1..{MAX_HEAD_DIM}")
-            mask = g.get("mask", "none")
-            if mask not in (MASKS if data["version"] >= 2 else ("none",)):
-                raise ValueError(f"grid {n}: mask {mask!r} is not one of {list(MASKS)}"
-                                 + (" (version 1 files have unmasked grids only)" if mask in MASKS else ""))
-            if (g["mode"], head_dim, g["dtype"], mask) in seen:
+            kind = g.get("kind", "plain")
+            if kind not in (KINDS if data["version"] >= 2 else ("plain",)):
+                raise ValueError(f"grid {n}: kind {kind!r} is not one of {list(KINDS)}"
+                                 + (" (version 1 files have plain grids only)" if kind in KINDS else ""))
+            if (g["mode"], head_dim, g["dtype"], kind) in seen:
                 raise ValueError(f"grid {n}: a second grid for mode {g['mode']!r}, head_dim {head_dim}, dtype "
-                                 f"{g['dtype']!r}, mask {mask!r}; each may have one")
-            seen.add((g["mode"], head_dim, g["dtype"], mask))
+                                 f"{g['dtype']!r}, kind {kind!r}; each may have one")
+            seen.add((g["mode"], head_dim, g["dtype"], kind))
             for axis in ("keys", "rows"):
                 values = g[axis]
                 if not isinstance(values, list) or not values or not all(map(_count, values)) \
@@ -239,7 +253,7 @@ class CrossoverTable:
             if bad is not None:
                 raise ValueError(f"grid {n}: speed-ups must be finite positive numbers or null, got {bad!r}")
             grids.append(Grid(g["mode"], head_dim, g["dtype"], keys, rows,
-                              tuple(tuple(None if x is None else float(x) for x in r) for r in speedup), mask))
+                              tuple(tuple(None if x is None else float(x) for x in r) for r in speedup), kind))
         margin = data.get("margin", 1.03)
         if not (_number(margin) and margin > 0):
             raise ValueError(f"margin must be a finite positive number, got {margin!r}")
@@ -318,28 +332,40 @@ class SpeedGate:
     def pays(self, mode: Mode, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None,
              balance: bool = False) -> bool:
         """Whether ``mode`` beats SDPA for (B, H, S, D) ``q`` and ``k`` (BHSD views) with ``attn_mask`` on their
-        device. The call is judged as it will run: unmasked, or with a key mask (the same for every query: a text
-        padding mask), which the kernels run at their unmasked speed while SDPA loses its fastest kernels to it,
-        by the table's masked grids (its unmasked ones where it has none); with a mask that varies over the
-        queries, which the kernels apply element by element (unmeasured, and far slower), never. ``balance``: the
-        call measures the Q·Kᵀ balance, whose cost (``balance_cost``) the table's speed-up must cover too."""
+        device. The call is judged as it will run, by the table's grids of its kind (``kind_of_call``): unmasked,
+        or with a key mask (the same for every query: a text padding mask), which the kernels run at their unmasked
+        speed while SDPA loses its fastest kernels to it; with a mask that varies over the queries, which the
+        kernels apply element by element (unmeasured, and far slower), never. ``balance``: the call measures the
+        Q·Kᵀ balance, whose cost (``balance_cost``) the table's speed-up must cover too."""
         if q.device.type != "cuda" and self._fixed is None:
             return True
         B, H, Sq, D = q.shape
         if attn_mask is not None and not is_key_mask(attn_mask.shape, B, H):
             return False
-        masked = attn_mask is not None
+        kind = kind_of_call(Sq, k.shape[2], attn_mask is not None)
         if torch.compiler.is_compiling():  # traced once per graph; a dict keyed by the shape would fix its values
             table = self.table_for(q.device)
-            return table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance, masked)
-        key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D, balance, masked)
+            return table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance, kind)
+        key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D, balance, kind)
         decision = self._decisions.get(key)
         if decision is None:
             table = self.table_for(q.device)
             decision = table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance,
-                                                        masked)
+                                                        kind)
             self._decisions[key] = decision
         return decision
+
+
+def kind_of_call(sq: int, sk: int, key_mask: bool) -> str:
+    """The kind of grid (``KINDS``) that judges a call with ``sq`` queries and ``sk`` keys: "key" with a key mask,
+    "tail" where neither length is whole 128-key tiles (both, since the tail grids are measured on self-attention),
+    else "plain". (Plain comparisons and a remainder, which torch.compile traces into guards.)"""
+    if key_mask:
+        return "key"
+    return "tail" if sq % SDPA_TILE != 0 and sk % SDPA_TILE != 0 else "plain"
+
+
+_KIND_WORDS = "plain: whole 128-key tiles; tail: a partial last tile; key: a key mask"
 
 
 def _find_table(device: torch.device) -> CrossoverTable | None:
@@ -351,10 +377,11 @@ def _find_table(device: torch.device) -> CrossoverTable | None:
             table = CrossoverTable.load(path)
             if table.arch != arch_of(device):
                 raise ValueError(f"{path}: measured on {table.arch}, and this GPU is {arch_of(device)}")
-            if not any(g.mask == "key" for g in table.grids):
-                warn_user(f"diffusion_int8: the cached crossover table {path} has no cells measured with a key mask, "
-                          f"so calls with a text padding mask are judged as unmasked and run SDPA where INT8 would "
-                          f"pay. Run `diffusion-int8 tune --overwrite` to measure them.")
+            missing = [k for k in KINDS if not any(g.kind == k for g in table.grids)]
+            if missing:
+                warn_user(f"diffusion_int8: the cached crossover table {path} has no cells of the kinds "
+                          f"{', '.join(missing)} ({_KIND_WORDS}), so those calls are judged by its plain cells and "
+                          f"run SDPA where INT8 could pay. Run `diffusion-int8 tune --overwrite` to measure them.")
             return table
         except ValueError as exc:
             warn_user(f"diffusion_int8: ignoring the cached crossover table: {exc}. Run `diffusion-int8 tune "
@@ -382,63 +409,72 @@ ROWS = (1 << 15, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21)
 # Keys a measured key mask masks, at the end: fewer than a key tile, so the INT8 kernels skip no tile for it (real text
 # padding often lets them skip some) while SDPA takes its masked path all the same.
 MASKED_KEYS = 48
+# Keys a "tail" cell adds to the plain length: half a tile past the last whole one.
+TAIL_KEYS = 64
 
 
 def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloat16"),
-            modes=("int8", "int8_fp16v"), keys=KEYS, rows=ROWS, masks=MASKS, reps: int = 20,
+            modes=("int8", "int8_fp16v"), keys=KEYS, rows=ROWS, kinds=KINDS, reps: int = 20,
             max_work: float = 2**41, progress=print) -> CrossoverTable:
     """Time SDPA and each INT8 mode on self-attention shapes (keys × rows grid; cells past ``max_work``
     multiply-adds are left unmeasured; the fitted surface covers them) and return the table. Inputs are
-    laid out as diffusers passes them: (B, S, H, D) memory seen as (B, H, S, D). ``masks``: "none", and "key" for
-    every call again with a bool key mask (1, 1, 1, keys) masking the last ``MASKED_KEYS``, as a padded prompt's
-    joint attention carries."""
+    laid out as diffusers passes them: (B, S, H, D) memory seen as (B, H, S, D). ``kinds`` (of ``KINDS``; a table
+    needs the plain ones, ``tune`` measures them all): "plain" at the grid's lengths; "tail" at each length plus
+    ``TAIL_KEYS`` with the same heads, at head dims that pad to ``TAIL_HEAD_DIM`` (the only ones it judges); "key" at
+    the grid's lengths with a bool key mask (1, 1, 1, keys) masking the last ``MASKED_KEYS``, as a padded
+    prompt's joint attention carries."""
     import triton
 
     grids = []
-    if "none" not in masks or any(x not in MASKS for x in masks) or len(set(masks)) != len(masks):
-        raise ValueError(f"masks must be 'none' and optionally 'key', each once, got {list(masks)}")
-    if "key" in masks and min(keys) <= MASKED_KEYS:
-        raise ValueError(f"a key mask masks the last {MASKED_KEYS} keys: every key length must exceed it, got {min(keys)}")
+    if not kinds or any(x not in KINDS for x in kinds) or len(set(kinds)) != len(kinds):
+        raise ValueError(f"kinds must be some of {list(KINDS)}, each once, got {list(kinds)}")
+    if "key" in kinds and min(keys) <= MASKED_KEYS:
+        raise ValueError(f"a key mask masks the last {MASKED_KEYS} keys: every key length must exceed it, got "
+                         f"{min(keys)}")
+    if any(n % SDPA_TILE for n in keys):
+        raise ValueError(f"the plain lengths must be whole {SDPA_TILE}-key tiles, got {list(keys)}")
     cells = [(d, dt, n, r) for d in head_dims for dt in dtypes for n in keys for r in rows]
     todo = [c for c in cells if c[3] >= c[2] and c[3] * c[2] * c[0] <= max_work]
     results: dict[tuple, dict[str, float]] = {}
     t0 = time.time()
     for i, (d, dt, n, r) in enumerate(todo):
-        bh = r // n
-        # (B, S, H, D) memory viewed (B, H, S, D), as diffusers' processors hand attention its inputs
-        q, k, v = (torch.randn(1, n, bh, d, device=device, dtype=DTYPES[dt]).transpose(1, 2) for _ in range(3))
-        k += 3.0 * torch.randn(1, bh, 1, d, device=device, dtype=DTYPES[dt])  # a K channel bias, as in real models
-        keep = torch.ones(1, 1, 1, n, dtype=torch.bool, device=device)
-        keep[..., n - MASKED_KEYS:] = False
         line = []
-        for mask in masks:
-            times = _time_cell(q, k, v, keep if mask == "key" else None, modes, reps)
-            results[(d, dt, n, r, mask)] = times
-            line.append(("" if mask == "none" else "with a key mask: ") + f"sdpa {times['sdpa']:.3f} ms, "
+        for kind in (k for k in kinds if k != "tail" or padded_head_dim(d) <= TAIL_HEAD_DIM):
+            times = _time_cell(device, d, DTYPES[dt], n + TAIL_KEYS if kind == "tail" else n, r // n, kind == "key",
+                               modes, reps)
+            results[(d, dt, n, r, kind)] = times
+            line.append(f"{kind}: sdpa {times['sdpa']:.3f} ms, "
                         + ", ".join(f"{m} {times['sdpa'] / times[m]:.2f}×" for m in modes))
         progress(f"[{i + 1}/{len(todo)}] head dim {d}, {dt}, {n} keys × {r} rows: " + "; ".join(line)
                  + f"  ({time.time() - t0:.0f} s)")
-        del q, k, v, keep
-    for mask in masks:
+    for kind in kinds:
         for m in modes:
-            for d in head_dims:
+            for d in (d for d in head_dims if kind != "tail" or padded_head_dim(d) <= TAIL_HEAD_DIM):
                 for dt in dtypes:
                     speedup = tuple(tuple(
-                        round(results[c]["sdpa"] / results[c][m], 3) if (c := (d, dt, n, r, mask)) in results else None
+                        round(results[c]["sdpa"] / results[c][m], 3) if (c := (d, dt, n, r, kind)) in results else None
                         for r in rows) for n in keys)
-                    grids.append(Grid(m, d, dt, tuple(keys), tuple(rows), speedup, mask))
+                    grids.append(Grid(m, d, dt, tuple(keys), tuple(rows), speedup, kind))
     measured = {"torch": torch.__version__, "triton": triton.__version__,
                 "date": datetime.date.today().isoformat(), "timing": f"median of {reps} CUDA-graph replays"}
     return CrossoverTable(torch.cuda.get_device_name(device), arch_of(device), tuple(grids), measured=measured)
 
 
-def _time_cell(q, k, v, mask, modes, reps) -> dict[str, float]:
-    """Milliseconds of SDPA and of each INT8 mode on one cell, all with ``mask`` (or none)."""
+def _time_cell(device, d: int, dtype: torch.dtype, n: int, heads: int, key_mask: bool, modes, reps) -> dict[str, float]:
+    """Milliseconds of SDPA and of each INT8 mode on self-attention of ``heads`` heads × ``n`` tokens (with the key
+    mask ``measure`` describes, or none)."""
     import torch.nn.functional as F
 
     from ..kernels import int8_attention
     from ..timing import graph_ms
 
+    # (B, S, H, D) memory viewed (B, H, S, D), as diffusers' processors hand attention its inputs
+    q, k, v = (torch.randn(1, n, heads, d, device=device, dtype=dtype).transpose(1, 2) for _ in range(3))
+    k += 3.0 * torch.randn(1, heads, 1, d, device=device, dtype=dtype)  # a K channel bias, as in real models
+    mask = None
+    if key_mask:
+        mask = torch.ones(1, 1, 1, n, dtype=torch.bool, device=device)
+        mask[..., n - MASKED_KEYS:] = False
     times = {"sdpa": graph_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), reps)}
     for m in modes:
         times[m] = graph_ms(lambda m=m: int8_attention(q, k, v, mode=m, attn_mask=mask), reps)
