@@ -195,6 +195,12 @@ def test_a_cached_table_without_masked_cells_is_used_with_a_warning(tmp_path, mo
     with pytest.warns(RuntimeWarning, match="has no cells of the kinds tail, key .*tune --overwrite"):
         table = speed_gate._find_table(torch.device("cuda", 0))
     assert table == speed_gate.CrossoverTable.load(path)
+    # tail cells are measured at head dim 64 alone: a table of head dim 128 lacks only the key-mask cells
+    wide = speed_gate.CrossoverTable("test GPU", "sm_90", tuple(
+        speed_gate.Grid("int8", 128, "float16", g.keys, g.rows, g.speedup) for g in table.grids))
+    wide.save(path)
+    with pytest.warns(RuntimeWarning, match="has no cells of the kinds key "):
+        speed_gate._find_table(torch.device("cuda", 0))
 
 
 def test_saving_a_table_does_not_follow_a_link_planted_beside_it(tmp_path):

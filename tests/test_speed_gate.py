@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -92,6 +93,7 @@ def test_table_files_round_trip_and_bad_files_name_the_problem(tmp_path):
         "bad mode": json.dumps({**good, "grids": [{**good["grids"][0], "mode": "int4"}]}),
         "bad dtype": json.dumps({**good, "grids": [{**good["grids"][0], "dtype": "float64"}]}),
         "bad kind": json.dumps({**good, "grids": [{**good["grids"][0], "kind": "causal"}]}),
+        "unknown field": json.dumps({**good, "grids": [{**good["grids"][0], "mask": "key"}]}),
         "masked grid in version 1": json.dumps({**good, "version": 1, "grids": [{**good["grids"][0], "kind": "key"}]}),
     }
     for what, text in cases.items():
@@ -289,6 +291,21 @@ def test_compiled_calls_with_a_key_mask_read_the_masked_grids():
     assert torch.equal(compiled(q, k, None), q * 3) and torch.equal(compiled(q, k, keys), q * 2)
 
 
+def test_compiled_calls_past_whole_tiles_read_the_tail_grids():
+    t = table(keys=(1024, 32768), rows=(1, 1 << 20), speedup=((0.5, 0.6), (1.4, 1.5)), head_dim=64)
+    tail = tuple(Grid(g.mode, g.head_dim, g.dtype, g.keys, g.rows, ((1.5, 1.6), (1.9, 2.0)), "tail") for g in t.grids)
+    gate = SpeedGate(CrossoverTable(t.device, t.arch, t.grids + tail, t.margin))
+
+    def f(q, k):
+        return q * 2 if gate.pays(Mode.INT8, q, k) else q * 3
+
+    compiled = torch.compile(f, backend="eager", dynamic=True)
+    torch._dynamo.reset()
+    for s, runs_int8 in ((2048 + 64, True), (2048 + 77, True), (2048, False), (2048 + 128, False)):
+        q, k = torch.randn(1, 2, s, 64, dtype=torch.float16), torch.randn(1, 2, s, 64, dtype=torch.float16)
+        assert torch.equal(compiled(q, k), q * (2 if runs_int8 else 3)), s
+
+
 def test_the_gate_judges_a_masked_call_as_it_will_run():
     # a key mask (the same for every query: text padding) runs at the kernels' unmasked speed, so the table decides;
     # a mask that varies over the queries takes the element-wise path, which the table does not measure: SDPA
@@ -335,6 +352,11 @@ def test_lengths_past_whole_tiles_are_judged_by_the_tail_grids():
     past = torch.zeros(1, 16, 517, 64, dtype=torch.float16)
     assert not gate.pays(Mode.INT8, whole, whole) and gate.pays(Mode.INT8, past, past)
     assert not SpeedGate(CrossoverTable("test GPU", "sm_00", plain, margin=1.05)).pays(Mode.INT8, past, past)
+    # the same rows and keys, one call past whole tiles and one not: decided (and remembered) apart
+    k = torch.zeros(1, 2, 517, 64, dtype=torch.float16)
+    q_past, q_whole = torch.zeros(1, 2, 192, 64, dtype=torch.float16), torch.zeros(1, 3, 128, 64, dtype=torch.float16)
+    assert gate.pays(Mode.INT8, q_past, k) and not gate.pays(Mode.INT8, q_whole, k)
+    assert gate.pays(Mode.INT8, q_past, k) and not gate.pays(Mode.INT8, q_whole, k)
     # past padded head dim 64 the tail grids judge nothing: there the gain past whole tiles moves with the remainder
     wide = tuple(Grid(g.mode, 128, g.dtype, g.keys, g.rows, g.speedup, g.kind) for g in plain + tail)
     past128 = torch.zeros(1, 16, 517, 128, dtype=torch.float16)
@@ -353,12 +375,15 @@ def test_a_gpu_with_its_own_shipped_table_reads_it_before_its_architectures(monk
     own.save(tmp_path / "sm_90-nvidia-test-gpu.json")
     assert speed_gate.shipped_path("sm_90", "NVIDIA Test GPU") == tmp_path / "sm_90-nvidia-test-gpu.json"
     assert speed_gate._find_table(torch.device("cuda", 0)) == own
-    # a table tune cached for this GPU comes first (with masked cells: no warning)
+    # a table tune cached for this GPU comes first (with every kind of cell: no warning)
     cached = CrossoverTable("NVIDIA Test GPU", "sm_90", own.grids + tuple(
-        Grid(g.mode, g.head_dim, g.dtype, g.keys, g.rows, g.speedup, "key") for g in own.grids))
+        Grid(g.mode, g.head_dim, g.dtype, g.keys, g.rows, g.speedup, kind)
+        for g in own.grids for kind in ("tail", "key")))
     cached.save(tmp_path / "cached.json")
     monkeypatch.setattr(speed_gate, "cache_path", lambda device: tmp_path / "cached.json")
-    assert speed_gate._find_table(torch.device("cuda", 0)) == cached
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert speed_gate._find_table(torch.device("cuda", 0)) == cached
 
 
 def test_the_shipped_h200_table_decides_as_benchmarks_says():

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..inputs import realistic_qkv
 from ..plugin.install import enable
 from ..kernels import Mode, int8_attention
-from ..plugin.speed_gate import SpeedGate
+from ..plugin.speed_gate import SpeedGate, kind_of_call
 from ..timing import interleaved_rounds, median
 
 
@@ -50,16 +50,20 @@ MODES = ("int8_fp16v", "int8")
 
 def measure(device: torch.device, progress: Callable[[str], None] = print, reps: int = 10, rounds: int = 3,
             steps: bool = True) -> dict:
-    """The speed section of a report: ``{"device", "date", "calls", "steps", "pays_from", "pays_from_masked",
-    "headline"}`` (see ``call_rows``, ``step_rows``, ``pays_from``, ``headline``). ``steps=False`` leaves the denoiser
-    steps out."""
+    """The speed section of a report: ``{"device", "date", "calls", "steps", "pays_from", "pays_from_tail",
+    "pays_from_masked", "headline"}`` (see ``call_rows``, ``step_rows``, ``pays_from``, ``headline``; the last two
+    crossovers None where the table has no cells of their kind). ``steps=False`` leaves the denoiser steps out."""
     gate = SpeedGate()
     calls = call_rows(device, gate, progress, reps, rounds)
     step = step_rows(device, progress) if steps else []
-    crossover, masked = pays_from(device, gate), pays_from(device, gate, kind="key")
+    table = gate.table_for(device)
+    kinds = {g.kind for g in table.grids} if table is not None else set()
+    # the other kinds' crossovers where the table has their cells (else the gate judges those calls as plain ones)
+    crossover, tail, masked = (pays_from(device, gate, kind) if kind == "plain" or kind in kinds else None
+                               for kind in ("plain", "tail", "key"))
     return {"device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
-            "calls": calls, "steps": step, "pays_from": crossover, "pays_from_masked": masked,
-            "headline": headline(calls, step, crossover, masked)}
+            "calls": calls, "steps": step, "pays_from": crossover, "pays_from_tail": tail, "pays_from_masked": masked,
+            "headline": headline(calls, step, crossover, masked, tail)}
 
 
 def call_rows(device: torch.device, gate: SpeedGate, progress=print, reps: int = 10, rounds: int = 3) -> list[dict]:
@@ -166,25 +170,29 @@ def _step_ms(model, x: dict, steps: int) -> float:
 
 def pays_from(device: torch.device, gate: SpeedGate, kind: str = "plain") -> dict[str, int | None]:
     """Per head dim (64, 128): the fewest tokens from which the gate runs the default mode's self-attention
-    with 24 heads, batch 1, bf16 (eighth-octave steps from 1,024 to 131,072), or None where it never does, judged
-    as calls of ``kind`` (``speed_gate.KINDS``: "key" for a padded prompt's key mask)."""
+    with 24 heads, batch 1, bf16 (eighth-octave steps from 1,024 to 131,072), or None where it never does, for
+    calls of ``kind`` (``speed_gate.KINDS``): lengths of whole 128-key tiles ("plain"), those lengths plus half a
+    tile ("tail": head dim 64 alone, the only one the gate judges apart), or whole tiles with a padded prompt's key
+    mask ("key")."""
     table = gate.table_for(device)
     out = {}
-    for d in (64, 128):
+    for d in (64,) if kind == "tail" else (64, 128):
         found = None
         if table is not None:
             for i in range(0, 7 * 8 + 1):
-                s = int(1024 * 2 ** (i / 8))
-                if table.pays("int8", d, torch.bfloat16, 24 * s, s, kind=kind):
+                s = int(1024 * 2 ** (i / 8)) // 128 * 128 + (64 if kind == "tail" else 0)
+                if table.pays("int8", d, torch.bfloat16, 24 * s, s, kind=kind_of_call(s, s, kind == "key")):
                     found = s
                     break
         out[str(d)] = found
     return out
 
 
-def headline(calls: list[dict], steps: list[dict], crossover: dict, masked: dict | None = None) -> str:
-    """The honest summary: from how many tokens INT8 pays on this GPU (with a text padding mask too, where the gate
-    knows that to differ), which of the calls it speeds up, and that the others run at stock speed."""
+def headline(calls: list[dict], steps: list[dict], crossover: dict, masked: dict | None = None,
+             tail: dict | None = None) -> str:
+    """The honest summary: from how many tokens INT8 pays on this GPU (with a text padding mask, and at lengths past
+    whole 128-key tiles, where the gate knows those to differ), which of the calls it speeds up, and that the others
+    run at stock speed."""
     fast = [r for r in calls if r["gate_int8"]]
     slow = [r["model"] for r in calls if not r["gate_int8"]]
 
@@ -192,6 +200,8 @@ def headline(calls: list[dict], steps: list[dict], crossover: dict, masked: dict
         return " and ".join(f"about {n:,} tokens at head dim {d}" for d, n in found.items() if n)
 
     text = f"On this GPU INT8 attention pays from {lengths(crossover) or 'no length measured'}."
+    if tail and lengths(tail):
+        text += f" At lengths that leave a partial 128-key tile, where SDPA slows down, from {lengths(tail)}."
     if masked and masked != crossover and lengths(masked):
         text += f" With a text padding mask, which slows SDPA down, it pays from {lengths(masked)}."
     if fast:

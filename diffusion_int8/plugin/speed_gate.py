@@ -45,9 +45,10 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # the dtypes a 
 # tiles (median, head dim 64) and 1.4-1.7 times slower with a mask (BENCHMARKS.md, "The speed gate").
 KINDS = ("plain", "tail", "key")
 SDPA_TILE = 128
-# Tail grids are measured and read at padded head dim 64 only. There SDPA's loss past whole tiles is steady (INT8
-# 1.13-1.19x SDPA at 4,128-4,685 tokens whatever the remainder, 1.02-1.06x at 4,096-4,608 in whole tiles); at 128 it
-# moves with the remainder (0.99-1.09x), so one measured remainder would not judge the others (BENCHMARKS.md).
+# Tail grids are measured and read at padded head dim 64 only. There SDPA's loss past whole tiles was steady at the
+# remainders checked, 32, 64 and 77 tokens (INT8 1.13-1.19x SDPA at 4,128-4,685 tokens, 1.02-1.06x at 4,096-4,608 in
+# whole tiles); at 128 it moved with the remainder (0.99-1.09x), so one measured remainder would not judge the others
+# (BENCHMARKS.md).
 TAIL_HEAD_DIM = 64
 
 
@@ -160,7 +161,7 @@ class CrossoverTable:
         them (tail grids at padded head dim ``TAIL_HEAD_DIM`` only), else by the plain ones, which understate what
         INT8 gains there), or None when no grid covers it."""
         dt = str(dtype).removeprefix("torch.")
-        if kind == "tail" and padded_head_dim(head_dim) > TAIL_HEAD_DIM:
+        if kind == "tail" and padded_head_dim(head_dim) != TAIL_HEAD_DIM:
             kind = "plain"
         grid = self._grid(mode, head_dim, dt, kind) or self._grid(mode, head_dim, dt, "plain")
         return None if grid is None else grid.at(sk, rows, balance)
@@ -230,6 +231,9 @@ class CrossoverTable:
             head_dim = g["head_dim"]
             if not _count(head_dim) or not head_dim <= MAX_HEAD_DIM:
                 raise ValueError(f"grid {n}: head_dim {head_dim!r} is not an integer in 1..{MAX_HEAD_DIM}")
+            extra = sorted(set(g) - _GRID_FIELDS)
+            if extra:
+                raise ValueError(f"grid {n}: unknown field(s) {extra} (a grid has {sorted(_GRID_FIELDS)})")
             kind = g.get("kind", "plain")
             if kind not in (KINDS if data["version"] >= 2 else ("plain",)):
                 raise ValueError(f"grid {n}: kind {kind!r} is not one of {list(KINDS)}"
@@ -261,6 +265,9 @@ class CrossoverTable:
         if not isinstance(measured, dict):
             raise ValueError(f"measured must be a JSON object, got {type(measured).__name__}")
         return cls(data["device"], data["arch"], tuple(grids), float(margin), measured)
+
+
+_GRID_FIELDS = {"mode", "head_dim", "dtype", "kind", "keys", "rows", "speedup"}
 
 
 def _number(x) -> bool:
@@ -377,7 +384,8 @@ def _find_table(device: torch.device) -> CrossoverTable | None:
             table = CrossoverTable.load(path)
             if table.arch != arch_of(device):
                 raise ValueError(f"{path}: measured on {table.arch}, and this GPU is {arch_of(device)}")
-            missing = [k for k in KINDS if not any(g.kind == k for g in table.grids)]
+            missing = [k for k in KINDS if not any(g.kind == k for g in table.grids) and (k != "tail" or any(
+                g.kind == "plain" and padded_head_dim(g.head_dim) == TAIL_HEAD_DIM for g in table.grids))]
             if missing:
                 warn_user(f"diffusion_int8: the cached crossover table {path} has no cells of the kinds "
                           f"{', '.join(missing)} ({_KIND_WORDS}), so those calls are judged by its plain cells and "
@@ -418,11 +426,11 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
             max_work: float = 2**41, progress=print) -> CrossoverTable:
     """Time SDPA and each INT8 mode on self-attention shapes (keys × rows grid; cells past ``max_work``
     multiply-adds are left unmeasured; the fitted surface covers them) and return the table. Inputs are
-    laid out as diffusers passes them: (B, S, H, D) memory seen as (B, H, S, D). ``kinds`` (of ``KINDS``; a table
-    needs the plain ones, ``tune`` measures them all): "plain" at the grid's lengths; "tail" at each length plus
-    ``TAIL_KEYS`` with the same heads, at head dims that pad to ``TAIL_HEAD_DIM`` (the only ones it judges); "key" at
-    the grid's lengths with a bool key mask (1, 1, 1, keys) masking the last ``MASKED_KEYS``, as a padded
-    prompt's joint attention carries."""
+    laid out as diffusers passes them: (B, S, H, D) memory seen as (B, H, S, D). ``kinds`` (of ``KINDS``; ``tune``
+    measures them all, and a table needs the plain ones: other kinds alone give grids to add to a table): "plain" at
+    the grid's lengths; "tail" at each length plus ``TAIL_KEYS`` with the same heads, at head dims that pad to
+    ``TAIL_HEAD_DIM`` (the only ones it judges); "key" at the grid's lengths with a bool key mask (1, 1, 1, keys)
+    masking the last ``MASKED_KEYS``, as a padded prompt's joint attention carries."""
     import triton
 
     grids = []
@@ -439,7 +447,7 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
     t0 = time.time()
     for i, (d, dt, n, r) in enumerate(todo):
         line = []
-        for kind in (k for k in kinds if k != "tail" or padded_head_dim(d) <= TAIL_HEAD_DIM):
+        for kind in (k for k in kinds if k != "tail" or padded_head_dim(d) == TAIL_HEAD_DIM):
             times = _time_cell(device, d, DTYPES[dt], n + TAIL_KEYS if kind == "tail" else n, r // n, kind == "key",
                                modes, reps)
             results[(d, dt, n, r, kind)] = times
@@ -449,7 +457,7 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
                  + f"  ({time.time() - t0:.0f} s)")
     for kind in kinds:
         for m in modes:
-            for d in (d for d in head_dims if kind != "tail" or padded_head_dim(d) <= TAIL_HEAD_DIM):
+            for d in (d for d in head_dims if kind != "tail" or padded_head_dim(d) == TAIL_HEAD_DIM):
                 for dt in dtypes:
                     speedup = tuple(tuple(
                         round(results[c]["sdpa"] / results[c][m], 3) if (c := (d, dt, n, r, kind)) in results else None
