@@ -16,7 +16,7 @@ from .usage import UsageError, user_errors
 DESCRIPTION = """diffusion-int8 tune: measure where INT8 attention beats SDPA on this GPU. Needs a CUDA GPU.
 
 Times SDPA and each INT8 mode over a grid of sequence lengths (1,024 to 32,768 keys) and query rows, for each
-head dim and dtype asked for: at whole 128-key tiles, past them (head dims up to 64) and with a key mask (a padded
+head dim and dtype asked for: at whole 128-key tiles, past them (head dims that pad to 64) and with a key mask (a padded
 prompt's). It writes the table the speed gate reads to decide, per attention call, whether INT8 pays: by default
 to this GPU's cache file, which enable() then finds. On a fresh H200 the whole-tile and key-mask cells took 263 s
 (compiling the kernels included), the cells past whole tiles 111 s more (then at both head dims). A GPU
@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtypes", default="float16,bfloat16", help="float16 and/or bfloat16")
     p.add_argument("--kinds", default="plain,tail,key",
                    help="kinds of call to time: plain (lengths of whole 128-key tiles), and unless left out tail (a "
-                        "partial last tile; head dims up to 64) and key (a key mask); default all three")
+                        "partial last tile; head dims that pad to 64) and key (a key mask); default all three")
     p.add_argument("--overwrite", action="store_true", help="replace an existing table file")
     p.set_defaults(func=command(run))
 
