@@ -436,7 +436,7 @@ def test_the_speed_section_says_where_int8_pays():
                              "about 1,448 tokens at head dim 64 and about 2,048 tokens at head dim 128. Wan2.1's")
     both = headline(calls, steps, {"64": None, "128": 9000}, {"64": 1448, "128": 2048}, {"64": 2240, "128": None})
     assert both.startswith(text.split(".")[0] + ". At lengths that leave a partial 128-key tile, where SDPA slows "
-                           "down, from about 2,240 tokens at head dim 64. With a text padding mask")
+                           "down, it pays from about 2,240 tokens at head dim 64. With a text padding mask")
     section = {"device": "NVIDIA H100", "date": "2026-11-27", "calls": calls, "steps": steps,
                "pays_from": {"64": None, "128": 9000}, "headline": text}
     md = "\n".join(R.speed_markdown(section))

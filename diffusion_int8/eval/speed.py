@@ -201,7 +201,7 @@ def headline(calls: list[dict], steps: list[dict], crossover: dict, masked: dict
 
     text = f"On this GPU INT8 attention pays from {lengths(crossover) or 'no length measured'}."
     if tail and lengths(tail):
-        text += f" At lengths that leave a partial 128-key tile, where SDPA slows down, from {lengths(tail)}."
+        text += f" At lengths that leave a partial 128-key tile, where SDPA slows down, it pays from {lengths(tail)}."
     if masked and masked != crossover and lengths(masked):
         text += f" With a text padding mask, which slows SDPA down, it pays from {lengths(masked)}."
     if fast:
