@@ -158,10 +158,14 @@ def test_tune_measures_a_table_the_gate_reads(tmp_path):
     assert {(g.mode, g.head_dim, g.dtype, g.kind) for g in table.grids} == {
         (m, 128, "float16", kind) for m in ("int8", "int8_fp16v") for kind in ("plain", "key")}  # tails: head dim 64
     assert all(x is None or x > 0 for g in table.grids for r in g.speedup for x in r)
-    gate = SpeedGate(out)
+    # SDPA's fastest rate over the cells, which bounds eager calls' savings: below a dense 16-bit peak (989 TFLOPS
+    # on an H100 SXM and an H200)
+    assert 0 < table.sdpa_tflops == table.measured["sdpa_tflops"] < 989
+    gate = SpeedGate(out, eager_saving_ms=0)  # the cells' decisions; eager calls' further condition: the next test
     q = torch.empty(1, 24, 32768, 128, dtype=torch.float16, device="cuda")
     short = torch.empty(1, 24, 1024, 128, dtype=torch.float16, device="cuda")
     assert gate.pays(Mode.INT8, q, q) and not gate.pays(Mode.INT8, short, short)
+    assert SpeedGate(out).pays(Mode.INT8, q, q)  # in eager mode too: it saves milliseconds
     # SDPA slows down under a key mask and the kernels do not: at 2K keys only the masked cells pay
     mid = torch.empty(1, 32, 2048, 128, dtype=torch.float16, device="cuda")
     keys = torch.ones(1, 1, 1, 2048, dtype=torch.bool, device="cuda")
@@ -240,6 +244,49 @@ def test_the_energy_counter_reads_the_work_of_this_gpu():
     assert 10 < watts < 2000, watts
 
 
+def test_eager_calls_that_save_little_stay_on_sdpa_and_captured_ones_run_int8():
+    # SD3.5-medium's joint attention at batch 1 (24 heads, 4,429 tokens, head dim 64): where this GPU's table runs it
+    # INT8, it saves a few hundredths of a millisecond, less than an eager call's extra host time: SDPA in eager
+    # mode, INT8 inside a CUDA graph's capture, each decided apart
+    from diffusion_int8.kernels.config import Mode
+    from diffusion_int8.plugin.speed_gate import EAGER_SAVING_MS, SpeedGate
+
+    gate = SpeedGate()
+    table = gate.table_for(torch.device("cuda"))
+    if table is None or not table.pays("int8", 64, torch.float16, 24 * 4429, 4429, kind="tail"):
+        pytest.skip("this GPU's table does not run SD3.5's calls INT8")
+    assert not table.pays("int8", 64, torch.float16, 24 * 4429, 4429, kind="tail", min_saving_ms=EAGER_SAVING_MS)
+    q = torch.empty(1, 24, 4429, 64, dtype=torch.float16, device="cuda")
+    assert not gate.pays(Mode.INT8, q, q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gate.pays(Mode.INT8, q, q)
+        q.mul(2)  # a graph with one kernel in it
+    assert captured and not gate.pays(Mode.INT8, q, q)
+    # through the processor: eager calls go to SDPA (the second straight to the stock processor, learnt), and a
+    # call captured into a CUDA graph runs INT8 all the same
+    from diffusers.models.attention_processor import Attention
+
+    from diffusion_int8 import Int8DiffusionProcessor, int8_attention
+
+    attn = Attention(query_dim=1536, heads=24, dim_head=64).to("cuda", torch.float16).eval()
+    proc = Int8DiffusionProcessor("int8")
+    attn.set_processor(proc)
+    x = torch.randn(1, 4429, 1536, device="cuda", dtype=torch.float16)
+    qkv = torch.randn(3, 1, 24, 4429, 64, device="cuda", dtype=torch.float16)
+    int8_attention(*qkv)  # the kernels compiled before the capture
+    with torch.no_grad():
+        eager = attn(x)
+        assert torch.equal(attn(x), eager)
+        assert (proc.state.int8_calls, proc.state.gated_calls) == (0, 2)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph := torch.cuda.CUDAGraph()):
+            out = attn(x)
+        graph.replay()
+    assert proc.state.int8_calls == 1 and not torch.equal(out, eager)
+    assert (out - eager).abs().max() < 0.05 * eager.abs().max()
+
+
 def test_the_speed_section_times_every_call_and_follows_the_gate():
     # the demo's speed section at a few replays: every call timed, each decision the gate's own, and "you get" the
     # INT8 speed-up exactly where the gate runs INT8
@@ -253,8 +300,10 @@ def test_the_speed_section_times_every_call_and_follows_the_gate():
     for row, call in zip(section["calls"], CALLS):
         B, H, S, D = call.shape
         assert row["sdpa_ms"] > 0 and row["int8_ms"] > 0 and row["int8_fp16v_ms"] > 0
-        kind = kind_of_call(S, S, bool(call.masked_text))
-        assert row["gate_int8"] == table.pays("int8", D, call.dtype, B * H * S, S, kind=kind)
+        kind = kind_of_call(S, S, bool(call.masked_text))  # decided as an eager call: enable()'s default use
+        assert row["gate_int8"] == table.pays("int8", D, call.dtype, B * H * S, S, kind=kind,
+                                              min_saving_ms=SpeedGate().eager_saving_ms)
+        assert row["gate_int8_graphs"] == table.pays("int8", D, call.dtype, B * H * S, S, kind=kind)
         assert row["you_get"] == (row["int8_speedup"] if row["gate_int8"] else 1.0)
     assert section["headline"].startswith("On this GPU INT8 attention pays from")
     # a key mask slows SDPA and not the kernels: INT8 pays from as few tokens with one as without, or fewer

@@ -404,6 +404,14 @@ def test_the_shipped_h200_table_decides_as_benchmarks_says():
     # (head dim 128, where tails are not judged apart) stays on SDPA
     assert t.pays("int8", 64, torch.float16, 2 * 24 * 4429, 4429, kind="tail")
     assert not t.pays("int8", 128, torch.bfloat16, 24 * 4296, 4296, kind="tail")
+    # eager calls must also save EAGER_SAVING_MS of GPU time (estimated from below): SD3.5-medium's (0.02 ms at batch
+    # 1) and SD3.5 Large's CFG batch (0.08 ms) stay on SDPA there; Qwen-Image's masked joint attention with CFG
+    # (0.22 ms) and Wan's run INT8
+    eager = dict(min_saving_ms=speed_gate.EAGER_SAVING_MS)
+    assert not t.pays("int8", 64, torch.float16, 24 * 4429, 4429, kind="tail", **eager)
+    assert not t.pays("int8", 64, torch.bfloat16, 2 * 38 * 4429, 4429, kind="tail", **eager)
+    assert t.pays("int8", d, dtype, 2 * rows, keys, kind="key", **eager)
+    assert t.pays("int8", 128, torch.bfloat16, 12 * 20280, 20280, **eager)
     assert t.speedup("int8", d, dtype, rows, keys, kind="key") == pytest.approx(1.45, abs=0.01)
     # masked cells beat their unmasked ones nearly everywhere: SDPA slows down under a mask, the kernels do not
     for g in t.grids:
@@ -424,3 +432,62 @@ def test_grids_and_measure_refuse_masks_they_cannot_time():
         speed_gate.measure(torch.device("cpu"), keys=(1000, 2048))
     with pytest.raises(ValueError, match="every key length must exceed it, got 32"):
         speed_gate.measure(torch.device("cpu"), keys=(32, 1024))
+
+
+def test_eager_calls_run_int8_only_where_they_also_save_gpu_time(monkeypatch, tmp_path):
+    # an INT8 call spends more host time than SDPA's, which an eager step that waits on the host pays: on a GPU,
+    # outside CUDA graphs and torch.compile, a call must also save eager_saving_ms of GPU time, estimated from below
+    # as SDPA's multiply-adds at the fastest rate SDPA reached in the table's measurements (else its architecture's)
+    t = CrossoverTable("test GPU", "sm_90", table(head_dim=64).grids, margin=1.05, measured={"sdpa_tflops": 500.0})
+    assert t.sdpa_tflops == 500.0
+    assert CrossoverTable("test GPU", "sm_90", t.grids).sdpa_tflops == speed_gate.SDPA_TFLOPS["sm_90"]
+    assert CrossoverTable("test GPU", "sm_00", t.grids).sdpa_tflops == speed_gate.OTHER_SDPA_TFLOPS
+    sdpa_ms = 4 * (1 << 16) * 4096 * 64 / 500e9  # 0.137 ms at 500 TFLOPS
+    assert t.saved_ms(1.4, 64, 1 << 16, 4096) == pytest.approx(sdpa_ms * (1 - 1 / 1.4))  # 0.039 ms
+    assert t.pays("int8", 64, torch.float16, 1 << 16, 4096)
+    assert not t.pays("int8", 64, torch.float16, 1 << 16, 4096, min_saving_ms=0.05)
+    assert t.pays("int8", 64, torch.float16, 1 << 20, 4096, min_saving_ms=0.05)  # 16 times the rows: 0.63 ms
+    assert not t.pays("int8", 64, torch.float16, 1 << 20, 64, min_saving_ms=0.05)  # no speed-up, no saving
+
+    gate = SpeedGate(t)
+    assert gate.eager_saving_ms == speed_gate.EAGER_SAVING_MS == 0.1
+    q = torch.zeros(1, 16, 4096, 64, dtype=torch.float16)  # 65,536 rows: 1.4x, saves 0.039 ms
+    big = q.expand(16, -1, -1, -1)  # 1,048,576 rows
+    assert gate.pays(Mode.INT8, q, q)  # CPU tensors: not an eager GPU call
+    monkeypatch.setattr(speed_gate, "eager_call", lambda x: True)
+    assert not gate.pays(Mode.INT8, q, q) and gate.pays(Mode.INT8, big, big)
+    assert SpeedGate(t, eager_saving_ms=0).pays(Mode.INT8, q, q)
+    monkeypatch.setattr(speed_gate, "eager_call", lambda x: False)  # captured into a CUDA graph: decided apart
+    assert gate.pays(Mode.INT8, q, q)
+    for bad in (-0.1, float("nan"), "0.05", None):
+        with pytest.raises(ValueError, match="eager_saving_ms must be a finite number >= 0"):
+            SpeedGate(t, eager_saving_ms=bad)
+    # the rate travels with the table's file, and a bad one names the problem
+    t.save(tmp_path / "t.json")
+    assert CrossoverTable.load(tmp_path / "t.json").sdpa_tflops == 500.0
+    data = json.loads((tmp_path / "t.json").read_text())
+    data["measured"]["sdpa_tflops"] = -3
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="measured.sdpa_tflops must be a finite positive number, got -3"):
+        CrossoverTable.load(tmp_path / "bad.json")
+
+
+def test_calls_learnt_as_gated_in_eager_mode_run_int8_when_captured(monkeypatch):
+    # the tiny DiT's calls save microseconds: in eager mode they are gated and then go straight to the stock
+    # processor; the same inputs in a CUDA graph's capture are decided apart and run INT8
+    from diffusion_int8.plugin import processor
+
+    model, x = build("dit")
+    with torch.no_grad():
+        stock = model(**x, return_dict=False)[0]
+    gate = SpeedGate(table(keys=(8, 1 << 16), rows=(8, 1 << 20), speedup=((1.5,) * 2,) * 2, head_dim=32))
+    handle = enable(model, "int8", speed_gate=gate)
+    for eager in (True, True, False):  # twice eager (the second from what the first learnt), then captured
+        monkeypatch.setattr(speed_gate, "eager_call", lambda t, eager=eager: eager)
+        monkeypatch.setattr(processor, "eager_call", lambda t, eager=eager: eager)
+        before = handle.state.int8_calls, handle.state.gated_calls
+        with torch.no_grad():
+            out = model(**x, return_dict=False)[0]
+        ran = handle.state.int8_calls - before[0], handle.state.gated_calls - before[1]
+        assert ran == ((0, 2) if eager else (2, 0)) and torch.equal(out, stock) == eager, eager
+    handle.disable()

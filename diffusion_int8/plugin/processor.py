@@ -34,6 +34,7 @@ from .models import (any_stock_signature, call_params, declaring_subclass, skip_
                      stock_processor_for, stock_signature, text_position)
 from .observer import AttentionCall, Observer
 from .routing import RouteToInt8, attention_dispatch, int8_core, kernel_takes, other_backend, routed
+from .speed_gate import eager_call
 from .state import Int8State, block_pairs
 
 
@@ -218,13 +219,15 @@ class Int8DiffusionProcessor(DispatcherCalls):
                 return inner(attn, hidden_states, *args, **kwargs)
         # Inputs whose every attention call the speed gate sent to SDPA last time go straight to the stock
         # processor: the gate decides by the call's mode, shapes, dtype and device, which follow from the module
-        # and its inputs' shapes, so this is what the routed copy would run, without its host time (image models
-        # at 1-4K tokens, every call gated). A backend change clears what was learnt. Not under a context-parallel
-        # split, where the routed copy also mends what diffusers' split gets wrong (per-head masks, ring).
+        # and its inputs' shapes, and whether the call is eager (``SpeedGate.pays``), so this is what the routed
+        # copy would run, without its host time (image models at 1-4K tokens, every call gated). A backend change
+        # clears what was learnt. Not under a context-parallel split, where the routed copy also mends what
+        # diffusers' split gets wrong (per-head masks, ring).
         key = shapes = None
         if self.gate is not None and self.observer is None and not tracing and self._parallel_config is None:
             shapes = self._stock_shapes.get(attn)
-            key = (mode, hidden_states.shape, hidden_states.dtype, hidden_states.get_device(),
+            key = (mode, eager_call(hidden_states), hidden_states.shape, hidden_states.dtype,
+                   hidden_states.get_device(),
                    tuple(a.shape if isinstance(a, torch.Tensor) else None for a in args),
                    tuple((k, v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
             gated = None if shapes is None else shapes.get(key)

@@ -50,6 +50,19 @@ SDPA_TILE = 128
 # whole tiles); at 128 it moved with the remainder (0.99-1.09x), so one measured remainder would not judge the others
 # (BENCHMARKS.md).
 TAIL_HEAD_DIM = 64
+# Eager calls: an INT8 call spends more host time than SDPA's (its launches and their bookkeeping), from 25 µs more on
+# an H100's host to 200 µs on the H200 machine's, whose host is slower (BENCHMARKS.md "Host time of an eager call"),
+# and in eager mode an image model's step often waits on the host (SD3.5-medium at 1024² on that H200: 40 ms of GPU
+# work a step, 46-99 ms of host time), where that time is the step's and a few hundredths of a millisecond of GPU
+# time saved are not. Outside CUDA graphs and torch.compile a call therefore runs INT8 only if it also saves
+# ``EAGER_SAVING_MS`` of GPU time as ``CrossoverTable.saved_ms`` estimates it, from below (SDPA ran SD3.5 Large's
+# call at 406 TFLOPS on the H200, so its saving is 1.7 times the estimate).
+EAGER_SAVING_MS = 0.1
+# SDPA's fastest rate (TFLOPS) by architecture, for tables that do not record their own (``measured["sdpa_tflops"]``):
+# above what SDPA reached on an H200 (680 at head dim 128, 8K tokens; less at 64 and on an H100), so that SDPA's time
+# and a call's saving are estimated from below; elsewhere a rate above any GPU's so far.
+SDPA_TFLOPS = {"sm_90": 700.0}
+OTHER_SDPA_TFLOPS = 2000.0
 
 
 @dataclass(frozen=True)
@@ -167,9 +180,24 @@ class CrossoverTable:
         return None if grid is None else grid.at(sk, rows, balance)
 
     def pays(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int, balance: bool = False,
-             kind: str = "plain") -> bool:
+             kind: str = "plain", min_saving_ms: float = 0.0) -> bool:
+        """Whether the speed-up (``speedup``) reaches the table's margin and, with ``min_saving_ms``, the call also
+        saves that much GPU time by ``saved_ms``'s estimate (the gate asks it of eager calls)."""
         s = self.speedup(mode, head_dim, dtype, rows, sk, balance, kind)
-        return s is not None and s >= self.margin
+        if s is None or s < self.margin:
+            return False
+        return min_saving_ms <= 0 or self.saved_ms(s, head_dim, rows, sk) >= min_saving_ms
+
+    @property
+    def sdpa_tflops(self) -> float:
+        """SDPA's fastest rate in this table's measurements (``measure`` records it), else its architecture's
+        (``SDPA_TFLOPS``)."""
+        return self.measured.get("sdpa_tflops") or SDPA_TFLOPS.get(self.arch, OTHER_SDPA_TFLOPS)
+
+    def saved_ms(self, speedup: float, head_dim: int, rows: int, sk: int) -> float:
+        """The GPU time a call of ``rows`` query rows (batch × heads × queries) over ``sk`` keys saves at
+        ``speedup``, estimated from below: SDPA's time as its multiply-adds at ``sdpa_tflops``."""
+        return 4 * rows * sk * head_dim / (self.sdpa_tflops * 1e9) * (1 - 1 / speedup)
 
     def _grid(self, mode: str, head_dim: int, dtype: str, kind: str) -> Grid | None:
         # the same head dim, else one the kernel pads to the same width; the same dtype, else the other 16-bit one
@@ -264,6 +292,9 @@ class CrossoverTable:
         measured = data.get("measured", {})
         if not isinstance(measured, dict):
             raise ValueError(f"measured must be a JSON object, got {type(measured).__name__}")
+        rate = measured.get("sdpa_tflops")
+        if rate is not None and not (_number(rate) and rate > 0):
+            raise ValueError(f"measured.sdpa_tflops must be a finite positive number, got {rate!r}")
         return cls(data["device"], data["arch"], tuple(grids), float(margin), measured)
 
 
@@ -309,9 +340,16 @@ class SpeedGate:
     then every call runs SDPA (one warning, when the gate is made, says how to measure a table). Without a
     ``table``, calls on CPU tensors (the emulation, which exists for correctness and quality checks) are not
     gated; a given table gates every device.
+
+    ``eager_saving_ms``: the GPU time a call made in eager mode (on a GPU, outside CUDA-graph capture and
+    torch.compile) must also save to run INT8, as ``CrossoverTable.saved_ms`` estimates it (``EAGER_SAVING_MS``;
+    0 judges eager calls by the speed-up alone).
     """
 
-    def __init__(self, table: CrossoverTable | str | Path | None = None):
+    def __init__(self, table: CrossoverTable | str | Path | None = None, eager_saving_ms: float = EAGER_SAVING_MS):
+        if not (_number(eager_saving_ms) and eager_saving_ms >= 0):
+            raise ValueError(f"eager_saving_ms must be a finite number >= 0 (milliseconds), got {eager_saving_ms!r}")
+        self.eager_saving_ms = float(eager_saving_ms)
         if isinstance(table, (str, Path)):
             table = CrossoverTable.load(table)
         if table is not None and not isinstance(table, CrossoverTable):
@@ -343,7 +381,8 @@ class SpeedGate:
         or with a key mask (the same for every query: a text padding mask), which the kernels run at their unmasked
         speed while SDPA loses its fastest kernels to it; with a mask that varies over the queries, which the
         kernels apply element by element (unmeasured, and far slower), never. ``balance``: the call measures the
-        Q·Kᵀ balance, whose cost (``balance_cost``) the table's speed-up must cover too."""
+        Q·Kᵀ balance, whose cost (``balance_cost``) the table's speed-up must cover too. In eager mode the call
+        must also save ``eager_saving_ms`` of GPU time, for the host time it adds over SDPA's."""
         if q.device.type != "cuda" and self._fixed is None:
             return True
         B, H, Sq, D = q.shape
@@ -353,14 +392,21 @@ class SpeedGate:
         if torch.compiler.is_compiling():  # traced once per graph; a dict keyed by the shape would fix its values
             table = self.table_for(q.device)
             return table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance, kind)
-        key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D, balance, kind)
+        eager = eager_call(q)
+        key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D, balance, kind, eager)
         decision = self._decisions.get(key)
         if decision is None:
             table = self.table_for(q.device)
             decision = table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance,
-                                                        kind)
+                                                        kind, self.eager_saving_ms if eager else 0.0)
             self._decisions[key] = decision
         return decision
+
+
+def eager_call(x: torch.Tensor) -> bool:
+    """Whether a call on ``x`` runs eagerly on a GPU, where the host time of its launches can be the step's: not
+    captured into a CUDA graph (callers check torch.compile apart)."""
+    return x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
 
 
 def kind_of_call(sq: int, sk: int, key_mask: bool) -> str:
@@ -444,13 +490,15 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
     cells = [(d, dt, n, r) for d in head_dims for dt in dtypes for n in keys for r in rows]
     todo = [c for c in cells if c[3] >= c[2] and c[3] * c[2] * c[0] <= max_work]
     results: dict[tuple, dict[str, float]] = {}
+    sdpa_tflops = 0.0  # SDPA's fastest rate over the cells (``CrossoverTable.sdpa_tflops``)
     t0 = time.time()
     for i, (d, dt, n, r) in enumerate(todo):
         line = []
         for kind in (k for k in kinds if k != "tail" or padded_head_dim(d) == TAIL_HEAD_DIM):
-            times = _time_cell(device, d, DTYPES[dt], n + TAIL_KEYS if kind == "tail" else n, r // n, kind == "key",
-                               modes, reps)
+            sk = n + TAIL_KEYS if kind == "tail" else n
+            times = _time_cell(device, d, DTYPES[dt], sk, r // n, kind == "key", modes, reps)
             results[(d, dt, n, r, kind)] = times
+            sdpa_tflops = max(sdpa_tflops, 4 * (r // n) * sk * sk * d / (times["sdpa"] * 1e9))
             line.append(f"{kind}: sdpa {times['sdpa']:.3f} ms, "
                         + ", ".join(f"{m} {times['sdpa'] / times[m]:.2f}×" for m in modes))
         progress(f"[{i + 1}/{len(todo)}] head dim {d}, {dt}, {n} keys × {r} rows: " + "; ".join(line)
@@ -465,6 +513,8 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
                     grids.append(Grid(m, d, dt, tuple(keys), tuple(rows), speedup, kind))
     measured = {"torch": torch.__version__, "triton": triton.__version__,
                 "date": datetime.date.today().isoformat(), "timing": f"median of {reps} CUDA-graph replays"}
+    if sdpa_tflops > 0:
+        measured["sdpa_tflops"] = round(sdpa_tflops, 1)
     return CrossoverTable(torch.cuda.get_device_name(device), arch_of(device), tuple(grids), measured=measured)
 
 
