@@ -415,10 +415,11 @@ def test_the_speed_section_says_where_int8_pays():
     from diffusion_int8.eval import report as R
     from diffusion_int8.eval.speed import headline
 
-    def call(model, gate, x):
+    def call(model, gate, x, graphs=None):
         return {"model": model, "what": "w", "shape": [1, 12, 32760, 128], "dtype": "bfloat16", "masked_text": 0,
                 "sdpa_ms": 10.0, "int8_fp16v_ms": 10 / x, "int8_fp16v_speedup": x, "int8_ms": 10 / x,
-                "int8_speedup": x, "gate_int8": gate, "you_get": x if gate else 1.0}
+                "int8_speedup": x, "gate_int8": gate, "gate_int8_graphs": gate if graphs is None else graphs,
+                "you_get": x if gate else 1.0}
 
     calls = [call("SDXL", False, 0.8), call("Flux.1", False, 1.01), call("Wan2.1", True, 1.52)]
     steps = [{"model": "shipped embedded, 256 tokens", "stock_ms": 5.0, "int8_ms": 5.1, "speedup": 0.98,
@@ -437,6 +438,13 @@ def test_the_speed_section_says_where_int8_pays():
     both = headline(calls, steps, {"64": None, "128": 9000}, {"64": 1448, "128": 2048}, {"64": 2240, "128": None})
     assert both.startswith(text.split(".")[0] + ". At lengths that leave a partial 128-key tile, where SDPA slows "
                            "down, it pays from about 2,240 tokens at head dim 64. With a text padding mask")
+    # a call the gate runs INT8 only where no host time is spent on it (CUDA graphs, compiled models)
+    graphs = headline([call("SD3.5 Large", False, 1.22, graphs=True)] + calls, steps, {"64": None, "128": 9000})
+    assert ("SD3.5 Large's (1.22×) runs INT8 in CUDA graphs and compiled models only: an eager call saves less GPU "
+            "time than INT8's launches add host time. SDXL, Flux.1 stay on SDPA") in graphs
+    md = "\n".join(R.speed_markdown({"device": "d", "date": "t", "steps": [], "headline": graphs,
+                                     "calls": [call("SD3.5 Large", False, 1.22, graphs=True)]}))
+    assert "| SDPA eager, INT8 in CUDA graphs | 1.00× |" in md
     section = {"device": "NVIDIA H100", "date": "2026-11-27", "calls": calls, "steps": steps,
                "pays_from": {"64": None, "128": 9000}, "headline": text}
     md = "\n".join(R.speed_markdown(section))

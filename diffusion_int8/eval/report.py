@@ -438,20 +438,28 @@ window.addEventListener("load", () => {{
     return path
 
 
+def _gate_words(row: dict) -> str:
+    """The gate's decision on a call of the speed section: INT8, SDPA, or SDPA in eager calls alone."""
+    if row["gate_int8"]:
+        return "INT8"
+    return "SDPA eager, INT8 in CUDA graphs" if row.get("gate_int8_graphs") else "SDPA"
+
+
 def speed_markdown(section: dict) -> list[str]:
     """``speed.measure``'s section as Markdown lines: the headline, the calls' table and the steps' table."""
     lines = ["## Speed on this GPU", "", f"**{section['headline']}**", "",
              f"Measured on {section['device']}, {section['date']}. Attention calls replayed from CUDA graphs, each INT8 "
              f"mode against SDPA in the same rounds (× = SDPA's time over the mode's); \"you get\" is what `enable()` "
-             f"does by default (`int8` where the speed gate lets it, SDPA elsewhere).", "",
+             f"does by default in an eager call (`int8` where the speed gate lets it, SDPA elsewhere).", "",
              "| model | call (B, H, S, D) | SDPA ms | int8_fp16v | int8 | the gate | you get |", "|---|---|---|---|---|---|---|"]
     for r in section["calls"]:
         mask = f", {r['masked_text']} text tokens, a quarter padded" if r["masked_text"] else ""
         lines.append(f"| {r['model']} ({r['what']}) | {tuple(r['shape'])} {r['dtype']}{mask} | {r['sdpa_ms']:.2f} | "
                      f"{r['int8_fp16v_speedup']:.2f}× | {r['int8_speedup']:.2f}× | "
-                     f"{'INT8' if r['gate_int8'] else 'SDPA'} | {r['you_get']:.2f}× |")
+                     f"{_gate_words(r)} | {r['you_get']:.2f}× |")
     if section["steps"]:
-        lines += ["", "Whole denoiser steps, eager (median of 5 after warm-up), stock against `enable()`'s defaults:", "",
+        lines += ["", "Whole denoiser steps, eager, stock against `enable()`'s defaults, taking turns over 3 rounds "
+                  "(each the median of 5 steps after warm-up; × the median of the rounds' ratios):", "",
                   "| model | stock ms | INT8 ms | × | INT8 / gated calls |", "|---|---|---|---|---|"]
         lines += [f"| {r['model']} | {r['stock_ms']:.1f} | {r['int8_ms']:.1f} | {r['speedup']:.2f}× | "
                   f"{r['int8_calls']} / {r['gated_calls']} |" for r in section["steps"]]

@@ -68,7 +68,8 @@ def measure(device: torch.device, progress: Callable[[str], None] = print, reps:
 
 def call_rows(device: torch.device, gate: SpeedGate, progress=print, reps: int = 10, rounds: int = 3) -> list[dict]:
     """Per ``CALLS`` entry: SDPA's ms, each INT8 mode's ms and speed-up (SDPA's time over its own, the median of
-    ``rounds`` paired rounds), the gate's decision for the default mode, and the speed-up ``enable()`` gives it."""
+    ``rounds`` paired rounds), the gate's decision for the default mode in an eager call (``gate_int8``) and in a
+    CUDA graph or a compiled model (``gate_int8_graphs``), and the speed-up ``enable()`` gives an eager call."""
     rows = []
     for i, call in enumerate(CALLS):
         B, H, S, D = call.shape
@@ -89,7 +90,10 @@ def call_rows(device: torch.device, gate: SpeedGate, progress=print, reps: int =
             row[f"{m}_ms"] = median(times[m])
             row[f"{m}_speedup"] = median([a / b for a, b in zip(times["sdpa"], times[m])])
         default = Mode.parse("int8")
-        row["gate_int8"] = bool(gate.pays(default, q, k, mask))  # by the grids of the call's kind
+        row["gate_int8"] = bool(gate.pays(default, q, k, mask))  # by the grids of the call's kind, as an eager call
+        table = gate.table_for(device)  # a call captured into a CUDA graph or compiled: by the speed-up alone
+        row["gate_int8_graphs"] = table is not None and table.pays(default.value, D, call.dtype, B * H * S, S,
+                                                                   kind=kind_of_call(S, S, mask is not None))
         row["you_get"] = row["int8_speedup"] if row["gate_int8"] else 1.0
         rows.append(row)
         progress(f"[{i + 1}/{len(CALLS)}] {call.model} {call.shape}: SDPA {sdpa:.2f} ms, "
@@ -100,10 +104,11 @@ def call_rows(device: torch.device, gate: SpeedGate, progress=print, reps: int =
     return rows
 
 
-def step_rows(device: torch.device, progress=print, steps: int = 5) -> list[dict]:
+def step_rows(device: torch.device, progress=print, steps: int = 5, rounds: int = 3) -> list[dict]:
     """Eager denoiser steps, stock against ``enable()``'s defaults (INT8 where the gate lets it): the shipped
-    models and Wan2.1-T2V-1.3B at 480p × 49 frames (random weights). Per model: both step times (median of
-    ``steps`` after two warm-up steps), the ratio, and the INT8 / gated attention calls of one step."""
+    models and Wan2.1-T2V-1.3B at 480p × 49 frames (random weights). Per model: both step times (medians over
+    ``rounds`` rounds, taking turns, of the median of ``steps`` after two warm-up steps), the speed-up (the median
+    of the rounds' ratios), and the INT8 / gated attention calls of one step."""
     from ..embedded import load_pipeline  # diffusers, loaded where the steps are timed
 
     models = []
@@ -122,17 +127,26 @@ def step_rows(device: torch.device, progress=print, steps: int = 5) -> list[dict
     rows = []
     for name, model, x in models:
         with torch.no_grad():
-            stock = _step_ms(model, x, steps)
-            handle = enable(model, record=True)
+            handle = enable(model)
             _step_ms(model, x, 1)  # the gate's decisions and the kernels' compilation, before counting
             handle.state.reset()
             model(**x)
             int8, gated = handle.state.int8_calls, handle.state.gated_calls
-            ms = _step_ms(model, x, steps)
             handle.disable()
-        rows.append({"model": name, "stock_ms": stock, "int8_ms": ms, "speedup": stock / ms, "int8_calls": int8,
+            # stock and INT8 take turns, so a drift of the host's speed (eager steps of small models wait on it)
+            # reaches both alike; the ratio is the median of the rounds' own
+            times = {"stock": [], "int8": []}
+            for r in range(rounds):
+                for variant in ("stock", "int8") if r % 2 == 0 else ("int8", "stock"):
+                    handle = enable(model) if variant == "int8" else None
+                    times[variant].append(_step_ms(model, x, steps))
+                    if handle is not None:
+                        handle.disable()
+        stock, ms = median(times["stock"]), median(times["int8"])
+        speedup = median([a / b for a, b in zip(times["stock"], times["int8"])])
+        rows.append({"model": name, "stock_ms": stock, "int8_ms": ms, "speedup": speedup, "int8_calls": int8,
                      "gated_calls": gated})
-        progress(f"{name}: stock {stock:.1f} ms, INT8 (defaults) {ms:.1f} ms a step, {stock / ms:.2f}×; "
+        progress(f"{name}: stock {stock:.1f} ms, INT8 (defaults) {ms:.1f} ms a step, {speedup:.2f}×; "
                  f"{int8} INT8 / {gated} gated attention calls")
         del model, x
         torch.cuda.empty_cache()
@@ -206,6 +220,12 @@ def headline(calls: list[dict], steps: list[dict], crossover: dict, masked: dict
         text += f" With a text padding mask, which slows SDPA down, it pays from {lengths(masked)}."
     if fast:
         text += " " + ", ".join(f"{r['model']}'s attention runs {r['you_get']:.2f}× faster" for r in fast) + "."
+    graphs = [r for r in calls if not r["gate_int8"] and r.get("gate_int8_graphs")]
+    if graphs:
+        text += (" " + ", ".join(f"{r['model']}'s ({r['int8_speedup']:.2f}×)" for r in graphs)
+                 + f" {'runs' if len(graphs) == 1 else 'run'} INT8 in CUDA graphs and compiled models only: an eager "
+                   f"call saves less GPU time than INT8's launches add host time.")
+    slow = [m for m, r in zip(slow, (r for r in calls if not r["gate_int8"])) if not r.get("gate_int8_graphs")]
     if slow:
         text += (f" {', '.join(slow)} {'stays' if len(slow) == 1 else 'stay'} on SDPA (too short for INT8 to pay): "
                  f"stock speed, stock images.")
