@@ -158,9 +158,10 @@ def test_tune_measures_a_table_the_gate_reads(tmp_path):
     assert {(g.mode, g.head_dim, g.dtype, g.kind) for g in table.grids} == {
         (m, 128, "float16", kind) for m in ("int8", "int8_fp16v") for kind in ("plain", "key")}  # tails: head dim 64
     assert all(x is None or x > 0 for g in table.grids for r in g.speedup for x in r)
-    # SDPA's fastest rate over the cells, which bounds eager calls' savings: below a dense 16-bit peak (989 TFLOPS
-    # on an H100 SXM and an H200)
+    # SDPA's fastest rate over the cells, TFLOPS, which bounds eager calls' savings: below a dense 16-bit peak (989
+    # on an H100 SXM and an H200) and, on sm_90, above a fifth of it
     assert 0 < table.sdpa_tflops == table.measured["sdpa_tflops"] < 989
+    assert table.arch != "sm_90" or table.sdpa_tflops > 200
     gate = SpeedGate(out, eager_saving_ms=0)  # the cells' decisions; eager calls' further condition: the next test
     q = torch.empty(1, 24, 32768, 128, dtype=torch.float16, device="cuda")
     short = torch.empty(1, 24, 1024, 128, dtype=torch.float16, device="cuda")
@@ -267,15 +268,13 @@ def test_eager_calls_that_save_little_stay_on_sdpa_and_captured_ones_run_int8():
     # call captured into a CUDA graph runs INT8 all the same
     from diffusers.models.attention_processor import Attention
 
-    from diffusion_int8 import Int8DiffusionProcessor, int8_attention
+    from diffusion_int8 import Int8DiffusionProcessor
 
     attn = Attention(query_dim=1536, heads=24, dim_head=64).to("cuda", torch.float16).eval()
     proc = Int8DiffusionProcessor("int8")
     attn.set_processor(proc)
     x = torch.randn(1, 4429, 1536, device="cuda", dtype=torch.float16)
-    qkv = torch.randn(3, 1, 24, 4429, 64, device="cuda", dtype=torch.float16)
-    int8_attention(*qkv)  # the kernels compiled before the capture
-    with torch.no_grad():
+    with torch.no_grad():  # the eager calls run the INT8 call once, unused: its kernels compile outside the capture
         eager = attn(x)
         assert torch.equal(attn(x), eager)
         assert (proc.state.int8_calls, proc.state.gated_calls) == (0, 2)

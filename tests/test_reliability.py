@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -201,6 +202,18 @@ def test_a_cached_table_without_masked_cells_is_used_with_a_warning(tmp_path, mo
     wide.save(path)
     with pytest.warns(RuntimeWarning, match="has no cells of the kinds key "):
         speed_gate._find_table(torch.device("cuda", 0))
+    # every kind of cell, but from a release that did not record SDPA's rate, which eager calls' decisions read
+    every = speed_gate.CrossoverTable("test GPU", "sm_90", tuple(
+        speed_gate.Grid("int8", 64, "float16", g.keys, g.rows, g.speedup, kind) for g in table.grids[:1]
+        for kind in speed_gate.KINDS))
+    every.save(path)
+    with pytest.warns(RuntimeWarning, match=r"has no SDPA rate \(measured.sdpa_tflops\), so eager calls' savings are "
+                                            r"judged at 700 TFLOPS: calls may run SDPA .*tune --overwrite"):
+        speed_gate._find_table(torch.device("cuda", 0))
+    speed_gate.CrossoverTable(every.device, every.arch, every.grids, measured={"sdpa_tflops": 650.0}).save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert speed_gate._find_table(torch.device("cuda", 0)).sdpa_tflops == 650.0
 
 
 def test_saving_a_table_does_not_follow_a_link_planted_beside_it(tmp_path):

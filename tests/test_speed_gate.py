@@ -6,6 +6,7 @@ import json
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -378,7 +379,7 @@ def test_a_gpu_with_its_own_shipped_table_reads_it_before_its_architectures(monk
     # a table tune cached for this GPU comes first (with every kind of cell: no warning)
     cached = CrossoverTable("NVIDIA Test GPU", "sm_90", own.grids + tuple(
         Grid(g.mode, g.head_dim, g.dtype, g.keys, g.rows, g.speedup, kind)
-        for g in own.grids for kind in ("tail", "key")))
+        for g in own.grids for kind in ("tail", "key")), measured={"sdpa_tflops": 600.0})
     cached.save(tmp_path / "cached.json")
     monkeypatch.setattr(speed_gate, "cache_path", lambda device: tmp_path / "cached.json")
     with warnings.catch_warnings():
@@ -468,8 +469,12 @@ def test_eager_calls_run_int8_only_where_they_also_save_gpu_time(monkeypatch, tm
     data = json.loads((tmp_path / "t.json").read_text())
     data["measured"]["sdpa_tflops"] = -3
     (tmp_path / "bad.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="measured.sdpa_tflops must be a finite positive number, got -3"):
+    with pytest.raises(ValueError, match=r"measured.sdpa_tflops must be a finite positive number \(TFLOPS\), got -3"):
         CrossoverTable.load(tmp_path / "bad.json")
+    for bad in (0, -1.0, "600", float("inf")):  # made in code, as from a file
+        with pytest.raises(ValueError, match="measured.sdpa_tflops must be a finite positive number"):
+            CrossoverTable("test GPU", "sm_90", t.grids, measured={"sdpa_tflops": bad})
+    assert SpeedGate(t, eager_saving_ms=np.float32(0.2)).eager_saving_ms == pytest.approx(0.2)
 
 
 def test_calls_learnt_as_gated_in_eager_mode_run_int8_when_captured(monkeypatch):
@@ -491,3 +496,31 @@ def test_calls_learnt_as_gated_in_eager_mode_run_int8_when_captured(monkeypatch)
         ran = handle.state.int8_calls - before[0], handle.state.gated_calls - before[1]
         assert ran == ((0, 2) if eager else (2, 0)) and torch.equal(out, stock) == eager, eager
     handle.disable()
+
+
+def test_an_eager_call_kept_on_sdpa_settles_what_its_captured_run_needs(monkeypatch):
+    # the eager rule keeps the call on SDPA, and a CUDA graph captured after it runs the call INT8, where its first
+    # INT8 run (compiling the kernels, deciding the Q·Kᵀ balance, making the rotation's matrix) cannot happen: the
+    # eager call runs it once, its result unused, and returns SDPA's
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+    from diffusion_int8 import Int8DiffusionProcessor
+    from diffusion_int8.plugin import processor
+
+    monkeypatch.setattr(speed_gate, "eager_call", lambda t: True)
+    monkeypatch.setattr(processor, "eager_call", lambda t: True)
+    runs = []
+    core = processor.int8_core
+    monkeypatch.setattr(processor, "int8_core", lambda *a, **kw: runs.append(kw) or core(*a, **kw))
+    gate = SpeedGate(table(keys=(8, 1 << 16), rows=(8, 1 << 20), speedup=((1.5,) * 2,) * 2, head_dim=32))
+    attn = Attention(query_dim=64, heads=2, dim_head=32).eval()
+    with pytest.warns(UserWarning, match="qk_rotate costs"):
+        proc = Int8DiffusionProcessor("int8", inner=AttnProcessor2_0(), speed_gate=gate, qk_rotate=True)
+    attn.set_processor(proc)
+    x = torch.randn(1, 1024, 64)  # 1,024 queries: enough for the balance to apply
+    with torch.no_grad():
+        out, stock = attn(x), AttnProcessor2_0()(attn, x)
+        assert (proc.state.int8_calls, proc.state.gated_calls) == (0, 1) and torch.equal(out, stock)
+        assert proc.balance.measured is not None and len(runs) == 1 and runs[0]["qk_rotate"] is True
+        attn(x), attn(x)  # its shape settled once: nothing run again
+    assert len(runs) == 1 and proc.state.gated_calls == 3

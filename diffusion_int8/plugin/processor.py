@@ -102,8 +102,10 @@ class Int8DiffusionProcessor(DispatcherCalls):
         self._undecided = 0  # first calls that reached no attention at all
         self._text: tuple[int, str | None] = (0, None)  # text tokens of the current call and where they are
         self._keep: dict = {}  # (keys, text tokens, where, device) -> always-kept key blocks
-        # module -> {(mode, input shapes, dtype, device): gated calls} for inputs whose every attention call was gated
+        # module -> {(mode, eager, input shapes, dtype, device): gated calls} for inputs whose every attention call
+        # was gated
         self._stock_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._settled: set[tuple] = set()  # the attention calls ``_settle_for_capture`` ran once, by shape
         # attention calls of this processor that ran INT8, were gated, or went to another backend: what one
         # routed call did, for the stock fast path (the shared Int8State counts every processor's)
         self._outcomes = [0, 0, 0]
@@ -353,10 +355,10 @@ class Int8DiffusionProcessor(DispatcherCalls):
         if attn_mask is not None and _sparse(self.current_tau(), key, None):
             key, value, attn_mask = self._key_prefix(query, key, value, attn_mask)
         if self.gate is not None and not self.gate.pays(mode, query, key, attn_mask):
+            if eager_call(query) and self.gate.pays(mode, query, key, attn_mask, eager=False):
+                self._settle_for_capture(mode, query, key, value, attn_mask, scale, share)
             return self._gated(query, key, value, attn_mask, scale, enable_gqa, exact, counting, blocks)
-        ranges = self._static_ranges(query.device)
-        if ranges is not None and share is not None:
-            ranges = heads_share(ranges, *share)
+        ranges = self._call_ranges(query.device, share)
         balance = self.balance.for_call(query, key, ranges)
         # a call that measures the Q·Kᵀ balance pays only if INT8's lead covers the balance too
         if balance and self.gate is not None and not self.gate.pays(mode, query, key, attn_mask, balance=True):
@@ -383,6 +385,24 @@ class Int8DiffusionProcessor(DispatcherCalls):
             total = block_pairs(query, key)
             self.state.count_blocks(total if block_mask is None else block_mask.sum(), total)
         return out
+
+    def _call_ranges(self, device: torch.device, share: tuple[int, int] | None):
+        """The calibration's ranges for this call (``_static_ranges``), cut to this device's heads under a split."""
+        ranges = self._static_ranges(device)
+        return ranges if ranges is None or share is None else heads_share(ranges, *share)
+
+    def _settle_for_capture(self, mode: Mode, query, key, value, attn_mask, scale, share):
+        """Run the call in INT8 once, its result unused: the gate keeps this eager call on SDPA for its host time,
+        and a CUDA graph captured later runs it INT8, where nothing of that first run can be done (compiling the
+        kernels, deciding the Q·Kᵀ balance, which reads the GPU, making the rotation's matrix). Dense: a
+        block-sparse call's own kernels are not compiled by it."""
+        call = (mode, query.shape, key.shape, query.dtype, query.device, None if attn_mask is None else attn_mask.shape)
+        if call in self._settled or len(self._settled) >= 64:
+            return
+        self._settled.add(call)
+        ranges = self._call_ranges(query.device, share)
+        balance = self.balance.for_call(query, key, ranges)
+        int8_core(mode, query, key, value, attn_mask, scale, ranges, qk_balance=balance, qk_rotate=self.qk_rotate)
 
     def _gated(self, query, key, value, attn_mask, scale, enable_gqa, exact, counting: bool, blocks: bool):
         """A call the speed gate sends to SDPA (``exact`` if the observer already ran it), counted."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import numbers
 import os
 import re
 import time
@@ -165,7 +166,14 @@ class CrossoverTable:
     arch: str
     grids: tuple[Grid, ...]
     margin: float = 1.03
-    measured: dict = field(default_factory=dict)  # torch / triton versions and the date
+    # torch / triton versions, the date and, from ``measure``, SDPA's fastest rate (``sdpa_tflops``), which eager
+    # calls' decisions read
+    measured: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        rate = self.measured.get("sdpa_tflops")
+        if rate is not None and not (_number(rate) and rate > 0):
+            raise ValueError(f"measured.sdpa_tflops must be a finite positive number (TFLOPS), got {rate!r}")
 
     def speedup(self, mode: str, head_dim: int, dtype: torch.dtype, rows: int, sk: int,
                 balance: bool = False, kind: str = "plain") -> float | None:
@@ -190,14 +198,14 @@ class CrossoverTable:
 
     @property
     def sdpa_tflops(self) -> float:
-        """SDPA's fastest rate in this table's measurements (``measure`` records it), else its architecture's
-        (``SDPA_TFLOPS``)."""
+        """SDPA's fastest rate in this table's measurements, TFLOPS (``measure`` records it), else its
+        architecture's (``SDPA_TFLOPS``)."""
         return self.measured.get("sdpa_tflops") or SDPA_TFLOPS.get(self.arch, OTHER_SDPA_TFLOPS)
 
     def saved_ms(self, speedup: float, head_dim: int, rows: int, sk: int) -> float:
-        """The GPU time a call of ``rows`` query rows (batch × heads × queries) over ``sk`` keys saves at
-        ``speedup``, estimated from below: SDPA's time as its multiply-adds at ``sdpa_tflops``."""
-        return 4 * rows * sk * head_dim / (self.sdpa_tflops * 1e9) * (1 - 1 / speedup)
+        """The GPU time, ms, a call of ``rows`` query rows (batch × heads × queries) over ``sk`` keys saves at
+        ``speedup``, estimated from below: SDPA's time as its FLOPs at ``sdpa_tflops``."""
+        return attention_flops(rows, sk, head_dim) / (self.sdpa_tflops * 1e9) * (1 - 1 / speedup)
 
     def _grid(self, mode: str, head_dim: int, dtype: str, kind: str) -> Grid | None:
         # the same head dim, else one the kernel pads to the same width; the same dtype, else the other 16-bit one
@@ -292,9 +300,6 @@ class CrossoverTable:
         measured = data.get("measured", {})
         if not isinstance(measured, dict):
             raise ValueError(f"measured must be a JSON object, got {type(measured).__name__}")
-        rate = measured.get("sdpa_tflops")
-        if rate is not None and not (_number(rate) and rate > 0):
-            raise ValueError(f"measured.sdpa_tflops must be a finite positive number, got {rate!r}")
         return cls(data["device"], data["arch"], tuple(grids), float(margin), measured)
 
 
@@ -302,7 +307,12 @@ _GRID_FIELDS = {"mode", "head_dim", "dtype", "kind", "keys", "rows", "speedup"}
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def attention_flops(rows: int, sk: int, head_dim: int) -> int:
+    """FLOPs of attention over ``rows`` query rows and ``sk`` keys: Q·Kᵀ and P·V, two per multiply-add."""
+    return 4 * rows * sk * head_dim
 
 
 def _count(x) -> bool:
@@ -375,14 +385,15 @@ class SpeedGate:
         return self._tables[device.index]
 
     def pays(self, mode: Mode, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None,
-             balance: bool = False) -> bool:
+             balance: bool = False, eager: bool | None = None) -> bool:
         """Whether ``mode`` beats SDPA for (B, H, S, D) ``q`` and ``k`` (BHSD views) with ``attn_mask`` on their
         device. The call is judged as it will run, by the table's grids of its kind (``kind_of_call``): unmasked,
         or with a key mask (the same for every query: a text padding mask), which the kernels run at their unmasked
         speed while SDPA loses its fastest kernels to it; with a mask that varies over the queries, which the
         kernels apply element by element (unmeasured, and far slower), never. ``balance``: the call measures the
         Q·Kᵀ balance, whose cost (``balance_cost``) the table's speed-up must cover too. In eager mode the call
-        must also save ``eager_saving_ms`` of GPU time, for the host time it adds over SDPA's."""
+        must also save ``eager_saving_ms`` of GPU time, for the host time it adds over SDPA's; ``eager``: whether
+        the call is judged as an eager one (None: as it runs, ``eager_call``; False: as in a CUDA graph)."""
         if q.device.type != "cuda" and self._fixed is None:
             return True
         B, H, Sq, D = q.shape
@@ -392,7 +403,7 @@ class SpeedGate:
         if torch.compiler.is_compiling():  # traced once per graph; a dict keyed by the shape would fix its values
             table = self.table_for(q.device)
             return table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance, kind)
-        eager = eager_call(q)
+        eager = eager_call(q) if eager is None else eager
         key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D, balance, kind, eager)
         decision = self._decisions.get(key)
         if decision is None:
@@ -405,8 +416,9 @@ class SpeedGate:
 
 def eager_call(x: torch.Tensor) -> bool:
     """Whether a call on ``x`` runs eagerly on a GPU, where the host time of its launches can be the step's: not
-    captured into a CUDA graph (callers check torch.compile apart)."""
-    return x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+    captured into a CUDA graph (callers check torch.compile apart; a CPU build's fake CUDA tensors are not)."""
+    return (x.device.type == "cuda" and torch.backends.cuda.is_built()
+            and not torch.cuda.is_current_stream_capturing())
 
 
 def kind_of_call(sq: int, sk: int, key_mask: bool) -> str:
@@ -432,9 +444,15 @@ def _find_table(device: torch.device) -> CrossoverTable | None:
                 raise ValueError(f"{path}: measured on {table.arch}, and this GPU is {arch_of(device)}")
             missing = [k for k in KINDS if not any(g.kind == k for g in table.grids) and (k != "tail" or any(
                 g.kind == "plain" and padded_head_dim(g.head_dim) == TAIL_HEAD_DIM for g in table.grids))]
+            lacks = []
             if missing:
-                warn_user(f"diffusion_int8: the cached crossover table {path} has no cells of the kinds "
-                          f"{', '.join(missing)} ({_KIND_WORDS}), so those calls are judged by its plain cells and "
+                lacks.append(f"no cells of the kinds {', '.join(missing)} ({_KIND_WORDS}), so those calls are "
+                             f"judged by its plain cells")
+            if "sdpa_tflops" not in table.measured:
+                lacks.append(f"no SDPA rate (measured.sdpa_tflops), so eager calls' savings are judged at "
+                             f"{table.sdpa_tflops:.0f} TFLOPS")
+            if lacks:
+                warn_user(f"diffusion_int8: the cached crossover table {path} has {'; and '.join(lacks)}: calls may "
                           f"run SDPA where INT8 could pay. Run `diffusion-int8 tune --overwrite` to measure them.")
             return table
         except ValueError as exc:
@@ -498,7 +516,7 @@ def measure(device: torch.device, head_dims=(64, 128), dtypes=("float16", "bfloa
             sk = n + TAIL_KEYS if kind == "tail" else n
             times = _time_cell(device, d, DTYPES[dt], sk, r // n, kind == "key", modes, reps)
             results[(d, dt, n, r, kind)] = times
-            sdpa_tflops = max(sdpa_tflops, 4 * (r // n) * sk * sk * d / (times["sdpa"] * 1e9))
+            sdpa_tflops = max(sdpa_tflops, attention_flops(r // n * sk, sk, d) / (times["sdpa"] * 1e9))
             line.append(f"{kind}: sdpa {times['sdpa']:.3f} ms, "
                         + ", ".join(f"{m} {times['sdpa'] / times[m]:.2f}×" for m in modes))
         progress(f"[{i + 1}/{len(todo)}] head dim {d}, {dt}, {n} keys × {r} rows: " + "; ".join(line)
