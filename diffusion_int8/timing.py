@@ -1,7 +1,7 @@
 """GPU time of calls, for the speed gate's tables, the demo's speed section and the benchmarks.
 
 * ``graphed``, ``graph_ms``: a call replayed from a CUDA graph (no Python or launch overhead);
-* ``interleaved_ms``, ``interleaved_rounds``, ``paired_ratio``: several calls timed taking turns;
+* ``interleaved_ms``, ``interleaved_rounds``, ``paired_ratio``: several calls timed taking turns (``take_turns``);
 * ``back_to_back``: a call's time when called back to back, as a pipeline calls it.
 """
 
@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["graphed", "graph_ms", "interleaved_ms", "interleaved_rounds", "paired_ratio", "back_to_back",
+__all__ = ["graphed", "graph_ms", "interleaved_ms", "interleaved_rounds", "take_turns", "paired_ratio", "back_to_back",
            "median"]
 
 
@@ -68,22 +68,33 @@ def interleaved_rounds(fns: dict, reps: int, rounds: int = 5) -> dict:
     """``interleaved_ms``'s timings before the median over rounds: each callable's list of ``rounds`` round medians,
     in round order, so a ratio of two callables can be taken within each round (``paired_ratio``)."""
     replays = {name: graphed(fn) for name, fn in fns.items()}
-    times = {name: [] for name in fns}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(rounds):
-        for name in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
+
+    def timed(name: str) -> float:
+        replays[name]()
+        one = []
+        for _ in range(reps):
+            start.record()
             replays[name]()
-            one = []
-            for _ in range(reps):
-                start.record()
-                replays[name]()
-                end.record()
-                end.synchronize()
-                one.append(start.elapsed_time(end))
-            times[name].append(median(one))
-    del replays
+            end.record()
+            end.synchronize()
+            one.append(start.elapsed_time(end))
+        return median(one)
+
+    times = take_turns(tuple(fns), timed, rounds)
+    replays.clear()  # the graphs and their memory pools, before the cache is emptied
     torch.cuda.empty_cache()
     return times
+
+
+def take_turns(names: tuple[str, ...], run: Callable[[str], float], rounds: int) -> dict[str, list[float]]:
+    """``run(name)`` for every name, ``rounds`` times, the names taking turns (reversed every other round) so that a
+    drift over the run (the GPU's clock, the host's load) reaches them alike: per name, its results in round order."""
+    results: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            results[name].append(run(name))
+    return results
 
 
 def paired_ratio(num: list[float], den: list[float]) -> tuple[float, float, float]:

@@ -12,6 +12,7 @@ where the gate lets it, SDPA elsewhere.
 from __future__ import annotations
 
 import datetime
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,8 +22,8 @@ import torch.nn.functional as F
 from ..inputs import realistic_qkv
 from ..plugin.install import enable
 from ..kernels import Mode, int8_attention
-from ..plugin.speed_gate import SpeedGate, kind_of_call
-from ..timing import interleaved_rounds, median
+from ..plugin.speed_gate import EAGER_SAVING_MS, SpeedGate, kind_of_call
+from ..timing import interleaved_rounds, median, take_turns
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def measure(device: torch.device, progress: Callable[[str], None] = print, reps:
                                for kind in ("plain", "tail", "key"))
     return {"device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
             "calls": calls, "steps": step, "pays_from": crossover, "pays_from_tail": tail, "pays_from_masked": masked,
-            "headline": headline(calls, step, crossover, masked, tail)}
+            "headline": headline(calls, step, crossover, masked, tail, gate.eager_saving_ms)}
 
 
 def call_rows(device: torch.device, gate: SpeedGate, progress=print, reps: int = 10, rounds: int = 3) -> list[dict]:
@@ -91,9 +92,7 @@ def call_rows(device: torch.device, gate: SpeedGate, progress=print, reps: int =
             row[f"{m}_speedup"] = median([a / b for a, b in zip(times["sdpa"], times[m])])
         default = Mode.parse("int8")
         row["gate_int8"] = bool(gate.pays(default, q, k, mask))  # by the grids of the call's kind, as an eager call
-        table = gate.table_for(device)  # a call captured into a CUDA graph or compiled: by the speed-up alone
-        row["gate_int8_graphs"] = table is not None and table.pays(default.value, D, call.dtype, B * H * S, S,
-                                                                   kind=kind_of_call(S, S, mask is not None))
+        row["gate_int8_graphs"] = bool(gate.pays(default, q, k, mask, eager=False))  # captured or compiled
         row["you_get"] = row["int8_speedup"] if row["gate_int8"] else 1.0
         rows.append(row)
         progress(f"[{i + 1}/{len(CALLS)}] {call.model} {call.shape}: SDPA {sdpa:.2f} ms, "
@@ -135,13 +134,7 @@ def step_rows(device: torch.device, progress=print, steps: int = 5, rounds: int 
             handle.disable()
             # stock and INT8 take turns, so a drift of the host's speed (eager steps of small models wait on it)
             # reaches both alike; the ratio is the median of the rounds' own
-            times = {"stock": [], "int8": []}
-            for r in range(rounds):
-                for variant in ("stock", "int8") if r % 2 == 0 else ("int8", "stock"):
-                    handle = enable(model) if variant == "int8" else None
-                    times[variant].append(_step_ms(model, x, steps))
-                    if handle is not None:
-                        handle.disable()
+            times = take_turns(("stock", "int8"), functools.partial(_variant_step_ms, model, x, steps), rounds)
         stock, ms = median(times["stock"]), median(times["int8"])
         speedup = median([a / b for a, b in zip(times["stock"], times["int8"])])
         rows.append({"model": name, "stock_ms": stock, "int8_ms": ms, "speedup": speedup, "int8_calls": int8,
@@ -166,6 +159,16 @@ def _wan(device: torch.device):
         x = dict(hidden_states=torch.randn(1, 16, 13, 60, 104, dtype=torch.bfloat16), timestep=torch.tensor([500]),
                  encoder_hidden_states=torch.randn(1, 512, 4096, dtype=torch.bfloat16))
     return model, x
+
+
+def _variant_step_ms(model, x: dict, steps: int, variant: str) -> float:
+    """``_step_ms`` of ``model`` as stock ("stock") or with ``enable()``'s defaults ("int8")."""
+    handle = enable(model) if variant == "int8" else None
+    try:
+        return _step_ms(model, x, steps)
+    finally:
+        if handle is not None:
+            handle.disable()
 
 
 def _step_ms(model, x: dict, steps: int) -> float:
@@ -203,12 +206,14 @@ def pays_from(device: torch.device, gate: SpeedGate, kind: str = "plain") -> dic
 
 
 def headline(calls: list[dict], steps: list[dict], crossover: dict, masked: dict | None = None,
-             tail: dict | None = None) -> str:
-    """The honest summary: from how many tokens INT8 pays on this GPU (with a text padding mask, and at lengths past
-    whole 128-key tiles, where the gate knows those to differ), which of the calls it speeds up, and that the others
-    run at stock speed."""
+             tail: dict | None = None, eager_saving_ms: float = EAGER_SAVING_MS) -> str:
+    """The honest summary: from how many tokens INT8 pays on this GPU in GPU time (with a text padding mask, and at
+    lengths past whole 128-key tiles, where the gate knows those to differ) and what eager calls must save besides
+    (``eager_saving_ms``), which of the calls it speeds up, which only in CUDA graphs, and that the others run at
+    stock speed."""
     fast = [r for r in calls if r["gate_int8"]]
-    slow = [r["model"] for r in calls if not r["gate_int8"]]
+    graphs = [r for r in calls if not r["gate_int8"] and r.get("gate_int8_graphs")]
+    slow = [r["model"] for r in calls if not r["gate_int8"] and not r.get("gate_int8_graphs")]
 
     def lengths(found):
         return " and ".join(f"about {n:,} tokens at head dim {d}" for d, n in found.items() if n)
@@ -218,14 +223,14 @@ def headline(calls: list[dict], steps: list[dict], crossover: dict, masked: dict
         text += f" At lengths that leave a partial 128-key tile, where SDPA slows down, it pays from {lengths(tail)}."
     if masked and masked != crossover and lengths(masked):
         text += f" With a text padding mask, which slows SDPA down, it pays from {lengths(masked)}."
+    text += (f" That is in GPU time: an eager call must also save {eager_saving_ms:g} ms of it, for the host time "
+             f"INT8 adds.")
     if fast:
         text += " " + ", ".join(f"{r['model']}'s attention runs {r['you_get']:.2f}× faster" for r in fast) + "."
-    graphs = [r for r in calls if not r["gate_int8"] and r.get("gate_int8_graphs")]
     if graphs:
         text += (" " + ", ".join(f"{r['model']}'s ({r['int8_speedup']:.2f}×)" for r in graphs)
                  + f" {'runs' if len(graphs) == 1 else 'run'} INT8 in CUDA graphs and compiled models only: an eager "
-                   f"call saves less GPU time than INT8's launches add host time.")
-    slow = [m for m, r in zip(slow, (r for r in calls if not r["gate_int8"])) if not r.get("gate_int8_graphs")]
+                   f"call saves less than that.")
     if slow:
         text += (f" {', '.join(slow)} {'stays' if len(slow) == 1 else 'stay'} on SDPA (too short for INT8 to pay): "
                  f"stock speed, stock images.")
