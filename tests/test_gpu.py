@@ -286,6 +286,39 @@ def test_eager_calls_that_save_little_stay_on_sdpa_and_captured_ones_run_int8():
     assert (out - eager).abs().max() < 0.05 * eager.abs().max()
 
 
+def test_compiled_calls_follow_the_table_and_trace_whole(dynamo_warnings):
+    # torch.compile(fullgraph=True) through the processor: a call the table keeps on SDPA (1,024 tokens) and, where
+    # this GPU's table runs it INT8, SD3.5-medium's joint attention (4,429 tokens), which an eager call would keep on
+    # SDPA for its host time; neither breaks the graph (the eager checks of the CUDA state would)
+    from diffusers.models.attention_processor import Attention
+
+    from diffusion_int8 import Int8DiffusionProcessor
+    from diffusion_int8.plugin.speed_gate import SpeedGate
+
+    table = SpeedGate().table_for(torch.device("cuda"))
+    attn = Attention(query_dim=1536, heads=24, dim_head=64).to("cuda", torch.float16).eval()
+    stock_proc = attn.processor
+    with torch.no_grad():
+        for tokens in (1024, 4429):
+            x = torch.randn(1, tokens, 1536, device="cuda", dtype=torch.float16)
+            attn.set_processor(stock_proc)
+            torch._dynamo.reset()
+            stock = torch.compile(attn, fullgraph=True)(x)
+            proc = Int8DiffusionProcessor("int8")
+            attn.set_processor(proc)
+            attn(x)  # an eager call first, as a pipeline's warm-up: it decides the Q·Kᵀ balance
+            torch._dynamo.reset()
+            out = torch.compile(attn, fullgraph=True)(x)
+            int8 = table is not None and table.pays("int8", 64, torch.float16, 24 * tokens, tokens,
+                                                    kind="tail" if tokens % 128 else "plain")
+            assert not (int8 and tokens == 1024)  # too short for INT8 on every table
+            rel = ((out.float() - stock.float()).norm() / stock.float().norm()).item()
+            if int8:
+                assert 0 < rel < 0.02, rel
+            else:
+                assert rel < 1e-3, rel  # SDPA in both graphs
+
+
 def test_the_speed_section_times_every_call_and_follows_the_gate():
     # the demo's speed section at a few replays: every call timed, each decision the gate's own, and "you get" the
     # INT8 speed-up exactly where the gate runs INT8

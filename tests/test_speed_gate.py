@@ -525,3 +525,19 @@ def test_an_eager_call_kept_on_sdpa_settles_what_its_captured_run_needs(monkeypa
         assert proc.balance.measured is not None and len(runs) == 1 and runs[0]["qk_rotate"] is True
         attn(x), attn(x)  # its shape settled once: nothing run again
     assert len(runs) == 1 and proc.state.gated_calls == 3
+
+
+def test_a_call_torch_compile_traces_is_not_eager_and_asks_nothing_of_cuda(monkeypatch):
+    # dynamo breaks the graph at torch.backends.cuda.is_built and torch.cuda.is_current_stream_capturing (a compiled
+    # SD3.5-medium step broke at every gated call and ran 0.75x stock): under torch.compile a call is not eager,
+    # decided before either is asked
+    from types import SimpleNamespace
+
+    asked = []
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: asked.append("built") or True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: asked.append("capturing") or False)
+    on_gpu = SimpleNamespace(device=torch.device("cuda"))
+    assert speed_gate.eager_call(on_gpu) and asked == ["built", "capturing"]
+    asked.clear()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not speed_gate.eager_call(on_gpu) and asked == []

@@ -416,8 +416,9 @@ class SpeedGate:
 
 def eager_call(x: torch.Tensor) -> bool:
     """Whether a call on ``x`` runs eagerly on a GPU, where the host time of its launches can be the step's: not
-    captured into a CUDA graph (callers check torch.compile apart; a CPU build's fake CUDA tensors are not)."""
-    return (x.device.type == "cuda" and torch.backends.cuda.is_built()
+    traced by torch.compile, not captured into a CUDA graph (a CPU build's fake CUDA tensors are not on a GPU).
+    Under torch.compile it is False before anything else is asked: dynamo breaks the graph at the other checks."""
+    return (not torch.compiler.is_compiling() and x.device.type == "cuda" and torch.backends.cuda.is_built()
             and not torch.cuda.is_current_stream_capturing())
 
 
