@@ -408,7 +408,9 @@ def main():
             calls = "—"
             if handle is not None:
                 handle.disable()
-                calls = f"{handle.state.int8_calls} / {handle.state.gated_calls}"
+                # a compiled model's calls are not counted (the counters would recompile its graph at every call)
+                calls = ("not counted (compiled)" if args.compile
+                         else f"{handle.state.int8_calls} / {handle.state.gated_calls}")
             if mode == "stock":
                 ref, ref_final = out, final
                 attn_ms, gpu_ms, names = _attention_share(model, x)
@@ -419,8 +421,8 @@ def main():
             stock = mode == "stock"
             rows[mode] = {"ms": ms, "host_ms": host_ms, "peak_gib": peak, "psnr": None if stock else psnr(out, ref),
                           "psnr_final": None if stock or final is None else psnr(final, ref_final),
-                          "int8_calls": None if stock else handle.state.int8_calls,
-                          "gated_calls": None if stock else handle.state.gated_calls}
+                          "int8_calls": None if stock or args.compile else handle.state.int8_calls,
+                          "gated_calls": None if stock or args.compile else handle.state.gated_calls}
             rows[mode]["calls"] = calls
         # more timing rounds, the variants taking turns (reversed every other round): each row is the median of its
         # rounds, so the host's drift (eager steps on the shared machine move by tens of percent) reaches all alike
