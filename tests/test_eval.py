@@ -409,6 +409,22 @@ def test_cpu_timings_are_not_called_speed_and_gpu_ratios_have_one_wording(tmp_pa
     assert R.timing("cuda", "emulation")["speed"] is False and R.timing("cuda", "triton")["speed"] is True
 
 
+def test_a_gpu_report_made_with_the_gate_off_says_its_int8_rows_were_forced(tmp_path):
+    # the demo evaluates with the speed gate off (its model's shapes would all go to SDPA on a GPU): its rows' "slower
+    # than stock" is INT8 forced, which the note under the table says; with the gate on, or on a CPU, it says nothing
+    from diffusion_int8.eval import report as R
+
+    def note(device, kernel, gate):
+        report = {"timing": R.timing(device, kernel), "speed_gate": gate, "baseline": {"speed": {}}, "variants": {}}
+        return R.reading_note(report)
+
+    assert R.FORCED_NOTE in note("cuda", "triton", False)
+    assert R.FORCED_NOTE not in note("cuda", "triton", True) and R.FORCED_NOTE not in note("cpu", "emulation", False)
+    assert R.FORCED_NOTE not in note("cuda", "triton", None)  # scored folders (--score): not known
+    gpu = synthetic_report(tmp_path, 32, device="cuda", kernel="triton")
+    assert R.FORCED_NOTE not in (gpu / "report.md").read_text()
+
+
 def test_the_speed_section_says_where_int8_pays():
     # speed.headline and the report's section from measured rows (made up here; a GPU run makes them): the calls
     # the gate runs in INT8 are named with their speed-up, the others as staying on SDPA, and the video step
@@ -555,6 +571,7 @@ def test_demo_end_to_end(tmp_path):
     assert "calibrate --prompts demo/prompts.txt --out calib/" in res.stdout
     md = (out / "report.md").read_text()
     assert "Reading the table: " in md  # what a good PSNR is, what gated calls are
+    assert report["speed_gate"] is False  # INT8 forced, to show its quality (on a GPU the note under the table says so)
     # what each variant's modules did about the Q·Kᵀ balance: 256 queries are too few for it (undecided), and the
     # static variant takes the calibration's decision
     modules = {sum(v["speed"]["qk_balance"].values()) for v in report["variants"].values()}

@@ -228,8 +228,16 @@ ENERGY_NOTE = ("GPU J/image: the energy the GPU drew per image over the timed ge
                "GPU's, so other work on it counts too).")
 
 
+FORCED_NOTE = ("The speed gate was off for these rows (INT8 in every call a variant's mode covers), so they show "
+               "INT8's quality and its speed at this model's shapes; with enable()'s default gate, calls where INT8 "
+               "would not be faster on this GPU run SDPA at stock speed.")
+
+
 def reading_note(report: dict) -> str:
-    return READING_NOTE + (" " + ENERGY_NOTE if _has_energy(report) else "")
+    """The note under the quality table: how to read it, the energy column where there is one, and on a GPU run
+    made with the speed gate off (``evaluate(speed_gate=False)``, the demo's) that its INT8 rows were forced."""
+    forced = report.get("speed_gate") is False and timing_of(report)["speed"]
+    return READING_NOTE + (" " + ENERGY_NOTE if _has_energy(report) else "") + (" " + FORCED_NOTE if forced else "")
 
 
 def counted(n, what: str) -> str:

@@ -286,6 +286,7 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
     _warn_nonfinite(bad)
     model = model if model is not None else pipelines.pipeline_id(pipe)
     report = _report_head(model, items, shards.device, steps, seed)
+    report["speed_gate"] = speed_gate
     report["baseline"] = {"name": BASELINE, "speed": speed[BASELINE], "non_finite_images": bad[BASELINE]}
     report["variants"] = {n: {"speed": speed[n], "non_finite_images": bad[n]} for n in images if n != BASELINE}
     for n, v in report["variants"].items():
