@@ -888,7 +888,7 @@ def test_schedule_levels_apply_per_noise_level_and_sdpa_calls_stay_dense(kernel_
     assert skipped["overall"] == pytest.approx(skipped["per_step"][1] / 3)  # every step has the same 100 pairs
 
     class NeverPays(diffusion_int8.plugin.speed_gate.SpeedGate):
-        def pays(self, mode, q, k, attn_mask=None):
+        def pays(self, mode, q, k, attn_mask=None, balance=False, eager=None):
             return False
 
     kernel_calls.clear()

@@ -541,3 +541,79 @@ def test_a_call_torch_compile_traces_is_not_eager_and_asks_nothing_of_cuda(monke
     asked.clear()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not speed_gate.eager_call(on_gpu) and asked == []
+
+
+def _settle_spy(monkeypatch):
+    """Every call eager (as on a GPU outside capture) and the INT8 runs of the processor recorded."""
+    from diffusion_int8.plugin import processor
+
+    monkeypatch.setattr(speed_gate, "eager_call", lambda t: True)
+    monkeypatch.setattr(processor, "eager_call", lambda t: True)
+    runs = []
+    core = processor.int8_core
+    monkeypatch.setattr(processor, "int8_core", lambda *a, **kw: runs.append(kw) or core(*a, **kw))
+    return runs
+
+
+def _attention(gate, **options):
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+    from diffusion_int8 import Int8DiffusionProcessor
+
+    attn = Attention(query_dim=64, heads=2, dim_head=32).eval()
+    proc = Int8DiffusionProcessor("int8", inner=AttnProcessor2_0(), speed_gate=gate, **options)
+    attn.set_processor(proc)
+    return attn, proc
+
+
+def test_a_call_gated_in_graphs_too_runs_no_int8_ahead_of_capture(monkeypatch):
+    # SDXL-like: the table keeps the call on SDPA whether eager or captured, so nothing is run ahead of a capture
+    runs = _settle_spy(monkeypatch)
+    attn, proc = _attention(SpeedGate(table(keys=(8, 1 << 16), rows=(8, 1 << 20), speedup=((0.8,) * 2,) * 2,
+                                             head_dim=32)))
+    with torch.no_grad():
+        attn(torch.randn(1, 1024, 64))
+    assert runs == [] and proc.state.gated_calls == 1 and proc.balance.measured is None  # nor the balance decided
+
+
+def test_a_call_the_balance_gates_when_eager_is_settled_for_its_captured_run(monkeypatch):
+    # the call pays eagerly without the Q·Kᵀ balance and not with it (the balance's cost takes its saving under the
+    # eager minimum), while a captured call pays with it: the eager call runs SDPA and the INT8 call once, balanced
+    runs = _settle_spy(monkeypatch)
+    t = table(keys=(8, 1 << 16), rows=(8, 1 << 20), speedup=((1.5,) * 2,) * 2, head_dim=32)
+    rows, sk = 2 * 1024, 1024
+    plain, balanced = (t.saved_ms(t.speedup("int8", 32, torch.float32, rows, sk, b), 32, rows, sk) for b in (False, True))
+    assert 0 < balanced < plain and t.pays("int8", 32, torch.float32, rows, sk, balance=True)
+    attn, proc = _attention(SpeedGate(t, eager_saving_ms=(plain + balanced) / 2), qk_balance=True)
+    x = torch.randn(1, sk, 64)
+    with torch.no_grad():
+        out = attn(x)
+    assert (proc.state.int8_calls, proc.state.gated_calls) == (0, 1)
+    assert len(runs) == 1 and runs[0]["qk_balance"] is True
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    assert torch.equal(out, AttnProcessor2_0()(attn, x))
+
+
+def test_the_int8_run_ahead_of_capture_is_made_once_per_shape_for_a_handles_modules(monkeypatch):
+    # the compiled kernels and launch plans are the process's: two modules of one handle with the same call run it
+    # once (each decides its own balance); a pickled state forgets it; a failing run is said and changes nothing
+    import pickle
+
+    runs = _settle_spy(monkeypatch)
+    gate = SpeedGate(table(keys=(8, 1 << 16), rows=(8, 1 << 20), speedup=((1.5,) * 2,) * 2, head_dim=32))
+    first, p1 = _attention(gate)
+    second, p2 = _attention(gate, state=p1.state)
+    x = torch.randn(1, 1024, 64)
+    with torch.no_grad():
+        first(x), second(x), first(x)
+    assert len(runs) == 1 and p1.state.gated_calls == 3
+    assert p1.balance.measured is not None and p2.balance.measured is not None
+    assert pickle.loads(pickle.dumps(p1.state)).settled == set()
+    from diffusion_int8.plugin import processor
+
+    monkeypatch.setattr(processor, "int8_core", lambda *a, **kw: 1 / 0)
+    third, p3 = _attention(gate)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="run ahead of CUDA-graph capture .*ZeroDivisionError"):
+        out = third(x)
+    assert p3.state.gated_calls == 1 and torch.isfinite(out).all()

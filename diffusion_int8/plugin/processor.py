@@ -105,7 +105,6 @@ class Int8DiffusionProcessor(DispatcherCalls):
         # module -> {(mode, eager, input shapes, dtype, device): gated calls} for inputs whose every attention call
         # was gated
         self._stock_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._settled: set[tuple] = set()  # the attention calls ``_settle_for_capture`` ran once, by shape
         # attention calls of this processor that ran INT8, were gated, or went to another backend: what one
         # routed call did, for the stock fast path (the shared Int8State counts every processor's)
         self._outcomes = [0, 0, 0]
@@ -354,15 +353,26 @@ class Int8DiffusionProcessor(DispatcherCalls):
         full_keys = key.shape[2]
         if attn_mask is not None and _sparse(self.current_tau(), key, None):
             key, value, attn_mask = self._key_prefix(query, key, value, attn_mask)
-        if self.gate is not None and not self.gate.pays(mode, query, key, attn_mask):
-            if eager_call(query) and self.gate.pays(mode, query, key, attn_mask, eager=False):
-                self._settle_for_capture(mode, query, key, value, attn_mask, scale, share)
-            return self._gated(query, key, value, attn_mask, scale, enable_gqa, exact, counting, blocks)
-        ranges = self._call_ranges(query.device, share)
-        balance = self.balance.for_call(query, key, ranges)
-        # a call that measures the Q·Kᵀ balance pays only if INT8's lead covers the balance too
-        if balance and self.gate is not None and not self.gate.pays(mode, query, key, attn_mask, balance=True):
-            return self._gated(query, key, value, attn_mask, scale, enable_gqa, exact, counting, blocks)
+        ranges = balance = None
+        if self.gate is not None:
+            # judged as the call runs (``eager``: by the eager rule too) and, for an eager call, as a CUDA graph
+            # captured later would run it; the Q·Kᵀ balance is decided only where the table runs INT8 in either
+            eager = eager_call(query)
+            runs = self.gate.pays(mode, query, key, attn_mask, eager=eager)
+            captured = runs or (eager and self.gate.pays(mode, query, key, attn_mask, eager=False))
+            if captured:
+                ranges = self._call_ranges(query.device, share)
+                balance = self.balance.for_call(query, key, ranges)
+                if balance:  # a call that measures the balance pays only if INT8's lead covers the balance too
+                    runs = runs and self.gate.pays(mode, query, key, attn_mask, balance=True, eager=eager)
+                    captured = self.gate.pays(mode, query, key, attn_mask, balance=True, eager=False)
+            if not runs:
+                if eager and captured:
+                    self._settle_for_capture(mode, query, key, value, attn_mask, scale, ranges, balance)
+                return self._gated(query, key, value, attn_mask, scale, enable_gqa, exact, counting, blocks)
+        if ranges is None:
+            ranges = self._call_ranges(query.device, share)
+            balance = self.balance.for_call(query, key, ranges)
         if counting:
             self.state.int8_calls += 1
             self._outcomes[0] += 1
@@ -391,18 +401,26 @@ class Int8DiffusionProcessor(DispatcherCalls):
         ranges = self._static_ranges(device)
         return ranges if ranges is None or share is None else heads_share(ranges, *share)
 
-    def _settle_for_capture(self, mode: Mode, query, key, value, attn_mask, scale, share):
+    def _settle_for_capture(self, mode: Mode, query, key, value, attn_mask, scale, ranges, balance: bool):
         """Run the call in INT8 once, its result unused: the gate keeps this eager call on SDPA for its host time,
-        and a CUDA graph captured later runs it INT8, where nothing of that first run can be done (compiling the
-        kernels, deciding the Q·Kᵀ balance, which reads the GPU, making the rotation's matrix). Dense: a
-        block-sparse call's own kernels are not compiled by it."""
-        call = (mode, query.shape, key.shape, query.dtype, query.device, None if attn_mask is None else attn_mask.shape)
-        if call in self._settled or len(self._settled) >= 64:
+        and a CUDA graph captured later runs it INT8, where its first run cannot happen (compiling the kernels,
+        recording the launch plan, making the rotation's matrix). The caller has decided the module's Q·Kᵀ balance
+        (``balance``), which a capture would otherwise measure in every replay. Once per call shape for every
+        module of the handle (``Int8State.settled``: the kernels and plans are the process's); dense (a
+        block-sparse call's own kernels are not compiled by it). A failure is said once and leaves eager calls on
+        SDPA, as they were."""
+        mask = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype)
+        call = (mode, query.shape, key.shape, query.dtype, query.device, mask, balance, self.qk_rotate, ranges is None)
+        settled = self.state.settled
+        if call in settled or len(settled) >= 64:
             return
-        self._settled.add(call)
-        ranges = self._call_ranges(query.device, share)
-        balance = self.balance.for_call(query, key, ranges)
-        int8_core(mode, query, key, value, attn_mask, scale, ranges, qk_balance=balance, qk_rotate=self.qk_rotate)
+        settled.add(call)
+        try:
+            int8_core(mode, query, key, value, attn_mask, scale, ranges, qk_balance=balance, qk_rotate=self.qk_rotate)
+        except Exception as exc:  # noqa: BLE001 - its result is unused: the eager call still runs SDPA
+            warn_user(f"diffusion_int8: the INT8 call run ahead of CUDA-graph capture for {tuple(query.shape)} "
+                      f"{query.dtype} failed ({type(exc).__name__}: {exc}); eager calls run SDPA as before, and a "
+                      f"CUDA graph captured with this call may fail the same way")
 
     def _gated(self, query, key, value, attn_mask, scale, enable_gqa, exact, counting: bool, blocks: bool):
         """A call the speed gate sends to SDPA (``exact`` if the observer already ran it), counted."""

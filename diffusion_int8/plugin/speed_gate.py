@@ -6,7 +6,9 @@ rows (batch × heads × queries), measured on one GPU from CUDA-graph replays, f
 lengths that are whole 128-key tiles, lengths that leave a partial tile, and a key mask (text padding), since SDPA
 loses speed to the latter two and the INT8 kernels much less. A call runs INT8 when a
 least-squares surface through the grid (``Grid``: it smooths the cells' few percent of scatter) gives its shape a
-speed-up of at least ``margin``; elsewhere, and below the grid, it runs SDPA, which is exact. Tables ship for sm_90
+speed-up of at least ``margin``; elsewhere, and below the grid, it runs SDPA, which is exact. The cells are GPU time:
+an eager call (not captured in a CUDA graph, not traced by torch.compile) must also save ``EAGER_SAVING_MS`` of it, for
+the host time an INT8 call adds (``CrossoverTable.saved_ms`` estimates the saving from below). Tables ship for sm_90
 (``tables/``: one for the architecture and one per GPU measured apart); ``diffusion-int8 tune`` measures one for any
 other GPU and caches it (``cache_path``). The gate never benchmarks inside a call.
 """
@@ -64,6 +66,8 @@ EAGER_SAVING_MS = 0.1
 # and a call's saving are estimated from below; elsewhere a rate above any GPU's so far.
 SDPA_TFLOPS = {"sm_90": 700.0}
 OTHER_SDPA_TFLOPS = 2000.0
+# decisions a gate keeps (by call shape, dtype, device, kind and eager) before it forgets them all
+_MAX_DECISIONS = 4096
 
 
 @dataclass(frozen=True)
@@ -393,7 +397,8 @@ class SpeedGate:
         kernels apply element by element (unmeasured, and far slower), never. ``balance``: the call measures the
         Q·Kᵀ balance, whose cost (``balance_cost``) the table's speed-up must cover too. In eager mode the call
         must also save ``eager_saving_ms`` of GPU time, for the host time it adds over SDPA's; ``eager``: whether
-        the call is judged as an eager one (None: as it runs, ``eager_call``; False: as in a CUDA graph)."""
+        the call is judged as an eager one (None: as it runs, ``eager_call``; False: as in a CUDA graph). A call
+        torch.compile traces is judged by the table alone, whatever ``eager`` says."""
         if q.device.type != "cuda" and self._fixed is None:
             return True
         B, H, Sq, D = q.shape
@@ -407,6 +412,8 @@ class SpeedGate:
         key = (mode, q.dtype, q.device, B * H * Sq, k.shape[2], D, balance, kind, eager)
         decision = self._decisions.get(key)
         if decision is None:
+            if len(self._decisions) >= _MAX_DECISIONS:  # every shape of a long-running server: start again
+                self._decisions.clear()
             table = self.table_for(q.device)
             decision = table is not None and table.pays(mode.value, D, q.dtype, B * H * Sq, k.shape[2], balance,
                                                         kind, self.eager_saving_ms if eager else 0.0)

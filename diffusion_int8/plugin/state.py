@@ -42,6 +42,9 @@ class Int8State:
     # reaches every attention module of a denoiser call, so it is read once per call of the denoiser
     _prefix: tuple = field(default=(None, None, None), repr=False, compare=False)
     _caller: int | None = field(default=None, repr=False, compare=False)  # id of the model that set ``timestep``
+    # the eager calls whose INT8 run ahead of CUDA-graph capture was made, by shape (``Int8DiffusionProcessor``'s
+    # ``_settle_for_capture``): the compiled kernels and launch plans it leaves are this process's, not a copy's
+    settled: set = field(default_factory=set, repr=False, compare=False)
 
     def reset(self) -> None:
         self.timestep, self.step, self.timestep_scale, self.steps, self._caller = None, -1, None, None, None
@@ -51,11 +54,11 @@ class Int8State:
         if self.trace is not None:
             self.trace.clear()
 
-    def __getstate__(self):  # the cached mask read is a weak reference: not copied
-        return {k: v for k, v in self.__dict__.items() if k != "_prefix"}
+    def __getstate__(self):  # the cached mask read is a weak reference, the settled calls this process's: not copied
+        return {k: v for k, v in self.__dict__.items() if k not in ("_prefix", "settled")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _prefix=(None, None, None))
+        self.__dict__.update(state, _prefix=(None, None, None), settled=set())
 
     def valid_prefix(self, attn_mask: torch.Tensor, B: int, H: int, Sk: int) -> int | None:
         """``kernels.key_mask.valid_prefix`` of ``attn_mask``, read once per mask (a view of the mask, such as the
