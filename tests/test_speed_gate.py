@@ -498,13 +498,8 @@ def test_calls_learnt_as_gated_in_eager_mode_run_int8_when_captured(monkeypatch)
     handle.disable()
 
 
-def test_an_eager_call_kept_on_sdpa_settles_what_its_captured_run_needs(monkeypatch):
-    # the eager rule keeps the call on SDPA, and a CUDA graph captured after it runs the call INT8, where its first
-    # INT8 run (compiling the kernels, deciding the Q·Kᵀ balance, making the rotation's matrix) cannot happen: the
-    # eager call runs it once, its result unused, and returns SDPA's
-    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
-
-    from diffusion_int8 import Int8DiffusionProcessor
+def _settle_spy(monkeypatch):
+    """Every call eager (as on a GPU outside capture) and the INT8 runs of the processor recorded."""
     from diffusion_int8.plugin import processor
 
     monkeypatch.setattr(speed_gate, "eager_call", lambda t: True)
@@ -512,12 +507,31 @@ def test_an_eager_call_kept_on_sdpa_settles_what_its_captured_run_needs(monkeypa
     runs = []
     core = processor.int8_core
     monkeypatch.setattr(processor, "int8_core", lambda *a, **kw: runs.append(kw) or core(*a, **kw))
-    gate = SpeedGate(table(keys=(8, 1 << 16), rows=(8, 1 << 20), speedup=((1.5,) * 2,) * 2, head_dim=32))
+    return runs
+
+
+def _attention(gate, **options):
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+    from diffusion_int8 import Int8DiffusionProcessor
+
     attn = Attention(query_dim=64, heads=2, dim_head=32).eval()
+    proc = Int8DiffusionProcessor("int8", inner=AttnProcessor2_0(), speed_gate=gate, **options)
+    attn.set_processor(proc)
+    return attn, proc
+
+
+def test_an_eager_call_kept_on_sdpa_settles_what_its_captured_run_needs(monkeypatch):
+    # the eager rule keeps the call on SDPA, and a CUDA graph captured after it runs the call INT8, where its first
+    # INT8 run (compiling the kernels, recording the launch plan, making the rotation's matrix) cannot happen: the
+    # eager call decides the module's Q·Kᵀ balance, runs the INT8 call once, its result unused, and returns SDPA's
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    runs = _settle_spy(monkeypatch)
+    gate = SpeedGate(table(keys=(8, 1 << 16), rows=(8, 1 << 20), speedup=((1.5,) * 2,) * 2, head_dim=32))
     with warnings.catch_warnings():  # the rotation's cost, said once a process
         warnings.simplefilter("ignore")
-        proc = Int8DiffusionProcessor("int8", inner=AttnProcessor2_0(), speed_gate=gate, qk_rotate=True)
-    attn.set_processor(proc)
+        attn, proc = _attention(gate, qk_rotate=True)
     x = torch.randn(1, 1024, 64)  # 1,024 queries: enough for the balance to apply
     with torch.no_grad():
         out, stock = attn(x), AttnProcessor2_0()(attn, x)
@@ -541,29 +555,6 @@ def test_a_call_torch_compile_traces_is_not_eager_and_asks_nothing_of_cuda(monke
     asked.clear()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not speed_gate.eager_call(on_gpu) and asked == []
-
-
-def _settle_spy(monkeypatch):
-    """Every call eager (as on a GPU outside capture) and the INT8 runs of the processor recorded."""
-    from diffusion_int8.plugin import processor
-
-    monkeypatch.setattr(speed_gate, "eager_call", lambda t: True)
-    monkeypatch.setattr(processor, "eager_call", lambda t: True)
-    runs = []
-    core = processor.int8_core
-    monkeypatch.setattr(processor, "int8_core", lambda *a, **kw: runs.append(kw) or core(*a, **kw))
-    return runs
-
-
-def _attention(gate, **options):
-    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
-
-    from diffusion_int8 import Int8DiffusionProcessor
-
-    attn = Attention(query_dim=64, heads=2, dim_head=32).eval()
-    proc = Int8DiffusionProcessor("int8", inner=AttnProcessor2_0(), speed_gate=gate, **options)
-    attn.set_processor(proc)
-    return attn, proc
 
 
 def test_a_call_gated_in_graphs_too_runs_no_int8_ahead_of_capture(monkeypatch):
