@@ -353,13 +353,16 @@ class Int8DiffusionProcessor(DispatcherCalls):
         full_keys = key.shape[2]
         if attn_mask is not None and _sparse(self.current_tau(), key, None):
             key, value, attn_mask = self._key_prefix(query, key, value, attn_mask)
-        ranges = balance = None
-        if self.gate is not None:
+        if self.gate is None:
+            ranges = self._call_ranges(query.device, share)
+            balance = self.balance.for_call(query, key, ranges)
+        else:
             # judged as the call runs (``eager``: by the eager rule too) and, for an eager call, as a CUDA graph
             # captured later would run it; the Q·Kᵀ balance is decided only where the table runs INT8 in either
             eager = eager_call(query)
             runs = self.gate.pays(mode, query, key, attn_mask, eager=eager)
             captured = runs or (eager and self.gate.pays(mode, query, key, attn_mask, eager=False))
+            ranges, balance = None, False
             if captured:
                 ranges = self._call_ranges(query.device, share)
                 balance = self.balance.for_call(query, key, ranges)
@@ -370,9 +373,6 @@ class Int8DiffusionProcessor(DispatcherCalls):
                 if eager and captured:
                     self._settle_for_capture(mode, query, key, value, attn_mask, scale, ranges, balance)
                 return self._gated(query, key, value, attn_mask, scale, enable_gqa, exact, counting, blocks)
-        if ranges is None:
-            ranges = self._call_ranges(query.device, share)
-            balance = self.balance.for_call(query, key, ranges)
         if counting:
             self.state.int8_calls += 1
             self._outcomes[0] += 1
@@ -407,8 +407,8 @@ class Int8DiffusionProcessor(DispatcherCalls):
         recording the launch plan, making the rotation's matrix). The caller has decided the module's Q·Kᵀ balance
         (``balance``), which a capture would otherwise measure in every replay. Once per call shape for every
         module of the handle (``Int8State.settled``: the kernels and plans are the process's); dense (a
-        block-sparse call's own kernels are not compiled by it). A failure is said once and leaves eager calls on
-        SDPA, as they were."""
+        block-sparse call's own kernels are not compiled by it). A failure is said (once per shape) and leaves eager
+        calls on SDPA, as they were."""
         mask = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype)
         call = (mode, query.shape, key.shape, query.dtype, query.device, mask, balance, self.qk_rotate, ranges is None)
         settled = self.state.settled
