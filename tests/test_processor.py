@@ -968,8 +968,10 @@ def test_the_gate_counts_the_balance_a_call_measures():
     attn = identity_attention(2, D)
     outcomes = {}
     for outliers in ("separate", "none"):
+        # no sink where there are no outliers: a sink token in a channel of extreme K bias (|bias| > 4.5σ, one
+        # run in ~10⁴) is an outlier of smoothed K, which the call rightly balances
         q, k, v = realistic_qkv(1, 2, 1024, 1024, D, outliers="separate", n_outliers=3,
-                                outlier_gain=30.0 if outliers == "separate" else 1.0)
+                                outlier_gain=30.0 if outliers == "separate" else 1.0, sink=outliers == "separate")
         for balance in (None, False):
             attn.set_processor(Int8DiffusionProcessor("int8", speed_gate=gate, qk_balance=balance, name="attn"))
             run_identity(attn, q, k, v)
@@ -985,7 +987,8 @@ def test_the_default_leaves_inputs_without_own_outlier_channels_as_they_are():
 
     attn = identity_attention(2, 64)
     for n in (2, 0):
-        q, k, v = realistic_qkv(1, 2, 1024, 1024, 64, n_outliers=n)
+        # without the sink token, which in a channel of extreme K bias is an outlier of smoothed K (one run in ~10⁴)
+        q, k, v = realistic_qkv(1, 2, 1024, 1024, 64, n_outliers=n, sink=False)
         for mode in ("int8_fp16v", "int8"):
             attn.set_processor(Int8DiffusionProcessor(mode, speed_gate=False))
             default = run_identity(attn, q, k, v)
