@@ -241,7 +241,8 @@ def test_sm90_kernel_against_portable(kdev, pv):
 def test_given_balance_against_emulation(kdev, pv):
     # A calibrated-style balance (a tensor, powers of two) with static ranges of the balanced Q and K: the kernel
     # matches the emulation, and on Q outlier channels K does not share it is far closer to float64 than without.
-    # (Static per-head ranges on 20x outlier channels stay short of BOUNDS, which per-token ranges meet.)
+    # (Static per-head ranges on 20x outlier channels stay short of BOUNDS, which per-token ranges meet: over 700
+    # draws at S = 200 the emulation's worst was cos 0.99667, rel L1 0.061, the median 0.9983 / 0.047 for FP8 P·V.)
     S = 200 if kdev == "cpu" else 2000
     q, k, v = realistic_qkv(1, 4, S, S + 37, 128, H_kv=2, device=kdev, outliers="separate")
     mean = R.token_mean(k)
@@ -253,7 +254,7 @@ def test_given_balance_against_emulation(kdev, pv):
     kw = dict(layout="BHSD", pv=pv, **static)
     ref = R.attention_ref(q, k, v)
     emu = R.emulate_attention(q, k, v, qk_balance=bal, **kw)
-    check(run_kernel(q, k, v, qk_balance=bal, **kw), emu, ref, pv, q.dtype, bounds=(0.997, 0.06),
+    check(run_kernel(q, k, v, qk_balance=bal, **kw), emu, ref, pv, q.dtype, bounds=(0.995, 0.075),
           call=(q, k, v, dict(kw, qk_balance=bal)))
     plain = dict(static, q_amax=q.float().abs().amax((2, 3)), k_amax=(k.float() - mean[:, :, None]).abs().amax((2, 3)))
     err_plain = 1 - cos_l1(R.emulate_attention(q, k, v, layout="BHSD", pv=pv, **plain), ref)[0]

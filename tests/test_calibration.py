@@ -368,7 +368,7 @@ def test_static_balance_reaches_the_kernel_and_helps_outlier_channels(monkeypatc
 
 def crafted(errors_int8, errors_fp16v, noise):
     """A calibration with given (L, T) errors and nothing else of interest."""
-    L, T = len(errors_int8), len(noise)
+    L = len(errors_int8)
     layers = {}
     for i in range(L):
         layers[f"blocks.{i}.attn"] = {

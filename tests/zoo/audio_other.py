@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zoo.registry import case, exclude  # noqa: F401
+from zoo.registry import case, exclude
 
 
 def _ace_step_sizes():

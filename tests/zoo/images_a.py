@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zoo.registry import case, exclude  # noqa: F401
+from zoo.registry import case
 
 
 def _text_mask(lengths, total, dtype=torch.long):
