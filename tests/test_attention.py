@@ -448,9 +448,10 @@ def test_static_k_mean(kdev, pv):
     for k_amax in ((k.float() - near[:, :, None]).abs().amax((2, 3)), None):
         kw = dict(layout="BHSD", pv=pv, k_mean=near, k_amax=k_amax)
         # a static per-head K range quantizes every K block with the head's largest range (sink token, outlier
-        # channels), coarser than the per-block scales BOUNDS are set for: over 400 draws of these inputs the
-        # emulation's worst with fp16 P·V was cos 0.99943 / rel L1 0.0231 (2% of draws past BOUNDS)
-        static = (0.999, 0.03) if k_amax is not None and pv is PV.FP16 else None
+        # channels), coarser than the per-block scales BOUNDS are set for: the emulation's worst against float64
+        # was cos 0.99943 / rel L1 0.0231 with fp16 P·V over 400 draws (2% past BOUNDS), 0.99897 / 0.0373 with FP8
+        # over 2,000 (0.1% past) and 0.99914 / 0.0293 with INT8 over 1,500
+        static = None if k_amax is None else (0.999, 0.03) if pv is PV.FP16 else (0.998, 0.045)
         check(run_kernel(q, k, v, **kw), R.emulate_attention(q, k, v, **kw), ref, pv, q.dtype, static,
               call=(q, k, v, kw))
 
