@@ -572,6 +572,8 @@ def test_demo_end_to_end(tmp_path):
     md = (out / "report.md").read_text()
     assert "Reading the table: " in md  # what a good PSNR is, what gated calls are
     assert report["speed_gate"] is False  # INT8 forced, to show its quality (on a GPU the note under the table says so)
+    assert "--schedule calib/schedule.json --no-speed-gate --out report/" in res.stdout  # the same job, forced too
+    assert report["dtype"] == "float32" and "the model in float32" in md  # a CPU run's baseline is not fp16
     # what each variant's modules did about the Q·Kᵀ balance: 256 queries are too few for it (undecided), and the
     # static variant takes the calibration's decision
     modules = {sum(v["speed"]["qk_balance"].values()) for v in report["variants"].values()}

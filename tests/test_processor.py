@@ -1019,6 +1019,12 @@ def test_qk_rotate_reaches_the_op_and_drops_static_q_k_ranges(kernel_calls):
     assert all(c["q_amax"] is None and c["k_amax"] is None and c["v_amax"] is not None and c["k_mean"] is not None
                for c in rotated)
     assert all(c["q_amax"] is not None for c in kernel_calls if not c["qk_rotate"])
+    # a calibrated processor made by hand (set_attn_processor) must be told its module's name, and a name calibrated
+    config = diffusion_int8.Int8Config("int8", calibration=cal)
+    with pytest.raises(ValueError, match=r"needs its module's name \(name=\.\.\., as calibrated\)"):
+        Int8DiffusionProcessor(config)
+    with pytest.raises(ValueError, match="the calibration has no layer 'nope'"):
+        Int8DiffusionProcessor(config, name="nope")
 
 
 @pytest.mark.parametrize("family, first", [("flux", True), ("sd3", False), ("cogvideox", True)])

@@ -296,7 +296,8 @@ def test_calibrate_refuses_bad_arguments_first_and_leaves_the_pipeline_as_it_was
     ({"steps": 0}, "steps must be from 1 to 10000, got 0"),
     ({"batch_size": 0}, "batch_size must be from 1 to 4096, got 0"),
     ({"modes": ["int4"]}, "mode must be one of"),
-    ({"modes": "int8"}, "modes must be a list of mode names"),
+    ({"modes": "int8"}, "modes must be a list of INT8 mode names (int8, int8_fp16v), got 'int8'"),
+    ({"modes": ["int8", "fp16"]}, "modes lists 'fp16', the stock pipeline every report compares with"),
     ({"lpips_weights": "/nonexistent/lpips.pth"}, "lpips_weights: no file at /nonexistent/lpips.pth"),
 ])
 def test_evaluate_refuses_bad_arguments_before_any_image(shipped_pipe, kwargs, message, monkeypatch):

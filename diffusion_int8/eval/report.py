@@ -252,6 +252,8 @@ def run_parts(report: dict) -> list[str]:
         parts.append(counted(report["steps"], "step"))
     if isinstance(report.get("seed"), int):
         parts.append(f"seeds {report['seed']}+i")
+    if report.get("dtype"):
+        parts.append(f"the model in {report['dtype']}")
     return parts
 
 

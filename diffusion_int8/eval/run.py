@@ -74,10 +74,15 @@ class StepTimer:
 
 
 def check_modes(modes: Sequence[str]) -> list[str]:
-    """``modes`` as a list of distinct mode names, or ``ValueError`` naming the one that is not."""
+    """``modes`` as a list of distinct INT8 mode names, or ``ValueError`` naming the one that is not (``fp16`` is
+    the stock baseline every report has, not a variant)."""
+    int8_modes = ", ".join(m.value for m in Mode if m is not Mode.FP16)
     if isinstance(modes, str) or not all(isinstance(m, (str, Mode)) for m in modes):
-        raise ValueError(f"modes must be a list of mode names ({', '.join(m.value for m in Mode)}), got {modes!r}")
+        raise ValueError(f"modes must be a list of INT8 mode names ({int8_modes}), got {modes!r}")
     names = [Mode.parse(m).value for m in modes]
+    if BASELINE in names:
+        raise ValueError(f"modes lists {BASELINE!r}, the stock pipeline every report compares with: give INT8 modes "
+                         f"({int8_modes})")
     if len(set(names)) != len(names):
         raise ValueError(f"modes lists a mode twice: {names}")
     return names
@@ -220,7 +225,8 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
             each variant.
         prompts: text prompts, one image each; or ``class_labels`` (names or ids) for class-conditional
             pipelines. Neither: one image of each of the pipeline's ``labels`` (the shipped pipeline).
-        modes: constant-precision variants (``int8``, ``int8_fp16v``, ``fp16``), in report order.
+        modes: constant-precision INT8 variants (``int8``, ``int8_fp16v``), in report order; the stock
+            pipeline's images are the baseline of every report.
         schedule: also a scheduled variant: a ``PrecisionSchedule``, a preset name or a schedule JSON file.
         calibration: also a variant with static ranges (the last variant's settings plus this
             calibration): a ``Calibration`` or its file or directory; checked against the model first.
@@ -286,6 +292,8 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
     _warn_nonfinite(bad)
     model = model if model is not None else pipelines.pipeline_id(pipe)
     report = _report_head(model, items, shards.device, steps, seed)
+    # the stock baseline's precision: fp16 on a GPU by default, float32 on a CPU (INT8 attention computes in fp16)
+    report["dtype"] = str(next(pipelines.denoiser(pipe).parameters()).dtype).removeprefix("torch.")
     report["speed_gate"] = speed_gate
     report["baseline"] = {"name": BASELINE, "speed": speed[BASELINE], "non_finite_images": bad[BASELINE]}
     report["variants"] = {n: {"speed": speed[n], "non_finite_images": bad[n]} for n in images if n != BASELINE}

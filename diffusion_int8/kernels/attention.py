@@ -712,7 +712,8 @@ def sm90_unavailable() -> str | None:
 
 
 def hopper_applies(device: torch.device, pv: PV, dp: int) -> bool:
-    """Whether an unmasked call at padded head dim ``dp`` on ``device`` is one the sm_90 kernels are for."""
+    """Whether a call at padded head dim ``dp`` on ``device``, unmasked or with a key mask (``hopper.supports``
+    refuses masks that vary over the queries), is one the sm_90 kernels are for."""
     return pv is not PV.INT8 and dp == 128 and is_sm90(device)
 
 

@@ -107,7 +107,7 @@ class Kernel(str, enum.Enum):
     """Every implementation an attention call can run (``kernel_info``'s ``kernel``). ``Backend.TRITON`` runs
     ``SM90_GLUON`` where it applies and can run, else ``TRITON``; ``Backend.EMULATION`` runs ``EMULATION``."""
 
-    SM90_GLUON = "sm90_gluon"  # hopper.py: sm_90, no mask, padded head dim 128, FP8 or 16-bit P·V
+    SM90_GLUON = "sm90_gluon"  # hopper.py: sm_90, no mask or a key mask, padded head dim 128, FP8 or 16-bit P·V
     TRITON = "triton"  # attention.py: the portable Triton kernel, every other call of the Triton backend
     EMULATION = "emulation"  # reference.emulate_attention: the kernels' numerics in PyTorch
     SDPA = "sdpa"  # mode fp16: torch's scaled_dot_product_attention

@@ -45,14 +45,16 @@ class Int8Config:
         refresh_every: with ``sparsity``, carry the skipped blocks instead of dropping them (``carry.BlockCarry``):
             every ``refresh_every``-th denoising step computes them too (one due on the last step runs at the
             step before, where ``enable`` is given the pipeline and so its step count), the steps between forecast
-            them from the last two such steps; the mask is predicted once per generation. Eager pipelines only.
+            them from the last two such steps; the mask is predicted once per generation. Not inside a captured
+            CUDA graph; under ``torch.compile`` each carried call breaks the graph (it reads the timestep).
             A schedule with one level carries its blocks at its own ``refresh_every`` (a calibrated one chooses
             it) unless this is given.
         qk_balance: ``int8_attention``'s Q·Kᵀ channel balance, against outlier channels that Q or K carries
             alone. None (the default) balances where a module needs it: with a calibration, by its static balance;
             with a schedule from a calibration, in the modules its ``balance_layers`` name; else by the module's
             first INT8 call of 1,024+ queries per head, which looks once for a channel the balance would move.
-            True balances every call, False none.
+            True balances every call that measures Q's and K's ranges and has 1,024+ queries per K/V head (fewer
+            sampled queries give noise, not outlier channels), False none.
         qk_rotate: ``int8_attention``'s Hadamard rotation of Q and K, for outlier channels Q and K share or not
             (with ``qk_balance`` too, both apply). With a calibration, Q's and K's ranges are then measured per
             call; its V ranges, K mean and balance still apply. The speed gate's tables do not include its cost,

@@ -91,8 +91,11 @@ class Int8DiffusionProcessor(DispatcherCalls):
         self.state = state if state is not None else Int8State()
         self.name = name
         calibration = self.calibration = config.calibration
+        if calibration is not None and name is None:
+            raise ValueError("a processor with a calibration needs its module's name (name=..., as calibrated), which "
+                             "enable() passes; set_attn_processor cannot")
         if calibration is not None and name not in calibration.layers:
-            raise ValueError(f"the calibration has no layer {name!r}: pass the module's name (enable() does)")
+            raise ValueError(f"the calibration has no layer {name!r}: pass the module's name as calibrated")
         self.balance = BalanceChoice(config.qk_balance, calibration, config.schedule, name)
         self.observer = _checked_observer(observer)
         self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -38,8 +38,8 @@ VERSION = 2  # 2: grids of each kind of call (``Grid.kind``); version 1 files (p
 READS = (1, 2)
 SHIPPED = Path(__file__).parent / "tables"
 # The measured Q·Kᵀ balance's share of an INT8 call at 4,096 keys (tables are measured without it). It is one more
-# pass over Q and K, O(S·D) against attention's O(S²·D), so its share falls as 1/keys; BENCHMARKS.md ("what the
-# default balance costs") has the measurements this rounds up.
+# pass over Q and K, O(S·D) against attention's O(S²·D), so its share falls as 1/keys; BENCHMARKS.md ("Outlier
+# channels: the Q·Kᵀ balance") has the measurements this rounds up.
 BALANCE_COST_4096 = 0.045
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # the dtypes a table measures, by their names
 # The kinds of call a grid measures: "plain", no mask and lengths of whole 128-key tiles (the powers of two of the
