@@ -56,8 +56,8 @@ def calibrate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Seque
         progress: show a progress bar, one tick per denoising step of each batch.
 
     Returns:
-        The ``Calibration`` (per layer, float32 tensors ``(H, T)`` over the ``T`` denoiser calls of a generation (``steps``, or twice that where
-        the pipeline runs classifier-free guidance as two calls a step),
+        The ``Calibration`` (per layer, float32 tensors ``(H, T)`` over the ``T`` denoiser calls of a generation:
+        ``steps``, or twice that where the pipeline runs classifier-free guidance as two calls a step;
         ``(H, D, T)`` for K's mean and V's channel maxima, with quadratic fits against the noise level), on
         the main process; None on the other processes of a launch. Records of several processes are summed
         in batch order, so the result does not depend on how many processes ran.
