@@ -1,0 +1,102 @@
+"""Register caps of the portable kernel's head-dim-64 FP8 loops (``attention.launch_options``), timed against the
+shipped options.
+
+    python benchmarks/register_caps.py [--shape 1,24,17550,64] [--skip 0.8] [--rounds 9] [--out bench_out/caps.json]
+
+The attention launch alone (``attention.attend``, on inputs quantized beforehand) in each of its loops: dense,
+block-listed (a block mask skipping ``--skip`` of the key blocks) and the refresh (the split lists of
+``return_skipped``), each compiled uncapped, at 128 and at 168 registers a thread and as shipped. Every variant is
+replayed from a CUDA graph, all taking turns (``timing.interleaved_rounds``), and given as its time over the shipped
+variant's of the same loop within each round (median and range over rounds). A cap changes the registers, not the
+arithmetic: every variant's output is checked bit for bit against the shipped one's first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+
+from diffusion_int8.kernels import attention as kattn
+from diffusion_int8.kernels import quantize as tq
+from diffusion_int8.kernels.config import PV, SPARSE_BLOCK
+from diffusion_int8.inputs import realistic_qkv
+from diffusion_int8.timing import interleaved_rounds, median, paired_ratio
+
+CAPS = {"shipped": "shipped", "uncapped": None, "128": 128, "168": 168}
+
+
+def fixed_mask(B, H, nqb, nkb, skip, device):
+    """A block mask whose every row keeps round((1 - skip) · nkb) key blocks (at least one), at random."""
+    keep = max(1, round((1 - skip) * nkb))
+    order = torch.rand(B, H, nqb, nkb, generator=torch.Generator().manual_seed(0)).argsort(-1)
+    return (order < keep).to(device)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="1,24,17550,64", help="B,H,N,D (head dims 33-64 run the capped loops)")
+    ap.add_argument("--skip", type=float, default=0.8, help="fraction of key blocks the block mask skips")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=20, help="graph replays a round")
+    ap.add_argument("--out", default="bench_out/caps.json")
+    args = ap.parse_args()
+    B, H, N, D = map(int, args.shape.split(","))
+
+    q, k, v = realistic_qkv(B, H, N, N, D, device="cuda", seed=0)
+    quantized = tq.quantize_qkv(q, k, v, D**-0.5, PV.FP8)
+    out = torch.empty_like(q)
+    skipped = (torch.empty_like(q), torch.empty(B, H, N, device="cuda"))
+    nb = triton.cdiv(N, SPARSE_BLOCK)
+    mask = fixed_mask(B, H, nb, nb, args.skip, "cuda")
+    lists = {"block-listed": kattn.block_lists(mask, B, H, N, N), "refresh": kattn.block_lists(mask, B, H, N, N, split=True)}
+    shipped = kattn.launch_options
+
+    def variant(loop, cap):
+        def run():
+            if cap != "shipped":  # read at launch, so a graph captures the capped kernel
+                kattn.launch_options = lambda *_: {} if cap is None else dict(maxnreg=cap)
+            try:
+                kattn.attend(quantized, v, out, pv=PV.FP8, blocks=lists.get(loop),
+                             skipped=skipped if loop == "refresh" else None)
+            finally:
+                kattn.launch_options = shipped
+            return out
+        return run
+
+    fns = {(loop, name): variant(loop, cap) for loop in ("dense", "block-listed", "refresh") for name, cap in CAPS.items()}
+    for (loop, name), fn in fns.items():
+        if name == "shipped":
+            out.fill_(float("nan"))
+            fn()
+            expected = out.clone()
+        else:
+            out.fill_(float("nan"))
+            fn()
+            if not torch.equal(out, expected):
+                raise SystemExit(f"{loop} at cap {name}: output differs from the shipped kernel's")
+    rounds = interleaved_rounds({f"{loop} {name}": fn for (loop, name), fn in fns.items()}, args.reps, args.rounds)
+
+    flops = 4 * B * H * N * N * D
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                shape=(B, H, N, D), skip=args.skip, rounds=args.rounds)
+    rows = []
+    print(f"# {meta}\n| loop | cap | ms | TOPS (dense-equivalent) | ÷ shipped (range) |\n|---|---|---|---|---|")
+    for (loop, name) in fns:
+        times = rounds[f"{loop} {name}"]
+        ratio = paired_ratio(times, rounds[f"{loop} shipped"])
+        rows.append(dict(loop=loop, cap=name, ms=median(times), over_shipped=ratio))
+        print(f"| {loop} | {name} | {median(times):.4f} | {flops / median(times) / 1e9:.0f} | "
+              f"{ratio[0]:.3f} ({ratio[1]:.3f}–{ratio[2]:.3f}) |")
+    refresh = paired_ratio(rounds["refresh shipped"], rounds["dense shipped"])
+    print(f"refresh ÷ dense, both shipped: {refresh[0]:.3f} ({refresh[1]:.3f}–{refresh[2]:.3f})")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows, refresh_over_dense=refresh), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
