@@ -387,6 +387,30 @@ def test_a_gpu_with_its_own_shipped_table_reads_it_before_its_architectures(monk
         assert speed_gate._find_table(torch.device("cuda", 0)) == cached
 
 
+def test_a_table_measured_with_another_triton_release_asks_more_of_a_call(monkeypatch, tmp_path):
+    measured = CrossoverTable("NVIDIA Test GPU", "sm_90", table(head_dim=64).grids, measured={"triton": "3.6.0"})
+    monkeypatch.setattr(speed_gate, "_triton_release", lambda: "3.6.1")
+    assert speed_gate.for_this_triton(measured) is measured
+    monkeypatch.setattr(speed_gate, "_triton_release", lambda: "3.9.0")
+    other = speed_gate.for_this_triton(measured)
+    assert other.margin == pytest.approx(1.03 * speed_gate.OTHER_RELEASE_SLACK) and other.grids == measured.grids
+    # a shape the table gives a speed-up between the two margins runs INT8 with 3.6 and SDPA with 3.9
+    between = [(rows, sk) for sk in range(64, 4097, 64) for rows in (1 << 12, 1 << 14, 1 << 16)
+               if 1.03 < measured.speedup("int8", 64, torch.float32, rows, sk) < other.margin]
+    assert between
+    rows, sk = between[0]
+    assert measured.pays("int8", 64, torch.float32, rows, sk) and not other.pays("int8", 64, torch.float32, rows, sk)
+    # the gate reads the shipped table so, and a table without the release it was measured with as it is
+    monkeypatch.setattr(speed_gate, "SHIPPED", tmp_path)
+    monkeypatch.setattr(speed_gate, "cache_path", lambda device: tmp_path / "no-cached-table.json")
+    monkeypatch.setattr(speed_gate, "arch_of", lambda device: "sm_90")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+    measured.save(tmp_path / "sm_90.json")
+    assert speed_gate._find_table(torch.device("cuda", 0)) == other
+    unrecorded = CrossoverTable("NVIDIA Test GPU", "sm_90", measured.grids)
+    assert speed_gate.for_this_triton(unrecorded) is unrecorded
+
+
 def test_the_shipped_h200_table_decides_as_benchmarks_says():
     # BENCHMARKS.md, "The H200's own table": on an H200, LTX-Video's self-attention runs int8 and the image models'
     # unmasked calls stay on SDPA; joint attention with a key mask runs INT8 from image lengths on

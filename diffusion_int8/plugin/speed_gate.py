@@ -22,7 +22,7 @@ import os
 import re
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +68,10 @@ SDPA_TFLOPS = {"sm_90": 700.0}
 OTHER_SDPA_TFLOPS = 2000.0
 # decisions a gate keeps (by call shape, dtype, device, kind and eager) before it forgets them all
 _MAX_DECISIONS = 4096
+# A table measured with another Triton release (``measured["triton"]``, major.minor) judges calls at its margin times
+# this: a release moves the kernels' speed by a few percent (on an H200, Triton 3.9 ran the whole head-dim-64 call 4%
+# slower than 3.6, which measured the shipped tables, and the head-dim-128 one within 3%; BENCHMARKS.md, "Triton 3.9").
+OTHER_RELEASE_SLACK = 1.05
 
 
 @dataclass(frozen=True)
@@ -462,14 +466,32 @@ def _find_table(device: torch.device) -> CrossoverTable | None:
             if lacks:
                 warn_user(f"diffusion_int8: the cached crossover table {path} has {'; and '.join(lacks)}: calls may "
                           f"run SDPA where INT8 could pay. Run `diffusion-int8 tune --overwrite` to measure them.")
-            return table
+            return for_this_triton(table)
         except ValueError as exc:
             warn_user(f"diffusion_int8: ignoring the cached crossover table: {exc}. Run `diffusion-int8 tune "
                       f"--overwrite` to measure it again.")
     for shipped in (shipped_path(arch_of(device), torch.cuda.get_device_name(device)), shipped_path(arch_of(device))):
         if shipped.exists():
-            return CrossoverTable.load(shipped)
+            return for_this_triton(CrossoverTable.load(shipped))
     return _no_table(device)
+
+
+def for_this_triton(table: CrossoverTable) -> CrossoverTable:
+    """``table``, with its margin times ``OTHER_RELEASE_SLACK`` where it was measured with another Triton release (its
+    major.minor) than the one installed: the shipped tables and a cached one after an upgrade judge calls with room
+    for the kernels' speed to have moved. ``diffusion-int8 tune --overwrite`` measures one with this release."""
+    measured, installed = table.measured.get("triton"), _triton_release()
+    if not isinstance(measured, str) or installed is None or measured.split(".")[:2] == installed.split(".")[:2]:
+        return table
+    return replace(table, margin=table.margin * OTHER_RELEASE_SLACK)
+
+
+def _triton_release() -> str | None:
+    try:
+        import triton
+    except ImportError:  # no kernels to gate
+        return None
+    return triton.__version__
 
 
 def _no_table(device: torch.device) -> None:
