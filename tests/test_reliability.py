@@ -184,7 +184,7 @@ def test_a_cached_table_of_another_architecture_is_ignored_with_a_warning(tmp_pa
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")  # none of its own
     with pytest.warns(RuntimeWarning, match="measured on sm_80, and this GPU is sm_90"):
         table = speed_gate._find_table(torch.device("cuda", 0))
-    assert table == speed_gate.CrossoverTable.load(speed_gate.SHIPPED / "sm_90.json")
+    assert table == speed_gate.for_this_triton(speed_gate.CrossoverTable.load(speed_gate.SHIPPED / "sm_90.json"))
 
 
 def test_a_cached_table_without_masked_cells_is_used_with_a_warning(tmp_path, monkeypatch):
