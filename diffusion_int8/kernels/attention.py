@@ -674,8 +674,8 @@ def launch_options(pv: PV, dp: int, mask_kind: int, split: bool) -> dict:
     despite a few dozen bytes of spills, mostly outside the loops. The key-mask loop (about 240 where the keys end in a partial
     tile) runs best at 168: 8-9% faster than uncapped there, and 1-5% slower at 128 where it fits in 168 anyway.
     With other releases only caps that spill nothing in the offline sm_90 build are kept: 168 for each loop, which
-    none of them spills with Triton 3.9. There (kernel alone at CogVideoX's shape, two runs) the dense loop ran
-    1.8-2.4% faster at 168 than uncapped, the block-listed one the same within 1%, and the refresh 12% faster.
+    none of them spills with Triton 3.9. There (kernel alone at CogVideoX's shape, two runs) uncapped the dense loop
+    took 1.02 times as long as at 168, the block-listed one the same within 1% and the refresh 1.14 times.
     Elementwise masks and 16-bit P·V are left uncapped (a cap at 168 cost the dense 16-bit P·V loop 15%)."""
     if pv is not PV.FP8 or dp != 64 or mask_kind in (_MASK_BOOL, _MASK_ADD):
         return {}
