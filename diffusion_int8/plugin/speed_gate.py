@@ -10,7 +10,8 @@ speed-up of at least ``margin``; elsewhere, and below the grid, it runs SDPA, wh
 an eager call (not captured in a CUDA graph, not traced by torch.compile) must also save ``EAGER_SAVING_MS`` of it, for
 the host time an INT8 call adds (``CrossoverTable.saved_ms`` estimates the saving from below). Tables ship for sm_90
 (``tables/``: one for the architecture and one per GPU measured apart); ``diffusion-int8 tune`` measures one for any
-other GPU and caches it (``cache_path``). The gate never benchmarks inside a call.
+other GPU and caches it (``cache_path``); a shipped or cached table measured with another Triton release than the
+installed one judges calls with a wider margin (``for_this_triton``). The gate never benchmarks inside a call.
 """
 
 from __future__ import annotations
