@@ -22,18 +22,12 @@ import triton
 
 from diffusion_int8.kernels import attention as kattn
 from diffusion_int8.kernels import quantize as tq
-from diffusion_int8.kernels.config import PV, SPARSE_BLOCK, is_sm90
+from diffusion_int8.kernels.config import PV, is_sm90
 from diffusion_int8.inputs import realistic_qkv
 from diffusion_int8.timing import interleaved_rounds, median, paired_ratio
+from sparse import fixed_mask
 
 CAPS = {"shipped": "shipped", "uncapped": None, "128": 128, "168": 168}
-
-
-def fixed_mask(B, H, nqb, nkb, skip, device):
-    """A block mask whose every row keeps round((1 - skip) · nkb) key blocks (at least one), at random."""
-    keep = max(1, round((1 - skip) * nkb))
-    order = torch.rand(B, H, nqb, nkb, generator=torch.Generator().manual_seed(0)).argsort(-1)
-    return (order < keep).to(device)
 
 
 def main():
@@ -52,8 +46,7 @@ def main():
     quantized = tq.quantize_qkv(q, k, v, D**-0.5, PV.FP8)
     out = torch.empty_like(q)
     skipped = (torch.empty_like(q), torch.empty(B, H, N, device="cuda"))
-    nb = triton.cdiv(N, SPARSE_BLOCK)
-    mask = fixed_mask(B, H, nb, nb, args.skip, "cuda")
+    mask, _ = fixed_mask(B, H, N, N, args.skip, "cuda")
     lists = {"block-listed": kattn.block_lists(mask, B, H, N, N), "refresh": kattn.block_lists(mask, B, H, N, N, split=True)}
     shipped = kattn.launch_options
 
