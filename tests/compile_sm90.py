@@ -87,23 +87,29 @@ def quantize_variant(D, v_fmt, smooth, static, dt="fp16", rotate=False):
     return n
 
 
-def attention_variant(D, pv, mask, dt="fp16", sparse=False, split=False, contiguous=False):
+def attention_variant(D, pv, mask, dt="fp16", sparse=False, split=False, contiguous=False, tma=None):
     """The portable kernel, compiled; ``mask`` 0 none, 1 bool, 2 additive, 3 a key mask's bias and tile lists;
     ``split``: a block mask's skipped blocks written apart (``sparse`` too); ``contiguous``: specialized as a launch
-    with V and the output channels-contiguous and their other strides and the head dim multiples of 16 (most calls)."""
-    ptrs = dict(Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V=_PV_PTR[pv] or "*" + dt, VS="*fp32",
+    with V and the output channels-contiguous and their other strides and the head dim multiples of 16 (most calls);
+    ``tma``: K and V tiles by tensor descriptors (None: as the launcher chooses on sm_90, ``attention.tma_tiles``)."""
+    dp, cfg = padded_head_dim(D), tile_config(D, pv)
+    if tma is None:
+        tma = A.tma_tiles(pv, dp, mask)
+    v_ptr = _PV_PTR[pv] or "*" + dt
+    ptrs = dict(Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V=v_ptr, VS="*fp32",
+                K_DESC=f"tensordesc<i8[{cfg.block_n}, {dp}]>" if tma else "*i8",
+                V_DESC=f"tensordesc<fp8e4nv[{dp}, {cfg.block_n}]>" if tma else v_ptr,
                 MASK_PTR={0: "*fp32", 1: "*u8", 2: "*" + dt, 3: "*fp32"}[mask], KB_CNT="*i32", KB_CLEAN="*i32",
                 KB_IDX="*i32", O="*" + dt, LSE="*fp32", OS="*" + dt, LSES="*fp32")
-    cfg = tile_config(D, pv)
     return compile_kernel(A._attn_fwd_kernel, ptrs, set(), dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=padded_head_dim(D), PV=pv.code, MASK=mask,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DP=dp, PV=pv.code, MASK=mask,
         V_ALIGN8=pv is PV.FP16 and D % 8 == 0, K_GROUPS=cfg.k_groups, SPARSE=sparse, ABLATE=0, RETURN_LSE=False,
-        SPLIT=split),
+        SPLIT=split, TMA=tma),
         divisible=("SQ_PAD", "SK_PAD", "N_FULL") + (
             ("stride_vb", "stride_vh", "stride_vs", "stride_ob", "stride_oh", "stride_os") if contiguous else ())
         + (("D",) if contiguous and D % 16 == 0 else ()),
         ones=("stride_vd", "stride_od") if contiguous else (),
-        options=A.launch_options(pv, padded_head_dim(D), mask, split))
+        options=A.launch_options(pv, dp, mask, tma))
 
 
 def local_memory_bytes(kernel) -> int:

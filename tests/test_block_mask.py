@@ -316,3 +316,45 @@ def test_predicted_with_an_attention_mask_is_refused():
     q, k, v = realistic_qkv(1, 2, 300, 260, 64)
     with pytest.raises(ValueError, match="sparsity does not take an attn_mask"):
         int8_attention(q, k, v, sparsity=0.9, attn_mask=torch.ones(1, 1, 1, 260, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("loop", ["dense", "block-listed", "refresh"])
+def test_tma_tiles_match_pointer_loads(kdev, monkeypatch, loop):
+    # On sm_90 the portable kernel's FP8 loops at head dim 64 take K and V tiles by TMA (attention.tma_tiles), on
+    # other GPUs from pointers: the same tiles, so the same bits. GQA, a partial last tile, a query block keeping
+    # only the partial key block; in the interpreter the launch is made as on sm_90.
+    from diffusion_int8.kernels import attention as A
+    from diffusion_int8.kernels import clear_cache
+
+    if kdev != "cpu" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("TMA tiles are taken on sm_90 only")
+    if kdev == "cpu":
+        monkeypatch.setattr(A, "is_sm90", lambda device: True)
+    made = []
+    from_tensor = A.TensorDescriptor.from_tensor
+    monkeypatch.setattr(A.TensorDescriptor, "from_tensor", staticmethod(lambda *a: made.append(a) or from_tensor(*a)))
+    S = 300 if kdev == "cpu" else 1100
+    q, k, v = realistic_qkv(1, 4, S, S, 64, H_kv=2, device=kdev)
+    kw = dict(layout="BHSD", pv=PV.FP8)
+    if loop != "dense":
+        n = -(-S // SPARSE_BLOCK)
+        kw["block_mask"] = mask = (torch.rand(1, 4, n, n, device=kdev) > 0.5) | torch.eye(n, dtype=torch.bool, device=kdev)
+        mask[0, 0, 0] = False
+        mask[0, 0, 0, -1] = True
+    results = {}
+    for tma in (False, True):
+        monkeypatch.setattr(A, "tma_tiles", lambda *_, tma=tma: tma)
+        clear_cache()  # recorded again, not replayed from the other's plan
+        made.clear()
+        res = _poisoned_split(q, k, v, kw) if loop == "refresh" else (run_kernel(q, k, v, **kw),)
+        assert len(made) == 2 * tma  # K's descriptor and V's, or none
+        assert not any(t.isnan().any() for t in res)
+        results[tma] = res
+    assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+    res = results[True]
+    if loop == "dense":
+        check(res[0], R.emulate_attention(q, k, v, **kw), R.attention_ref(q, k, v), PV.FP8, q.dtype, call=(q, k, v, kw))
+    else:  # the listed blocks' attention: the block-listed call's output, the refresh's skipped blocks
+        listed = dict(kw, block_mask=mask if loop == "block-listed" else ~mask)
+        check(res[0 if loop == "block-listed" else 1], R.emulate_attention(q, k, v, **listed),
+              _sparse_ref(q, k, v, listed["block_mask"], "BHSD"), PV.FP8, q.dtype, call=(q, k, v, listed))

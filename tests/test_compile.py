@@ -52,26 +52,29 @@ def test_every_launch_states_its_fma_contraction():
 
 _CAPS_SCRIPT = """
 import compile_sm90 as C
-from diffusion_int8.kernels import attention as A
 from diffusion_int8.kernels.config import PV
-print(A._SPILLING_CAPS_TIMED)
 for mask, sparse, split in ((0, False, False), (0, True, False), (0, True, True), (3, False, False)):
     kernel = C.attention_variant(64, PV.FP8, mask, sparse=sparse, split=split, contiguous=True)
     print(mask, sparse, split, C.local_memory_bytes(kernel))
 """
 
+# Local memory a thread of each capped head-dim-64 FP8 loop may use, as built for sm_90 (TMA tiles where
+# ``attention.tma_tiles`` takes them): none, but the refresh's 32 bytes at 128 registers with Triton 3.9 (0 with 3.6),
+# timed faster than at 168 with both (``attention.launch_options``). A release that spills more is untimed ground.
+_SPILL_BYTES = {(0, False, False): 0, (0, True, False): 0, (0, True, True): 32, (3, False, False): 0}
 
-def test_register_caps_spill_only_with_the_triton_they_were_timed_with():
-    """``attention.launch_options`` caps the FP8 loops at head dim 64. Caps that spill were timed faster with one
-    Triton release only; with any other, the loops it caps must compile without local memory."""
+
+def test_register_caps_spill_no_more_than_timed():
+    """``attention.launch_options`` caps the FP8 loops at head dim 64; with the installed Triton none of them may
+    spill more than it did where the caps were timed."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "tests"), root, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", _CAPS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    timed, *rows = proc.stdout.split("\n")[:5]
-    if timed == "True":
-        pytest.skip("this Triton is the one the spilling caps were timed with")
-    spilled = [row for row in rows if not row.endswith(" 0")]
-    assert len(rows) == 4 and not spilled, proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    spilled = {(int(m), s == "True", p == "True"): int(n) for m, s, p, n in rows}
+    assert spilled.keys() == _SPILL_BYTES.keys(), proc.stdout
+    over = {loop: n for loop, n in spilled.items() if n > _SPILL_BYTES[loop]}
+    assert not over, f"(mask, sparse, split): bytes of local memory a thread, past {_SPILL_BYTES}: {over}"

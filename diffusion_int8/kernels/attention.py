@@ -12,6 +12,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..caller import warn_user
 from . import pool
@@ -60,12 +61,18 @@ _ABLATE_FP8_CAST = tl.constexpr(ABLATE_FP8_CAST)
 def _attn_block(
     acc, m_i, l_i, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, start_n, offs_m, offs_n, offs_d,
     SQ, SK, D,
-    stride_vs, stride_mn,
+    stride_vs, stride_mn, kv,
     BLOCK_N: tl.constexpr, DP: tl.constexpr, PV: tl.constexpr, MASK: tl.constexpr, TAIL: tl.constexpr,
-    P_SHIFT: tl.constexpr, K_GROUPS: tl.constexpr, ABLATE: tl.constexpr,
+    P_SHIFT: tl.constexpr, K_GROUPS: tl.constexpr, ABLATE: tl.constexpr, TMA: tl.constexpr,
 ):
+    """One key tile into the running state. ``TMA``: K and FP8 V tiles come by TMA, ``kv`` = (K's descriptor, FP8
+    Vᵀ's, the row of this (batch, KV head) in K's 2-D view, in Vᵀ's), and ``k_ptrs``/``v_ptrs`` are unused; else
+    they are loaded from the pointers."""
     # -- S = Q·Kᵀ on INT8 tensor cores; logits in base 2 are qk · (q scale · k scale) --
-    k = tl.load(k_ptrs)
+    if TMA:
+        k = tl.trans(kv[0].load([kv[2] + start_n, 0]))
+    else:
+        k = tl.load(k_ptrs)
     qk = tl.dot(q, k)
     # The tile's keys in their K groups, (BLOCK_M, BLOCK_N // 8, K_GROUPS, 8 // K_GROUPS): key j is in
     # group (j mod 8) div (8 / K_GROUPS), which the MMA's accumulator layout keeps inside one thread, so
@@ -120,7 +127,10 @@ def _attn_block(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     elif PV == 1:
         if (_ABLATE_PV_MMA & ABLATE) == 0:
-            v = tl.load(v_ptrs)
+            if TMA:
+                v = tl.trans(kv[1].load([kv[3], start_n]))
+            else:
+                v = tl.load(v_ptrs)
         if (_ABLATE_FP8_CAST & ABLATE) != 0:
             p8 = (p.to(tl.int32, bitcast=True) >> 23).to(tl.int8).to(tl.float8e4nv, bitcast=True)
         else:
@@ -149,16 +159,17 @@ def _attn_block(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q8, QS, K8, KS, V, VS, MASK_PTR, KB_CNT, KB_CLEAN, KB_IDX, O, LSE, OS, LSES,
+    Q8, QS, K8, KS, V, VS, K_DESC, V_DESC, MASK_PTR, KB_CNT, KB_CLEAN, KB_IDX, O, LSE, OS, LSES,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_os, stride_od,
     H, H_KV, SQ, SK, SQ_PAD, SK_PAD, D, N_FULL, NQB, NKB,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DP: tl.constexpr,
     PV: tl.constexpr, MASK: tl.constexpr, V_ALIGN8: tl.constexpr, K_GROUPS: tl.constexpr, SPARSE: tl.constexpr,
-    ABLATE: tl.constexpr, RETURN_LSE: tl.constexpr, SPLIT: tl.constexpr,
+    ABLATE: tl.constexpr, RETURN_LSE: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N % 16 == 0)
+    tl.static_assert(not TMA or PV == 1)
     tl.static_assert(DP >= 32)
     # FP8 P·V: P is scaled by 2^P_SHIFT (into e4m3's normal range) through the exponent's offset; the
     # running sum carries the same factor, so it cancels in acc / l.
@@ -167,7 +178,11 @@ def _attn_fwd_kernel(
     off_bh = tl.program_id(1)
     b = off_bh // H
     h = off_bh % H
-    off_kv = (b * H_KV + h // (H // H_KV)).to(tl.int64)
+    kvh = b * H_KV + h // (H // H_KV)
+    off_kv = kvh.to(tl.int64)
+    # TMA: K_DESC and V_DESC describe K as (B·H_KV·SK_PAD, DP) and FP8 Vᵀ as (B·H_KV·DP, SK_PAD); this KV head's first
+    # row in each goes with them
+    kv = (K_DESC, V_DESC, kvh * SK_PAD, kvh * DP)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, DP)
@@ -214,7 +229,8 @@ def _attn_fwd_kernel(
         ONE_TAIL: tl.constexpr = SPLIT and BLOCK_N == _SPARSE_BLOCK
         acc, m_i, l_i = _attn_listed(
             acc, m_i, l_i, idx_ptr, n_first, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
-            SQ, SK, D, NKB, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE, not ONE_TAIL)
+            SQ, SK, D, NKB, stride_vs, stride_mn, v_tok, kv, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE,
+            not ONE_TAIL, TMA)
         if ONE_TAIL:
             tail_skipped = _has_tail(idx_ptr, n_first, SK, NKB)
             if not tail_skipped:
@@ -223,7 +239,7 @@ def _attn_fwd_kernel(
             if SK % _SPARSE_BLOCK != 0:  # the lists hold every block: the partial one is in one of them
                 acc, m_i, l_i = _attn_tail(
                     acc, m_i, l_i, NKB - 1, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
-                    SQ, SK, D, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE)
+                    SQ, SK, D, stride_vs, stride_mn, v_tok, kv, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE, TMA)
             if tail_skipped:
                 _store_rows(acc, m_i, l_i, OS, LSES, VS, off_kv, b, h, off_bh, offs_m, offs_d, SQ, D,
                             stride_ob, stride_oh, stride_os, stride_od, DP, PV, P_SHIFT, True)
@@ -233,8 +249,8 @@ def _attn_fwd_kernel(
         if SPLIT:
             acc, m_i, l_i = _attn_listed(
                 acc, m_i, l_i, idx_ptr + n_first, NKB - n_first, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m,
-                offs_n, offs_d, SQ, SK, D, NKB, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT,
-                K_GROUPS, ABLATE, not ONE_TAIL)
+                offs_n, offs_d, SQ, SK, D, NKB, stride_vs, stride_mn, v_tok, kv, BLOCK_N, DP, PV, MASK, P_SHIFT,
+                K_GROUPS, ABLATE, not ONE_TAIL, TMA)
     elif MASK == 3:
         # a key mask (``key_mask_plan``): this row's clean tiles unmasked, then its partial ones with the key bias
         # (MASK_PTR); tiles whose every key is masked are not listed. stride_mb/stride_mh: the list row's strides.
@@ -247,22 +263,22 @@ def _attn_fwd_kernel(
         for start_n in range(0, n_prefix * BLOCK_N, BLOCK_N):
             acc, m_i, l_i = _attn_block(
                 acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + tl.cast(start_n, tl.int64) * v_tok,
-                ks_ptr + start_n, bias_ptr, start_n, offs_m, offs_n, offs_d, SQ, SK, D, stride_vs, stride_mn,
-                BLOCK_N, DP, PV, 0, False, P_SHIFT, K_GROUPS, ABLATE,
+                ks_ptr + start_n, bias_ptr, start_n, offs_m, offs_n, offs_d, SQ, SK, D, stride_vs, stride_mn, kv,
+                BLOCK_N, DP, PV, 0, False, P_SHIFT, K_GROUPS, ABLATE, TMA,
             )
         for i in range(n_prefix, n_clean):
             start_n = tl.load(idx_ptr + i) * BLOCK_N
             acc, m_i, l_i = _attn_block(
                 acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok, ks_ptr + start_n,
-                bias_ptr, start_n, offs_m, offs_n, offs_d, SQ, SK, D, stride_vs, stride_mn,
-                BLOCK_N, DP, PV, 0, False, P_SHIFT, K_GROUPS, ABLATE,
+                bias_ptr, start_n, offs_m, offs_n, offs_d, SQ, SK, D, stride_vs, stride_mn, kv,
+                BLOCK_N, DP, PV, 0, False, P_SHIFT, K_GROUPS, ABLATE, TMA,
             )
         for i in range(n_clean, n_tiles):
             start_n = tl.load(idx_ptr + i) * BLOCK_N
             acc, m_i, l_i = _attn_block(
                 acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok, ks_ptr + start_n,
-                bias_ptr + start_n, start_n, offs_m, offs_n, offs_d, SQ, SK, D, stride_vs, stride_mn,
-                BLOCK_N, DP, PV, 3, True, P_SHIFT, K_GROUPS, ABLATE,
+                bias_ptr + start_n, start_n, offs_m, offs_n, offs_d, SQ, SK, D, stride_vs, stride_mn, kv,
+                BLOCK_N, DP, PV, 3, True, P_SHIFT, K_GROUPS, ABLATE, TMA,
             )
     else:
         for start_n in range(0, N_FULL, BLOCK_N):
@@ -273,7 +289,7 @@ def _attn_fwd_kernel(
             acc, m_i, l_i = _attn_block(
                 acc, m_i, l_i, q, qs, k_ptrs + at * DP, v_ptrs + at.to(tl.int64) * v_tok, ks_ptr + at,
                 mask_ptrs + at.to(tl.int64) * stride_mn, start_n, offs_m, offs_n, offs_d,
-                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
+                SQ, SK, D, stride_vs, stride_mn, kv, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE, TMA,
             )
             if PV == 0:
                 k_ptrs += BLOCK_N * DP
@@ -285,7 +301,7 @@ def _attn_fwd_kernel(
             acc, m_i, l_i = _attn_block(
                 acc, m_i, l_i, q, qs, k_ptrs + at * DP, v_ptrs + at.to(tl.int64) * v_tok, ks_ptr + at,
                 mask_ptrs + at.to(tl.int64) * stride_mn, N_FULL, offs_m, offs_n, offs_d,
-                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
+                SQ, SK, D, stride_vs, stride_mn, kv, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE, TMA,
             )
 
     _store_rows(acc, m_i, l_i, O, LSE, VS, off_kv, b, h, off_bh, offs_m, offs_d, SQ, D,
@@ -302,9 +318,9 @@ def _has_tail(idx_ptr, n, SK, NKB):
 @triton.jit
 def _attn_listed(
     acc, m_i, l_i, idx_ptr, n, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
-    SQ, SK, D, NKB, stride_vs, stride_mn, v_tok,
+    SQ, SK, D, NKB, stride_vs, stride_mn, v_tok, kv,
     BLOCK_N: tl.constexpr, DP: tl.constexpr, PV: tl.constexpr, MASK: tl.constexpr, P_SHIFT: tl.constexpr,
-    K_GROUPS: tl.constexpr, ABLATE: tl.constexpr, TAIL: tl.constexpr,
+    K_GROUPS: tl.constexpr, ABLATE: tl.constexpr, TAIL: tl.constexpr, TMA: tl.constexpr,
 ):
     """The ``n`` key blocks listed ascending at ``idx_ptr``, into the running state. The sequence's partial last
     block, when listed, is the list's last: with ``TAIL`` its tiles run after the loop, else the caller runs them."""
@@ -318,22 +334,22 @@ def _attn_listed(
             acc, m_i, l_i = _attn_block(
                 acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
                 ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
-                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
+                SQ, SK, D, stride_vs, stride_mn, kv, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE, TMA,
             )
     if TAIL:
         if has_tail:
             acc, m_i, l_i = _attn_tail(
                 acc, m_i, l_i, NKB - 1, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
-                SQ, SK, D, stride_vs, stride_mn, v_tok, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE)
+                SQ, SK, D, stride_vs, stride_mn, v_tok, kv, BLOCK_N, DP, PV, MASK, P_SHIFT, K_GROUPS, ABLATE, TMA)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _attn_tail(
     acc, m_i, l_i, kb, q, qs, k_ptrs, v_ptrs, ks_ptr, mask_ptrs, offs_m, offs_n, offs_d,
-    SQ, SK, D, stride_vs, stride_mn, v_tok,
+    SQ, SK, D, stride_vs, stride_mn, v_tok, kv,
     BLOCK_N: tl.constexpr, DP: tl.constexpr, PV: tl.constexpr, MASK: tl.constexpr, P_SHIFT: tl.constexpr,
-    K_GROUPS: tl.constexpr, ABLATE: tl.constexpr,
+    K_GROUPS: tl.constexpr, ABLATE: tl.constexpr, TMA: tl.constexpr,
 ):
     """Key block ``kb``, the sequence's partial last one: its whole tiles as the dense loop runs them, then the
     partial one masked."""
@@ -343,19 +359,19 @@ def _attn_tail(
             acc, m_i, l_i = _attn_block(
                 acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
                 ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
-                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
+                SQ, SK, D, stride_vs, stride_mn, kv, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE, TMA,
             )
         elif start_n + BLOCK_N <= SK:
             acc, m_i, l_i = _attn_block(
                 acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
                 ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
-                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE,
+                SQ, SK, D, stride_vs, stride_mn, kv, BLOCK_N, DP, PV, MASK, False, P_SHIFT, K_GROUPS, ABLATE, TMA,
             )
         elif start_n < SK:
             acc, m_i, l_i = _attn_block(
                 acc, m_i, l_i, q, qs, k_ptrs + start_n * DP, v_ptrs + start_n.to(tl.int64) * v_tok,
                 ks_ptr + start_n, mask_ptrs + start_n * stride_mn, start_n, offs_m, offs_n, offs_d,
-                SQ, SK, D, stride_vs, stride_mn, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE,
+                SQ, SK, D, stride_vs, stride_mn, kv, BLOCK_N, DP, PV, MASK, True, P_SHIFT, K_GROUPS, ABLATE, TMA,
             )
     return acc, m_i, l_i
 
@@ -646,42 +662,53 @@ def attend(
             mask_kind = _MASK_ADD
         mstride = mask.stride()
 
+    dp = q8.shape[-1]
+    tma = is_sm90(ob.device) and tma_tiles(pv, dp, mask_kind)
+    k_desc, v_desc = k8, vk  # unread without TMA
+    if tma:  # K as (B·H_kv·Sk_pad, DP) in (BLOCK_N, DP) tiles, FP8 Vᵀ as (B·H_kv·DP, Sk_pad) in (DP, BLOCK_N)
+        k_desc = TensorDescriptor.from_tensor(k8.view(-1, dp), [cfg.block_n, dp])
+        v_desc = TensorDescriptor.from_tensor(vk.view(-1, vk.shape[-1]), [dp, cfg.block_n])
     runner.launch(_attn_fwd_kernel, (triton.cdiv(Sq, cfg.block_m), B * H), (
-        q8, qs, k8, ks, vk, vs, mask, counts, clean, idx, ob, lse if lse is not None else qs,
+        q8, qs, k8, ks, vk, vs, k_desc, v_desc, mask, counts, clean, idx, ob, lse if lse is not None else qs,
         *(skipped if skipped is not None else (ob, qs)), *vb.stride(), *mstride, *ob.stride(),
         H, H_kv, Sq, Sk, padded_len(Sq), padded_len(Sk), D, Sk // cfg.block_n * cfg.block_n,
         cdiv(Sq, SPARSE_BLOCK), n_lists,
-        # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS, SPARSE, ABLATE, RETURN_LSE, SPLIT
-        cfg.block_m, cfg.block_n, q8.shape[-1], pv.code, mask_kind,
+        # BLOCK_M, BLOCK_N, DP, PV, MASK, V_ALIGN8, K_GROUPS, SPARSE, ABLATE, RETURN_LSE, SPLIT, TMA
+        cfg.block_m, cfg.block_n, dp, pv.code, mask_kind,
         pv is PV.FP16 and D % 8 == 0 and rows_16b_aligned(vb), cfg.k_groups, blocks is not None, _ablate, lse is not None,
-        skipped is not None,
+        skipped is not None, tma,
     ), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
-            **(launch_options(pv, q8.shape[-1], mask_kind, skipped is not None) if is_sm90(ob.device) else {})))
+            **(launch_options(pv, dp, mask_kind, tma) if is_sm90(ob.device) else {})))
 
 
-# Register caps that make the portable kernel's loops spill are applied only with the Triton release they were timed
-# with (``launch_options``): another release allocates differently (3.9 keeps local loads inside the capped loops).
-_SPILLING_CAPS_TIMED = triton.__version__.startswith("3.6.")
+def tma_tiles(pv: PV, dp: int, mask_kind: int) -> bool:
+    """Whether the portable kernel's loops take K and FP8 V tiles by TMA (tensor descriptors) on sm_90 rather than
+    by cp.async from pointers: its FP8 P·V loops at padded head dim 64 without an elementwise or key mask (dense,
+    block-listed and the refresh's split lists).
+
+    TMA writes shared memory through the async proxy, so no fence stands between a tile's arrival and the wgmma
+    that reads it; Triton 3.9 puts a ``MEMBAR`` and a proxy fence before each of a cp.async tile's two wgmmas.
+    Kernel alone, NVIDIA H200, half the key blocks skipped where a mask applies, both at their best caps
+    (``benchmarks/loop_options.py`` at CogVideoX's (1, 24, 17550, 64) and LTX-Video's (2, 32, 6272, 64)): with
+    Triton 3.9 cp.async took 1.04-1.05 times as long as TMA in the dense loop, 1.05-1.11 in the block-listed and
+    1.03-1.06 in the refresh; with 3.6 0.99-1.0, 1.01-1.04 and 1.01-1.02."""
+    return pv is PV.FP8 and dp == 64 and mask_kind == _MASK_NONE
 
 
-def launch_options(pv: PV, dp: int, mask_kind: int, split: bool) -> dict:
+def launch_options(pv: PV, dp: int, mask_kind: int, tma: bool) -> dict:
     """The portable kernel's launch options beyond its tile, on sm_90: register caps for its FP8 P·V loops at padded
     head dim 64, where 4-warp CTAs share an SM three at 168 registers a thread and four at 128.
 
-    With Triton 3.6 (where they were timed, NVIDIA H200): capped at 128 the dense and block-listed loops (about 165
-    uncapped) run 1-4% and 0.5-3% faster at every head-dim-64 shape timed, and the refresh's (``split``: the
-    skipped blocks written apart; about 210 uncapped) 6-14% faster than uncapped and up to 4% faster than at 168,
-    despite a few dozen bytes of spills, mostly outside the loops. The key-mask loop (about 240 where the keys end in a partial
-    tile) runs best at 168: 8-9% faster than uncapped there, and 1-5% slower at 128 where it fits in 168 anyway.
-    With other releases only caps that spill nothing in the offline sm_90 build are kept: 168 for each loop, which
-    none of them spills with Triton 3.9. There (kernel alone at CogVideoX's shape, two runs) uncapped the dense loop
-    took 1.02 times as long as at 168, the block-listed one the same within 1% and the refresh 1.14 times.
-    Elementwise masks and 16-bit P·V are left uncapped (a cap at 168 cost the dense 16-bit P·V loop 15%)."""
+    With TMA tiles (``tma_tiles``) every loop runs best at 128 with Triton 3.6 and 3.9 (same runs): at 168 the
+    dense, block-listed and refresh loops took 1.04-1.09 times as long, uncapped 1.03-1.07 (the block-listed loop at
+    LTX-Video's shape: the same within 1%). At 128 the dense and block-listed loops spill nothing in the offline
+    sm_90 build with either release; the refresh's, about 210 registers uncapped, 32 bytes with 3.9. The key-mask
+    loop (cp.async; about 240 where the keys end in a partial tile) runs best at 168: 8-9% faster than uncapped
+    there, and 1-5% slower at 128 where it fits in 168 anyway (Triton 3.6). Elementwise masks and 16-bit P·V are
+    left uncapped (a cap at 168 cost the dense 16-bit P·V loop 15%)."""
     if pv is not PV.FP8 or dp != 64 or mask_kind in (_MASK_BOOL, _MASK_ADD):
         return {}
-    if mask_kind == _MASK_KEY or not _SPILLING_CAPS_TIMED:
-        return dict(maxnreg=168)
-    return dict(maxnreg=128)
+    return dict(maxnreg=128 if tma else 168)
 
 
 def call_kernel(ob: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, masked: bool) -> Kernel:

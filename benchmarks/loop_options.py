@@ -1,14 +1,15 @@
-"""Register caps of the portable kernel's head-dim-64 FP8 loops (``attention.launch_options``), timed against the
-shipped options.
+"""Launch options of the portable kernel's head-dim-64 FP8 loops, timed against the shipped ones: the register caps
+(``attention.launch_options``) and how K and V tiles arrive (``attention.tma_tiles``: TMA or cp.async).
 
-    python benchmarks/register_caps.py [--shape 1,24,17550,64] [--skip 0.8] [--rounds 9] [--out bench_out/caps.json]
+    python benchmarks/loop_options.py [--shape 1,24,17550,64] [--skip 0.8] [--rounds 9] [--out bench_out/loops.json]
 
 The attention launch alone (``attention.attend``, on inputs quantized beforehand) in each of its loops: dense,
 block-listed (a block mask skipping ``--skip`` of the key blocks) and the refresh (the split lists of
-``return_skipped``), each compiled uncapped, at 128 and at 168 registers a thread and as shipped. Every variant is
-replayed from a CUDA graph, all taking turns (``timing.interleaved_rounds``), and given as its time over the shipped
-variant's of the same loop within each round (median and range over rounds). A cap changes the registers, not the
-arithmetic: every variant's output is checked bit for bit against the shipped one's first.
+``return_skipped``), each compiled with tiles by TMA and by cp.async, and for each uncapped, at 128 and at 168
+registers a thread and as shipped. Every variant is replayed from a CUDA graph, all taking turns
+(``timing.interleaved_rounds``), and given as its time over the shipped variant's of the same loop within each round
+(median and range over rounds). Neither option changes the arithmetic: every variant's output is checked bit for bit
+against the shipped one's first.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from diffusion_int8.timing import interleaved_rounds, median, paired_ratio
 from sparse import fixed_mask
 
 CAPS = {"shipped": "shipped", "uncapped": None, "128": 128, "168": 168}
+TILES = {"shipped": "shipped", "tma": True, "cp.async": False}
 
 
 def main():
@@ -36,11 +38,11 @@ def main():
     ap.add_argument("--skip", type=float, default=0.8, help="fraction of key blocks the block mask skips")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--reps", type=int, default=20, help="graph replays a round")
-    ap.add_argument("--out", default="bench_out/caps.json")
+    ap.add_argument("--out", default="bench_out/loops.json")
     args = ap.parse_args()
     B, H, N, D = map(int, args.shape.split(","))
     if not is_sm90(torch.device("cuda")):
-        raise SystemExit("the register caps apply on sm_90 GPUs only (attention.launch_options); this one ignores them")
+        raise SystemExit("these options apply on sm_90 GPUs only (attention.launch_options, tma_tiles)")
 
     q, k, v = realistic_qkv(B, H, N, N, D, device="cuda", seed=0)
     quantized = tq.quantize_qkv(q, k, v, D**-0.5, PV.FP8)
@@ -48,21 +50,25 @@ def main():
     skipped = (torch.empty_like(q), torch.empty(B, H, N, device="cuda"))
     mask, _ = fixed_mask(B, H, N, N, args.skip, "cuda")
     lists = {"block-listed": kattn.block_lists(mask, B, H, N, N), "refresh": kattn.block_lists(mask, B, H, N, N, split=True)}
-    shipped = kattn.launch_options
+    shipped_caps, shipped_tiles = kattn.launch_options, kattn.tma_tiles
 
-    def variant(loop, cap):
-        def run():
-            if cap != "shipped":  # read at launch, so a graph captures the capped kernel
+    def variant(loop, tiles, cap):
+        def run():  # both read at launch, so a graph captures the variant
+            if tiles != "shipped":
+                kattn.tma_tiles = lambda *_: tiles
+            if cap != "shipped":
                 kattn.launch_options = lambda *_: {} if cap is None else dict(maxnreg=cap)
             try:
                 kattn.attend(quantized, v, out, pv=PV.FP8, blocks=lists.get(loop),
                              skipped=skipped if loop == "refresh" else None)
             finally:
-                kattn.launch_options = shipped
+                kattn.launch_options, kattn.tma_tiles = shipped_caps, shipped_tiles
             return out
         return run
 
-    fns = {(loop, name): variant(loop, cap) for loop in ("dense", "block-listed", "refresh") for name, cap in CAPS.items()}
+    names = [(tiles, cap) for tiles in TILES for cap in CAPS if tiles != "shipped" or cap == "shipped"]
+    fns = {(loop, f"{tiles}, {cap}" if tiles != "shipped" else "shipped"): variant(loop, TILES[tiles], CAPS[cap])
+           for loop in ("dense", "block-listed", "refresh") for tiles, cap in names}
     for (loop, name), fn in fns.items():  # the outputs poisoned, then compared bit for bit (the refresh's both)
         for t in (out, *skipped):
             t.fill_(float("nan"))
@@ -71,18 +77,18 @@ def main():
         if name == "shipped":
             expected = [t.clone() for t in written]
         elif not all(torch.equal(a, b) for a, b in zip(written, expected)):
-            raise SystemExit(f"{loop} at cap {name}: output differs from the shipped kernel's")
+            raise SystemExit(f"{loop}, {name}: output differs from the shipped kernel's")
     rounds = interleaved_rounds({f"{loop} {name}": fn for (loop, name), fn in fns.items()}, args.reps, args.rounds)
 
     flops = 4 * B * H * N * N * D
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 shape=(B, H, N, D), skip=args.skip, rounds=args.rounds)
     rows = []
-    print(f"# {meta}\n| loop | cap | ms | TOPS (dense-equivalent) | ÷ shipped (range) |\n|---|---|---|---|---|")
+    print(f"# {meta}\n| loop | tiles, cap | ms | TOPS (dense-equivalent) | ÷ shipped (range) |\n|---|---|---|---|---|")
     for (loop, name) in fns:
         times = rounds[f"{loop} {name}"]
         ratio = paired_ratio(times, rounds[f"{loop} shipped"])
-        rows.append(dict(loop=loop, cap=name, ms=median(times), over_shipped=ratio))
+        rows.append(dict(loop=loop, variant=name, ms=median(times), over_shipped=ratio))
         print(f"| {loop} | {name} | {median(times):.4f} | {flops / median(times) / 1e9:.0f} | "
               f"{ratio[0]:.3f} ({ratio[1]:.3f}–{ratio[2]:.3f}) |")
     refresh = paired_ratio(rounds["refresh shipped"], rounds["dense shipped"])
