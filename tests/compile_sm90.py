@@ -91,10 +91,11 @@ def attention_variant(D, pv, mask, dt="fp16", sparse=False, split=False, contigu
     """The portable kernel, compiled; ``mask`` 0 none, 1 bool, 2 additive, 3 a key mask's bias and tile lists;
     ``split``: a block mask's skipped blocks written apart (``sparse`` too); ``contiguous``: specialized as a launch
     with V and the output channels-contiguous and their other strides and the head dim multiples of 16 (most calls);
-    ``tma``: K and V tiles by tensor descriptors (None: as the launcher chooses on sm_90, ``attention.tma_tiles``)."""
+    ``tma``: K and V tiles by tensor descriptors (None: as the launcher chooses on sm_90 for a long call,
+    ``attention.tma_tiles``)."""
     dp, cfg = padded_head_dim(D), tile_config(D, pv)
     if tma is None:
-        tma = A.tma_tiles(pv, dp, mask)
+        tma = A.tma_tiles(pv, dp, mask, A.TMA_MIN_SCORES)  # as a long call
     v_ptr = _PV_PTR[pv] or "*" + dt
     ptrs = dict(Q8="*i8", QS="*fp32", K8="*i8", KS="*fp32", V=v_ptr, VS="*fp32",
                 K_DESC=f"tensordesc<i8[{cfg.block_n}, {dp}]>" if tma else "*i8",
@@ -182,6 +183,7 @@ def main(everything: bool) -> int:
         quant = list(itertools.product((40, 64, 72, 128, 256), (0, 1, 2), (True, False), (True, False), ("fp16", "bf16"),
                                        (False, True)))
         attn = list(itertools.product((40, 64, 72, 128, 256), list(PV), (0, 1, 2, 3), ("fp16", "bf16")))
+        attn += [(d, PV.FP8, 0, "fp16", False, False, False, False) for d in (40, 64)]  # short calls: cp.async tiles
     else:  # every branch at least once
         quant = [(40, 1, True, False), (72, 2, False, True, "bf16"), (128, 0, True, False), (128, 1, True, False),
                  (256, 1, True, True),
@@ -189,7 +191,8 @@ def main(everything: bool) -> int:
         attn = [(40, PV.FP16, 0), (36, PV.FP16, 1), (64, PV.FP8, 1, "bf16"), (72, PV.INT8, 2), (128, PV.FP8, 0), (256, PV.INT8, 0),
                 (64, PV.FP8, 0, "fp16", True), (128, PV.FP16, 1, "bf16", True), (40, PV.INT8, 0, "fp16", True),
                 (64, PV.FP16, 3), (128, PV.FP8, 3, "bf16"), (72, PV.INT8, 3),
-                (64, PV.FP8, 0, "bf16", True, True), (128, PV.FP16, 0, "fp16", True, True)]
+                (64, PV.FP8, 0, "bf16", True, True), (128, PV.FP16, 0, "fp16", True, True),
+                (64, PV.FP8, 0, "fp16", False, False, True, False)]
     n_quant = sum(quantize_variant(*args) for args in quant)
     for args in attn:
         attention_variant(*args)

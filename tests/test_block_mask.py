@@ -341,9 +341,9 @@ def test_tma_tiles_match_pointer_loads(kdev, monkeypatch, loop):
         kw["block_mask"] = mask = (torch.rand(1, 4, n, n, device=kdev) > 0.5) | torch.eye(n, dtype=torch.bool, device=kdev)
         mask[0, 0, 0] = False
         mask[0, 0, 0, -1] = True
-    results = {}
+    results, asked = {}, []
     for tma in (False, True):
-        monkeypatch.setattr(A, "tma_tiles", lambda *_, tma=tma: tma)
+        monkeypatch.setattr(A, "tma_tiles", lambda *a, tma=tma: asked.append(a) or tma)
         clear_cache()  # recorded again, not replayed from the other's plan
         made.clear()
         res = _poisoned_split(q, k, v, kw) if loop == "refresh" else (run_kernel(q, k, v, **kw),)
@@ -351,6 +351,7 @@ def test_tma_tiles_match_pointer_loads(kdev, monkeypatch, loop):
         assert not any(t.isnan().any() for t in res)
         results[tma] = res
     assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+    assert asked[0] == (PV.FP8, 64, 0, 4 * S * S)  # the launch asks with the call's scores
     res = results[True]
     if loop == "dense":
         check(res[0], R.emulate_attention(q, k, v, **kw), R.attention_ref(q, k, v), PV.FP8, q.dtype, call=(q, k, v, kw))
@@ -358,3 +359,15 @@ def test_tma_tiles_match_pointer_loads(kdev, monkeypatch, loop):
         listed = dict(kw, block_mask=mask if loop == "block-listed" else ~mask)
         check(res[0 if loop == "block-listed" else 1], R.emulate_attention(q, k, v, **listed),
               _sparse_ref(q, k, v, listed["block_mask"], "BHSD"), PV.FP8, q.dtype, call=(q, k, v, listed))
+
+
+def test_tma_tiles_only_in_long_unmasked_head_dim_64_fp8_calls():
+    # TMA tiles cost host time at every launch (two tensor maps), so short calls keep cp.async tiles
+    from diffusion_int8.kernels import attention as A
+
+    long = A.TMA_MIN_SCORES
+    assert A.tma_tiles(PV.FP8, 64, 0, long) and A.tma_tiles(PV.FP8, 64, 0, 4 * long)
+    assert not A.tma_tiles(PV.FP8, 64, 0, long - 1)
+    assert not any(A.tma_tiles(pv, 64, 0, long) for pv in (PV.FP16, PV.INT8))
+    assert not any(A.tma_tiles(PV.FP8, dp, 0, long) for dp in (32, 128, 256))
+    assert not any(A.tma_tiles(PV.FP8, 64, mask, long) for mask in (1, 2, 3))  # elementwise and key masks

@@ -663,7 +663,7 @@ def attend(
         mstride = mask.stride()
 
     dp = q8.shape[-1]
-    tma = is_sm90(ob.device) and tma_tiles(pv, dp, mask_kind)
+    tma = is_sm90(ob.device) and tma_tiles(pv, dp, mask_kind, B * H * Sq * Sk)
     k_desc, v_desc = k8, vk  # unread without TMA
     if tma:  # K as (B·H_kv·Sk_pad, DP) in (BLOCK_N, DP) tiles, FP8 Vᵀ as (B·H_kv·DP, Sk_pad) in (DP, BLOCK_N)
         k_desc = TensorDescriptor.from_tensor(k8.view(-1, dp), [cfg.block_n, dp])
@@ -681,18 +681,31 @@ def attend(
             **(launch_options(pv, dp, mask_kind, tma) if is_sm90(ob.device) else {})))
 
 
-def tma_tiles(pv: PV, dp: int, mask_kind: int) -> bool:
+# Scores (B·H·Sq·Sk) from which a call's head-dim-64 loops take their tiles by TMA (``tma_tiles``): about 0.45 ms
+# of kernel at 600 TOPS, several times a call's host time.
+TMA_MIN_SCORES = 1 << 30
+
+
+def tma_tiles(pv: PV, dp: int, mask_kind: int, scores: int) -> bool:
     """Whether the portable kernel's loops take K and FP8 V tiles by TMA (tensor descriptors) on sm_90 rather than
     by cp.async from pointers: its FP8 P·V loops at padded head dim 64 without an elementwise or key mask (dense,
-    block-listed and the refresh's split lists).
+    block-listed and the refresh's split lists), in calls of at least ``TMA_MIN_SCORES`` scores.
 
     TMA writes shared memory through the async proxy, so no fence stands between a tile's arrival and the wgmma
     that reads it; Triton 3.9 puts a ``MEMBAR`` and a proxy fence before each of a cp.async tile's two wgmmas.
     Kernel alone, NVIDIA H200, half the key blocks skipped where a mask applies, both at their best caps
     (``benchmarks/loop_options.py`` at CogVideoX's (1, 24, 17550, 64) and LTX-Video's (2, 32, 6272, 64)): with
     Triton 3.9 cp.async took 1.04-1.05 times as long as TMA in the dense loop, 1.05-1.11 in the block-listed and
-    1.03-1.06 in the refresh; with 3.6 0.99-1.0, 1.01-1.04 and 1.01-1.02."""
-    return pv is PV.FP8 and dp == 64 and mask_kind == _MASK_NONE
+    1.03-1.06 in the refresh; with 3.6 0.99-1.0, 1.01-1.04 and 1.01-1.02 (at SDXL's (2, 10, 4096, 64): 1.01, 1.03,
+    1.03). But Triton's launcher encodes the two tensor maps at every launch, in Python: an eager call at
+    (2, 4, 256, 64) took 105 µs of host time against 78 with cp.async (same run, replayed plans, H200's host). A
+    call that short is host-bound, so TMA waits for calls long enough to hide that."""
+    return pv is PV.FP8 and dp == 64 and mask_kind == _MASK_NONE and scores >= TMA_MIN_SCORES
+
+
+# Register caps that make cp.async loops spill are applied only with the Triton release they were timed with
+# (``launch_options``): another release allocates differently (3.9 keeps local loads inside the capped loops).
+_SPILLING_CAPS_TIMED = triton.__version__.startswith("3.6.")
 
 
 def launch_options(pv: PV, dp: int, mask_kind: int, tma: bool) -> dict:
@@ -702,13 +715,20 @@ def launch_options(pv: PV, dp: int, mask_kind: int, tma: bool) -> dict:
     With TMA tiles (``tma_tiles``) every loop runs best at 128 with Triton 3.6 and 3.9 (same runs): at 168 the
     dense, block-listed and refresh loops took 1.04-1.09 times as long, uncapped 1.03-1.07 (the block-listed loop at
     LTX-Video's shape: the same within 1%). At 128 the dense and block-listed loops spill nothing in the offline
-    sm_90 build with either release; the refresh's, about 210 registers uncapped, 32 bytes with 3.9. The key-mask
-    loop (cp.async; about 240 where the keys end in a partial tile) runs best at 168: 8-9% faster than uncapped
-    there, and 1-5% slower at 128 where it fits in 168 anyway (Triton 3.6). Elementwise masks and 16-bit P·V are
-    left uncapped (a cap at 168 cost the dense 16-bit P·V loop 15%)."""
+    sm_90 build with either release; the refresh's, about 210 registers uncapped, 32 bytes with 3.9.
+    With cp.async tiles and Triton 3.6: capped at 128 the dense and block-listed loops (about 165 uncapped) run 1-4%
+    and 0.5-3% faster at every head-dim-64 shape timed, and the refresh's 6-14% faster than uncapped and up to 4%
+    faster than at 168, despite a few dozen bytes of spills, mostly outside the loops. With other releases only caps
+    that spill nothing in the offline sm_90 build are kept: 168, where with Triton 3.9 uncapped the dense loop took
+    1.02 times as long, the block-listed one the same within 1% and the refresh 1.14 times. The key-mask loop
+    (cp.async; about 240 where the keys end in a partial tile) runs best at 168: 8-9% faster than uncapped there,
+    and 1-5% slower at 128 where it fits in 168 anyway. Elementwise masks and 16-bit P·V are left uncapped (a cap
+    at 168 cost the dense 16-bit P·V loop 15%)."""
     if pv is not PV.FP8 or dp != 64 or mask_kind in (_MASK_BOOL, _MASK_ADD):
         return {}
-    return dict(maxnreg=128 if tma else 168)
+    if tma or (mask_kind == _MASK_NONE and _SPILLING_CAPS_TIMED):
+        return dict(maxnreg=128)
+    return dict(maxnreg=168)
 
 
 def call_kernel(ob: torch.Tensor, vb: torch.Tensor, pv: PV, dp: int, masked: bool) -> Kernel:
