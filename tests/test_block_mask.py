@@ -320,11 +320,12 @@ def test_predicted_with_an_attention_mask_is_refused():
 
 @pytest.mark.parametrize("loop", ["dense", "block-listed", "refresh"])
 def test_tma_tiles_match_pointer_loads(kdev, monkeypatch, loop):
-    # On sm_90 the portable kernel's FP8 loops at head dim 64 take K and V tiles by TMA (attention.tma_tiles), on
-    # other GPUs from pointers: the same tiles, so the same bits. GQA, a partial last tile, a query block keeping
-    # only the partial key block; in the interpreter the launch is made as on sm_90.
+    # On sm_90 the portable kernel's FP8 loops at head dim 64 take K and V tiles by TMA (attention.tma_tiles) in long
+    # calls, elsewhere from pointers: the same tiles, so the same bits. Two batches of GQA heads, a partial last tile,
+    # a query block keeping only the partial key block; each call recorded, then replayed on new inputs (the plan
+    # swaps the descriptors' base). In the interpreter the launch is made as on sm_90.
     from diffusion_int8.kernels import attention as A
-    from diffusion_int8.kernels import clear_cache
+    from diffusion_int8.kernels import cache, clear_cache
 
     if kdev != "cpu" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("TMA tiles are taken on sm_90 only")
@@ -333,26 +334,31 @@ def test_tma_tiles_match_pointer_loads(kdev, monkeypatch, loop):
     made = []
     from_tensor = A.TensorDescriptor.from_tensor
     monkeypatch.setattr(A.TensorDescriptor, "from_tensor", staticmethod(lambda *a: made.append(a) or from_tensor(*a)))
-    S = 300 if kdev == "cpu" else 1100
-    q, k, v = realistic_qkv(1, 4, S, S, 64, H_kv=2, device=kdev)
+    B, H, S = 2, 4, 300 if kdev == "cpu" else 1100
+    inputs = [realistic_qkv(B, H, S, S, 64, H_kv=2, device=kdev, seed=seed) for seed in (1, 2)]
     kw = dict(layout="BHSD", pv=PV.FP8)
     if loop != "dense":
         n = -(-S // SPARSE_BLOCK)
-        kw["block_mask"] = mask = (torch.rand(1, 4, n, n, device=kdev) > 0.5) | torch.eye(n, dtype=torch.bool, device=kdev)
-        mask[0, 0, 0] = False
-        mask[0, 0, 0, -1] = True
+        mask = (torch.rand(B, H, n, n, device=kdev) > 0.5) | torch.eye(n, dtype=torch.bool, device=kdev)
+        kw["block_mask"] = mask
+        mask[1, 0, 0] = False
+        mask[1, 0, 0, -1] = True
     results, asked = {}, []
     for tma in (False, True):
         monkeypatch.setattr(A, "tma_tiles", lambda *a, tma=tma: asked.append(a) or tma)
         clear_cache()  # recorded again, not replayed from the other's plan
         made.clear()
-        res = _poisoned_split(q, k, v, kw) if loop == "refresh" else (run_kernel(q, k, v, **kw),)
-        assert len(made) == 2 * tma  # K's descriptor and V's, or none
-        assert not any(t.isnan().any() for t in res)
-        results[tma] = res
-    assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
-    assert asked[0] == (PV.FP8, 64, 0, 4 * S * S)  # the launch asks with the call's scores
-    res = results[True]
+        results[tma] = []
+        for q, k, v in inputs:  # the second call replays the first's plan
+            res = _poisoned_split(q, k, v, kw) if loop == "refresh" else (run_kernel(q, k, v, **kw),)
+            assert not any(t.isnan().any() for t in res)
+            results[tma].append(res)
+        assert sum(key[0] == "plan" for key in cache.ENTRIES) == 1
+        assert len(made) == 2 * tma  # K's descriptor and V's, made once: the replay moved them
+    for a, b in zip(results[False], results[True]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert asked[0] == (PV.FP8, 64, 0, B * H * S * S)  # the launch asks with the call's scores
+    (q, k, v), res = inputs[1], results[True][1]
     if loop == "dense":
         check(res[0], R.emulate_attention(q, k, v, **kw), R.attention_ref(q, k, v), PV.FP8, q.dtype, call=(q, k, v, kw))
     else:  # the listed blocks' attention: the block-listed call's output, the refresh's skipped blocks

@@ -70,7 +70,8 @@ def _attn_block(
     they are loaded from the pointers."""
     # -- S = Q·Kᵀ on INT8 tensor cores; logits in base 2 are qk · (q scale · k scale) --
     if TMA:
-        k = tl.trans(kv[0].load([kv[2] + start_n, 0]))
+        k_desc, _, k_row, _ = kv
+        k = tl.trans(k_desc.load([k_row + start_n, 0]))
     else:
         k = tl.load(k_ptrs)
     qk = tl.dot(q, k)
@@ -128,7 +129,8 @@ def _attn_block(
     elif PV == 1:
         if (_ABLATE_PV_MMA & ABLATE) == 0:
             if TMA:
-                v = tl.trans(kv[1].load([kv[3], start_n]))
+                _, v_desc, _, v_row = kv
+                v = tl.trans(v_desc.load([v_row, start_n]))
             else:
                 v = tl.load(v_ptrs)
         if (_ABLATE_FP8_CAST & ABLATE) != 0:
@@ -699,12 +701,14 @@ def tma_tiles(pv: PV, dp: int, mask_kind: int, scores: int) -> bool:
     1.03-1.06 in the refresh; with 3.6 0.99-1.0, 1.01-1.04 and 1.01-1.02 (at SDXL's (2, 10, 4096, 64): 1.01, 1.03,
     1.03). But Triton's launcher encodes the two tensor maps at every launch, in Python: an eager call at
     (2, 4, 256, 64) took 105 µs of host time against 78 with cp.async (same run, replayed plans, H200's host). A
-    call that short is host-bound, so TMA waits for calls long enough to hide that."""
+    call that short is host-bound, so TMA waits for calls long enough to hide that. The scores are counted dense: a
+    block-sparse call of that size skipping most blocks takes TMA tiles with a shorter kernel, its host time hidden
+    only where the loop is GPU-bound or replayed from a CUDA graph."""
     return pv is PV.FP8 and dp == 64 and mask_kind == _MASK_NONE and scores >= TMA_MIN_SCORES
 
 
-# Register caps that make cp.async loops spill are applied only with the Triton release they were timed with
-# (``launch_options``): another release allocates differently (3.9 keeps local loads inside the capped loops).
+# The cp.async loops' register caps that spill are applied only with the Triton release they were timed with
+# (``launch_options``): another release allocates differently (3.9 keeps local loads inside those loops).
 _SPILLING_CAPS_TIMED = triton.__version__.startswith("3.6.")
 
 
@@ -713,12 +717,13 @@ def launch_options(pv: PV, dp: int, mask_kind: int, tma: bool) -> dict:
     head dim 64, where 4-warp CTAs share an SM three at 168 registers a thread and four at 128.
 
     With TMA tiles (``tma_tiles``) every loop runs best at 128 with Triton 3.6 and 3.9 (same runs): at 168 the
-    dense, block-listed and refresh loops took 1.04-1.09 times as long, uncapped 1.03-1.07 (the block-listed loop at
-    LTX-Video's shape: the same within 1%). At 128 the dense and block-listed loops spill nothing in the offline
-    sm_90 build with either release; the refresh's, about 210 registers uncapped, 32 bytes with 3.9.
+    dense, block-listed and refresh loops took 1.04-1.09 times as long, uncapped 1.03-1.08 (the block-listed loop at
+    LTX-Video's shape: 0.99-1.0). Uncapped they need about 134, 165 and 168 registers (offline sm_90 build, Triton
+    3.6); at 128 the dense and block-listed loops spill nothing with either release, the refresh 32 bytes with 3.9.
+    That cap applies with every release; ``tests/test_compile.py`` bounds its spills.
     With cp.async tiles and Triton 3.6: capped at 128 the dense and block-listed loops (about 165 uncapped) run 1-4%
-    and 0.5-3% faster at every head-dim-64 shape timed, and the refresh's 6-14% faster than uncapped and up to 4%
-    faster than at 168, despite a few dozen bytes of spills, mostly outside the loops. With other releases only caps
+    and 0.5-3% faster at every head-dim-64 shape timed, and the refresh's (about 210) 6-14% faster than uncapped and
+    up to 4% faster than at 168, despite 24-160 bytes of spills, mostly outside the loops. With other releases only caps
     that spill nothing in the offline sm_90 build are kept: 168, where with Triton 3.9 uncapped the dense loop took
     1.02 times as long, the block-listed one the same within 1% and the refresh 1.14 times. The key-mask loop
     (cp.async; about 240 where the keys end in a partial tile) runs best at 168: 8-9% faster than uncapped there,
