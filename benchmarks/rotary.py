@@ -1,7 +1,10 @@
-"""Wan's rotary embedding of Q and K: the stock nested function against ``rotate_pairs``, the one launch the routed
-processors run it in, at Wan2.1's 480p × 81 frames (1, 32760, 12, 128) bfloat16, in the same run; with its float32
-tables (as ``from_pretrained`` keeps them) and bfloat16 ones (a model cast by ``.to()``); the INT8 call and SDPA at
-the same shape for scale.
+"""diffusers' rotary embeddings of Q and K: each stock function against ``rotate_pairs``, the one launch the routed
+processors run it in, in the same run. Wan's nested ``apply_rotary_emb`` at Wan2.1's 480p × 81 frames (1, 32760, 12,
+128), with its float32 tables (as ``from_pretrained`` keeps them) and bfloat16 ones (a model cast by ``.to()``);
+``diffusers.models.embeddings.apply_rotary_emb`` at HunyuanVideo's 544 × 960 × 61 frames (1, 32640, 24, 128; sequence
+dim 1, its video tokens), CogVideoX-5b's 720 × 480 × 49 frames with CFG (2, 48, 17550, 64; sequence dim 2) and Flux's
+1024² (1, 4608, 24, 128; sequence dim 1), float32 tables; bfloat16 Q and K. The INT8 call and SDPA at Wan's shape
+for scale.
 
     python benchmarks/rotary.py [--out bench_out/rotary.json]
 
@@ -18,40 +21,63 @@ import torch
 import triton
 
 from diffusion_int8 import int8_attention
-from diffusion_int8.kernels.rope import rotate_pairs
-from diffusion_int8.plugin.rotary import stock_wan_rotary
+from diffusion_int8.kernels.rope import INTERLEAVED, WAN, rotate_pairs
+from diffusion_int8.plugin.rotary import generic_rotary, stock_wan_rotary
+
+# (row, x's shape, its sequence dim) for diffusers' generic function
+GENERIC = [("HunyuanVideo", (1, 32640, 24, 128), 1), ("CogVideoX-5b", (2, 48, 17550, 64), 2),
+           ("Flux", (1, 4608, 24, 128), 1)]
+
+
+def cases():
+    """(name, q, k, stock(x), fast(x)) for each row of the table."""
+    wan_stock = stock_wan_rotary()
+    if wan_stock is not None:
+        q = torch.randn(1, 32760, 12, 128, device="cuda", dtype=torch.bfloat16)
+        angle = torch.rand(1, 32760, 1, 128, device="cuda") * 60
+        for dtype in (torch.float32, torch.bfloat16):
+            cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+            yield (f"Wan2.1, {str(dtype).removeprefix('torch.')} tables", q, torch.randn_like(q),
+                   lambda x, c=cos, s=sin: wan_stock(x, c, s), lambda x, c=cos, s=sin: rotate_pairs(x, c, s, form=WAN))
+    generic = generic_rotary()
+    if generic is None:
+        print("the installed diffusers' embeddings.apply_rotary_emb is not the one the stand-in knows: not timed")
+        return
+    for name, shape, seq_dim in GENERIC:
+        q = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        angle = torch.rand(shape[seq_dim], shape[-1], device="cuda") * 60
+        tables = (angle.cos(), angle.sin())
+        shaped = [t[None, :, None] if seq_dim == 1 else t[None, None] for t in tables]
+        yield (name, q, torch.randn_like(q), lambda x, t=tables, d=seq_dim: generic.stock(x, t, sequence_dim=d),
+               lambda x, t=shaped: rotate_pairs(x, *t, form=INTERLEAVED))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    wan_stock = stock_wan_rotary()
-    if wan_stock is None:
-        raise SystemExit("the installed diffusers' WanAttnProcessor has no nested apply_rotary_emb to compare with")
-    S, H, D = 32760, 12, 128
-    q = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
+    results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "rows": {}}
+    q = torch.randn(1, 12, 32760, 128, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
-    angle = torch.rand(1, S, 1, D, device="cuda") * 60
-    results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "shape": [1, S, H, D]}
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    results["int8 call ms"] = triton.testing.do_bench(lambda: int8_attention(qt, kt, vt, mode="int8"), rep=300)
-    results["sdpa ms"] = triton.testing.do_bench(
-        lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt), rep=300)
-    print(f"{results['device']}: INT8 call {results['int8 call ms']:.3f} ms, SDPA {results['sdpa ms']:.3f} ms")
-    print("| tables | stock Q+K ms | graph | rotate_pairs Q+K ms | graph | equal bit for bit |\n|---|---|---|---|---|---|")
-    for dtype in (torch.float32, torch.bfloat16):
-        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
-        stock = lambda: (wan_stock(q, cos, sin), wan_stock(k, cos, sin))  # noqa: E731
-        fast = lambda: (rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin))  # noqa: E731
-        row = {"equal": torch.equal(wan_stock(q, cos, sin).view(torch.int16), rotate_pairs(q, cos, sin).view(torch.int16)),
+    results["int8 call ms"] = triton.testing.do_bench(lambda: int8_attention(q, k, v, mode="int8"), rep=300)
+    results["sdpa ms"] = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                                                 rep=300)
+    print(f"{results['device']}: at Wan's shape the INT8 call takes {results['int8 call ms']:.3f} ms, SDPA "
+          f"{results['sdpa ms']:.3f} ms")
+    print("| function, tables | stock Q+K ms | graph | rotate_pairs Q+K ms | graph | equal bit for bit |\n"
+          "|---|---|---|---|---|---|")
+    for name, q, k, stock_fn, fast_fn in cases():
+        stock = lambda: (stock_fn(q), stock_fn(k))  # noqa: E731
+        fast = lambda: (fast_fn(q), fast_fn(k))  # noqa: E731
+        bits = torch.int16
+        row = {"shape": list(q.shape), "equal": torch.equal(stock_fn(q).view(bits), fast_fn(q).view(bits)),
                "stock ms": triton.testing.do_bench(stock, rep=300), "rotate_pairs ms": triton.testing.do_bench(fast, rep=300)}
         with torch.cuda.stream(torch.cuda.Stream()):
             row["stock graph ms"] = triton.testing.do_bench_cudagraph(stock, rep=300)
             row["rotate_pairs graph ms"] = triton.testing.do_bench_cudagraph(fast, rep=300)
-        results[str(dtype).removeprefix("torch.")] = row
-        print(f"| {dtype} | {row['stock ms']:.3f} | {row['stock graph ms']:.3f} | {row['rotate_pairs ms']:.3f} | "
-              f"{row['rotate_pairs graph ms']:.3f} | {row['equal']} |")
+        results["rows"][name] = row
+        print(f"| {name} {tuple(q.shape)} | {row['stock ms']:.3f} | {row['stock graph ms']:.3f} | "
+              f"{row['rotate_pairs ms']:.3f} | {row['rotate_pairs graph ms']:.3f} | {row['equal']} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

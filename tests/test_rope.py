@@ -1,4 +1,5 @@
-"""Wan's rotary embedding in one launch (``kernels.rope``) and its use in routed processors (``plugin.rotary``)."""
+"""diffusers' rotary embeddings in one launch (``kernels.rope``) and their use in routed processors (``plugin.rotary``):
+Wan's nested function, and ``diffusers.models.embeddings.apply_rotary_emb`` with real tables."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from unittest import mock
 import pytest
 import torch
 from tiny_models import build
+from zoo import build as build_case
+from zoo.registry import to_device
 
 import diffusion_int8
 from diffusion_int8.kernels import rope
@@ -212,4 +215,172 @@ def test_wan_runs_its_rotary_in_one_launch_and_computes_what_it_did(kdev, monkey
             assert handle.state.int8_calls > 0
             handle.disable()
     assert calls == [dtype] * 4  # the first call's check (Q), then K, then Q and K of the second call
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+
+
+# -- diffusers.models.embeddings.apply_rotary_emb (real tables): Flux, CogVideoX, HunyuanVideo, ... --
+
+generic = rotary.generic_rotary()
+needs_generic = pytest.mark.skipif(generic is None, reason="the installed diffusers' embeddings.apply_rotary_emb has "
+                                                           "other parameters than the stand-in knows")
+FORMS = {-1: rope.INTERLEAVED, -2: rope.HALVES}
+
+
+def generic_inputs(device, x_dtype, table_dtype, sequence_dim, B=2, S=37, H=3, D=40, seed=0):
+    """x as the processors have it, cut from a fused projection (not contiguous), (B, S, H, D) for sequence dim 1 and
+    its (B, H, S, D) transpose for 2, with a large channel; (S, D) tables whose pairs differ."""
+    g = torch.Generator().manual_seed(seed)
+    fused = torch.randn(B, S, 3 * H * D, generator=g) * 3
+    fused[..., H * D + 5 % (H * D)] *= 40
+    x = fused.to(x_dtype).to(device)[..., H * D:2 * H * D].unflatten(2, (H, -1))
+    angle = torch.rand(S, D, generator=g) * 60
+    return (x if sequence_dim == 1 else x.transpose(1, 2),
+            (angle.cos().to(table_dtype).to(device), angle.sin().to(table_dtype).to(device)))
+
+
+@needs_generic
+@pytest.mark.parametrize("unbind", [-1, -2])
+@pytest.mark.parametrize("sequence_dim", [1, 2])
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_rotate_pairs_is_diffusers_apply_rotary_emb_bit_for_bit(kdev, unbind, sequence_dim, x_dtype, table_dtype):
+    x, (cos, sin) = generic_inputs(kdev, x_dtype, table_dtype, sequence_dim)
+    shaped = (lambda t: t[None, :, None, :]) if sequence_dim == 1 else (lambda t: t[None, None])
+    want = generic.stock(x, (cos, sin), True, unbind, sequence_dim)
+    out = torch.full_like(x, float("nan"))
+    assert rope.rotate_pairs(x, shaped(cos), shaped(sin), out=out, form=FORMS[unbind]) is out
+    assert not torch.equal(want, x) and torch.equal(out, want)
+    if unbind == -1:  # the generic function is not Wan's: each channel of a pair takes its own table entries
+        assert not torch.equal(rope.rotate_pairs(x, shaped(cos), shaped(sin)), want)
+
+
+@needs_generic
+@pytest.mark.parametrize("D", [2, 6, 64])
+def test_rotate_pairs_generic_forms_at_other_head_dims(kdev, D):
+    for unbind in (-1, -2):
+        x, (cos, sin) = generic_inputs(kdev, torch.bfloat16, torch.float32, 1, B=1, S=9, H=2, D=D, seed=D)
+        got = rope.rotate_pairs(x, cos[None, :, None], sin[None, :, None], form=FORMS[unbind])
+        assert torch.equal(got, generic.stock(x, (cos, sin), True, unbind, 1))
+    with pytest.raises(ValueError, match="form must be"):
+        rope.rotate_pairs(x, cos[None, :, None], sin[None, :, None], form=3)
+
+
+def generic_counted(monkeypatch):
+    calls = []
+    real = rope.rotate_pairs_unchecked
+    monkeypatch.setattr(rotary, "rotate_pairs_unchecked", lambda *a: calls.append(a[4]) or real(*a))
+    return calls
+
+
+@needs_generic
+def test_generic_stand_in_runs_in_one_launch_after_one_check_and_leaves_other_calls_stock(kdev, monkeypatch):
+    calls = generic_counted(monkeypatch)
+    x, tables = generic_inputs(kdev, torch.bfloat16, torch.float32, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs = [generic(x, tables) for _ in range(3)]
+        assert calls == [rope.INTERLEAVED] * 3  # the check on the first call, then each call
+        assert all(torch.equal(o, generic.stock(x, tables)) for o in outs)
+        x1 = x.transpose(1, 2)
+        assert torch.equal(generic(x1, tables, sequence_dim=1, use_real_unbind_dim=-2),
+                           generic.stock(x1, tables, sequence_dim=1, use_real_unbind_dim=-2))
+        assert calls[3:] == [rope.HALVES]  # another form and sequence dim: checked anew
+        n = len(calls)
+        complex_freqs = torch.polar(torch.ones(37, 20), torch.rand(37, 20)).to(kdev)
+        stock_calls = [
+            (x, complex_freqs, False),  # complex tables (Lumina)
+            (x, tuple(t[None] for t in tables)),  # tables the stand-in does not shape
+            (x, tables, True, -3),  # an unbind dim the stock function refuses: its error, not the stand-in's
+            (x, [tables[0]]),
+        ]
+        for args in stock_calls:
+            try:
+                want = generic.stock(*args)
+            except Exception as exc:  # noqa: BLE001 - the stand-in must raise what stock raises
+                with pytest.raises(type(exc)):
+                    generic(*args)
+            else:
+                assert torch.equal(generic(*args), want)
+        assert len(calls) == n
+        with mock.patch.object(torch.compiler, "is_compiling", lambda: True):  # what torch.compile traces: stock
+            assert torch.equal(generic(x, tables), generic.stock(x, tables)) and len(calls) == n
+
+
+def code_of(text: str, g: dict) -> types.CodeType:
+    exec(compile(text, "<processor>", "exec"), g)
+    return g["call"].__code__
+
+
+@needs_generic
+def test_processors_get_the_generic_stand_in_where_they_read_or_import_diffusers_function():
+    from diffusers.models.attention_processor import AttnProcessor2_0, CogVideoXAttnProcessor2_0
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+    from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+
+    for processor, imports in ((FluxAttnProcessor, False), (CogVideoXAttnProcessor2_0, True),
+                               (HunyuanVideoAttnProcessor2_0, True), (AttnProcessor2_0, None)):
+        fn = processor.__call__
+        code, names = rotary.with_fast_rotary(fn.__code__, fn.__globals__)
+        if imports is None:
+            assert names == {}
+        elif imports:
+            assert set(names) == {"__builtins__"}
+            copy = types.FunctionType(compile("def f():\n from diffusers.models.embeddings import apply_rotary_emb, "
+                                              "get_1d_rotary_pos_embed as g\n return apply_rotary_emb, g\n", "<f>",
+                                              "exec").co_consts[0], {"__builtins__": names["__builtins__"]})
+            from diffusers.models import embeddings
+            assert copy() == (generic, embeddings.get_1d_rotary_pos_embed)  # the rest of the module as it is
+        else:
+            assert names == {"apply_rotary_emb": generic}
+    # a look-alike global, and an import of another module's function of that name, stay as they are
+    g = {"apply_rotary_emb": lambda x, f: x}
+    code = code_of("def call(x, f):\n    return apply_rotary_emb(x, f)\n", g)
+    assert rotary.with_fast_rotary(code, g) == (code, {})
+    g = {}
+    code = code_of("def call(x):\n    from diffusers.models.transformers.transformer_ltx import apply_rotary_emb\n"
+                   "    return apply_rotary_emb\n", g)
+    code2, names = rotary.with_fast_rotary(code, g)
+    from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx
+    assert types.FunctionType(code2, {**g, **names})(None) is ltx
+
+
+def test_a_generic_function_of_other_parameters_is_left_alone(monkeypatch):
+    from diffusers.models import embeddings
+
+    rotary.generic_rotary.cache_clear()
+    monkeypatch.setattr(embeddings, "apply_rotary_emb", lambda x, freqs_cis, use_real=True: x)
+    try:
+        assert rotary.generic_rotary() is None
+        g = {"apply_rotary_emb": embeddings.apply_rotary_emb}
+        code = code_of("def call(x, f):\n    return apply_rotary_emb(x, f)\n", g)
+        assert rotary.with_fast_rotary(code, g) == (code, {})
+    finally:
+        rotary.generic_rotary.cache_clear()
+
+
+@needs_generic
+@pytest.mark.parametrize("family, rotations", [("flux", 4), ("CogVideoXTransformer3DModel", 2),
+                                                ("HunyuanVideoTransformer3DModel", 4)])
+def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(kdev, monkeypatch, family, rotations):
+    """Tiny Flux (a module global), CogVideoX-5b and HunyuanVideo (imported inside ``__call__``), INT8 on the Triton backend:
+    their routed copies rotate through ``rotate_pairs`` and give what they give with the stock rotary, bit for bit."""
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
+    model, x = build(family) if family == "flux" else build_case(family)
+    dtype = torch.bfloat16 if kdev == "cuda" else torch.float32
+    model = model.to(kdev, dtype)
+    # the inputs in the model's dtype, the rotary tables (a tuple) kept in float32 as the pipelines make them
+    x = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+         for k, v in to_device(x, kdev).items()}
+    calls, outs = generic_counted(monkeypatch), {}
+    for fast in (True, False):
+        takes = rope.rotate_pairs_takes if fast else (lambda *a: False)
+        with mock.patch.object(rotary, "rotate_pairs_takes", takes):
+            handle = diffusion_int8.enable(model, "int8", speed_gate=False)
+            with torch.no_grad():
+                outs[fast] = [model(**x, return_dict=False)[0] for _ in range(2)]
+            assert handle.state.int8_calls > 0
+            handle.disable()
+    # Q and K of each block with rotary tables, two forwards: each through rotate_pairs (the first as the check)
+    assert calls == [rope.INTERLEAVED] * (2 * rotations)
+    assert len(rotary._CHECKED) == 1 and all(rotary._CHECKED.values())
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))

@@ -1,10 +1,17 @@
-"""Wan's rotary position embedding in one launch, equal to diffusers' bit for bit.
+"""diffusers' rotary position embeddings in one launch, equal to the stock functions bit for bit.
 
-diffusers' Wan processors rotate Q and K with a nested ``apply_rotary_emb`` of about a dozen PyTorch ops per tensor
-(strided reads, four products, two sums, two strided writes, float32 temporaries): at 480p × 81 frames, Q's and K's
-cost a quarter of an INT8 attention call. ``rotate_pairs`` reads each input once and writes the result once. Every
-product and sum is rounded to the dtype PyTorch computes it in (the promotion of the input's and the tables'), and
-the kernel is compiled without fused multiply-adds, so the result is the stock function's, bit for bit.
+Two stock functions rotate Q and K with a dozen or so PyTorch ops per tensor (strided reads, four products, two sums,
+float32 temporaries): the ``apply_rotary_emb`` nested in Wan's processors, and ``diffusers.models.embeddings.
+apply_rotary_emb`` with real tables, which Flux, CogVideoX, HunyuanVideo and others call. At 480p × 81 frames Wan's
+Q and K cost a quarter of an INT8 attention call. ``rotate_pairs`` reads each input once and writes the result once.
+Every product and sum is rounded to the dtype PyTorch computes it in, and the kernel is compiled without fused
+multiply-adds, so the result is the stock function's, bit for bit. The forms (``form``):
+
+- ``WAN``: channel pairs (2j, 2j+1), both rotated by ``cos[2j]`` and ``sin[2j+1]``, in the promotion of the input's
+  dtype and the tables'.
+- ``INTERLEAVED``: ``embeddings.apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=-1)``: pairs (2j, 2j+1), each
+  channel rotated by its own table entries, in float32 (the stock function upcasts ``x``).
+- ``HALVES``: the same with ``use_real_unbind_dim=-2``: pairs (j, j + D/2).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import triton.language as tl
 from .config import triton_unavailable
 
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the dtypes taken, and the kernel's constexpr
+WAN, INTERLEAVED, HALVES = 0, 1, 2  # the forms: see the module docstring
 
 
 @triton.jit
@@ -29,37 +37,64 @@ def _rounded(x, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _rotated(x1, x2, c1, c2, s1, s2, ROUND: tl.constexpr):
+    """Channels (x1, x2) of each pair rotated, x1 by its entries (c1, s1) and x2 by (c2, s2): (x1·c1 - x2·s1,
+    x2·c2 + x1·s2), each product and sum rounded as PyTorch rounds it (the sums' rounding is the store's where the
+    compute dtype is 16-bit: both inputs are of it)."""
+    return (_rounded(x1 * c1, ROUND) - _rounded(x2 * s1, ROUND),
+            _rounded(x2 * c2, ROUND) + _rounded(x1 * s2, ROUND))
+
+
+@triton.jit
 def _rotate_pairs_kernel(
     X, COS, SIN, OUT, R, S, H, D,
     stride_xb, stride_xs, stride_xh, stride_xd, stride_cb, stride_cs, stride_ch, stride_cd,
     stride_sb, stride_ss, stride_sh, stride_sd, stride_ob, stride_os, stride_oh, stride_od,
-    ROWS: tl.constexpr, DP: tl.constexpr, ROUND: tl.constexpr,
+    ROWS: tl.constexpr, DP: tl.constexpr, ROUND: tl.constexpr, FORM: tl.constexpr,
 ):
-    # ROWS rows (b, s, h) of X, loaded whole and split into channel pairs (x1, x2) = (x[2j], x[2j+1]), with
-    # c = cos[2j] and s = sin[2j+1]: out[2j] = x1·c - x2·s, out[2j+1] = x1·s + x2·c, each product and sum rounded as
-    # PyTorch rounds it, then joined and stored whole (the loads and stores run at full width).
+    # ROWS rows (b, s, h) of X. Adjacent pairs (WAN, INTERLEAVED): each row loaded whole (DP columns) and split into
+    # (x[2j], x[2j+1]), then joined and stored whole, so loads and stores run at full width. HALVES: the row's two
+    # halves loaded apart (DP columns each).
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    d = tl.arange(0, DP)
     b = (r // (S * H)).to(tl.int64)
     s = (r // H % S).to(tl.int64)
     h = (r % H).to(tl.int64)
-    valid = (r[:, None] < R) & (d[None, :] < D)
-    x = tl.load(X + (b * stride_xb + s * stride_xs + h * stride_xh)[:, None] + d[None, :] * stride_xd, mask=valid)
-    c = tl.load(COS + (b * stride_cb + s * stride_cs + h * stride_ch)[:, None] + d[None, :] * stride_cd, mask=valid)
-    sn = tl.load(SIN + (b * stride_sb + s * stride_ss + h * stride_sh)[:, None] + d[None, :] * stride_sd, mask=valid)
-    x1, x2 = tl.split(tl.reshape(x.to(tl.float32), [ROWS, DP // 2, 2]))
-    c, _ = tl.split(tl.reshape(c.to(tl.float32), [ROWS, DP // 2, 2]))
-    _, sn = tl.split(tl.reshape(sn.to(tl.float32), [ROWS, DP // 2, 2]))
-    # the sums' own rounding is the store's: a 16-bit compute dtype is the output's (both inputs are of it)
-    out_even = _rounded(x1 * c, ROUND) - _rounded(x2 * sn, ROUND)
-    out_odd = _rounded(x1 * sn, ROUND) + _rounded(x2 * c, ROUND)
-    out = tl.reshape(tl.join(out_even, out_odd), [ROWS, DP])
-    tl.store(OUT + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + d[None, :] * stride_od,
-             out.to(OUT.dtype.element_ty), mask=valid)
+    x_row = X + (b * stride_xb + s * stride_xs + h * stride_xh)[:, None]
+    c_row = COS + (b * stride_cb + s * stride_cs + h * stride_ch)[:, None]
+    s_row = SIN + (b * stride_sb + s * stride_ss + h * stride_sh)[:, None]
+    o_row = OUT + (b * stride_ob + s * stride_os + h * stride_oh)[:, None]
+    if FORM == 2:
+        d = tl.arange(0, DP)[None, :]
+        half = D // 2
+        valid = (r[:, None] < R) & (d < half)
+        xa = tl.load(x_row + d * stride_xd, mask=valid).to(tl.float32)
+        xb = tl.load(x_row + (d + half) * stride_xd, mask=valid).to(tl.float32)
+        ca = tl.load(c_row + d * stride_cd, mask=valid).to(tl.float32)
+        cb = tl.load(c_row + (d + half) * stride_cd, mask=valid).to(tl.float32)
+        sa = tl.load(s_row + d * stride_sd, mask=valid).to(tl.float32)
+        sb = tl.load(s_row + (d + half) * stride_sd, mask=valid).to(tl.float32)
+        out_a, out_b = _rotated(xa, xb, ca, cb, sa, sb, ROUND)
+        tl.store(o_row + d * stride_od, out_a.to(OUT.dtype.element_ty), mask=valid)
+        tl.store(o_row + (d + half) * stride_od, out_b.to(OUT.dtype.element_ty), mask=valid)
+    else:
+        d = tl.arange(0, DP)[None, :]
+        valid = (r[:, None] < R) & (d < D)
+        x = tl.load(x_row + d * stride_xd, mask=valid)
+        c = tl.load(c_row + d * stride_cd, mask=valid)
+        sn = tl.load(s_row + d * stride_sd, mask=valid)
+        x1, x2 = tl.split(tl.reshape(x.to(tl.float32), [ROWS, DP // 2, 2]))
+        c1, c2 = tl.split(tl.reshape(c.to(tl.float32), [ROWS, DP // 2, 2]))
+        s1, s2 = tl.split(tl.reshape(sn.to(tl.float32), [ROWS, DP // 2, 2]))
+        if FORM == 0:  # Wan's: both channels by cos[2j] and sin[2j+1]
+            out_even, out_odd = _rotated(x1, x2, c1, c1, s2, s2, ROUND)
+        else:
+            out_even, out_odd = _rotated(x1, x2, c1, c2, s1, s2, ROUND)
+        out = tl.reshape(tl.join(out_even, out_odd), [ROWS, DP])
+        tl.store(o_row + d * stride_od, out.to(OUT.dtype.element_ty), mask=valid)
 
 
 def rotate_pairs_takes(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> bool:
-    """Whether ``rotate_pairs`` runs these inputs (``_refusal``); never raises nor warns."""
+    """Whether ``rotate_pairs`` runs these inputs (``_refusal``), in any form; never raises nor warns."""
     return _refusal(x, freqs_cos, freqs_sin) is None
 
 
@@ -89,37 +124,44 @@ def _refusal(x, freqs_cos, freqs_sin) -> str | None:
 
 
 def rotate_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """diffusers' Wan ``apply_rotary_emb`` in one launch: channel pairs (2j, 2j+1) of ``x`` rotated by
-    ``freqs_cos[..., 2j]`` and ``freqs_sin[..., 2j+1]``, equal to the stock function bit for bit.
+                 out: torch.Tensor | None = None, form: int = WAN) -> torch.Tensor:
+    """A stock rotary embedding in one launch, equal to it bit for bit: with ``form`` ``WAN`` diffusers' Wan
+    ``apply_rotary_emb(x, freqs_cos, freqs_sin)`` (channel pairs (2j, 2j+1) rotated by ``freqs_cos[..., 2j]`` and
+    ``freqs_sin[..., 2j+1]``), with ``INTERLEAVED`` and ``HALVES`` ``diffusers.models.embeddings.apply_rotary_emb`` on
+    real tables, ``use_real_unbind_dim`` -1 and -2, given tables already shaped to broadcast (the module docstring).
 
-    x: (B, S, H, D) float16/bfloat16/float32, any strides, D even. freqs_cos, freqs_sin: (..., D) of one dtype,
-    broadcastable to ``x`` (Wan's: (1, S, 1, D)). Products and sums are rounded to the promotion of the two dtypes.
+    x: (B, S, H, D) float16/bfloat16/float32, any strides, D even (any 4-D layout: the dims are only named so).
+    freqs_cos, freqs_sin: (..., D) of one dtype, broadcastable to ``x`` (Wan's: (1, S, 1, D)).
     out: where to write (``x``'s shape and dtype); by default ``torch.empty_like(x)``, as the stock function's.
     Returns ``out``. Inputs ``rotate_pairs_takes`` refuses raise ``ValueError`` saying why.
     """
     reason = _refusal(x, freqs_cos, freqs_sin)
     if reason is not None:
         raise ValueError(f"rotate_pairs does not run these inputs: {reason}")
+    if form not in (WAN, INTERLEAVED, HALVES):
+        raise ValueError(f"form must be rope.WAN, rope.INTERLEAVED or rope.HALVES, got {form!r}")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype}")
-    return rotate_pairs_unchecked(x, freqs_cos, freqs_sin, out)
+    return rotate_pairs_unchecked(x, freqs_cos, freqs_sin, out, form)
 
 
 def rotate_pairs_unchecked(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, form: int = WAN) -> torch.Tensor:
     """``rotate_pairs`` for inputs ``rotate_pairs_takes`` has accepted, without checking them again."""
     if out is None:
         out = torch.empty_like(x)
     if x.is_cuda and torch.cuda.current_device() != x.device.index:
         with torch.cuda.device(x.device):  # Triton launches on the current device
-            return rotate_pairs_unchecked(x, freqs_cos, freqs_sin, out)
+            return rotate_pairs_unchecked(x, freqs_cos, freqs_sin, out, form)
     B, S, H, D = x.shape
     cos, sin = freqs_cos.expand(x.shape), freqs_sin.expand(x.shape)
-    rows, dp = B * S * H, max(2, triton.next_power_of_2(D))
-    block_rows = max(1, 4096 // dp)
+    rows = B * S * H
+    dp = max(2, triton.next_power_of_2(D // 2 if form == HALVES else D))
+    block_rows = max(1, 4096 // dp // (2 if form == HALVES else 1))
+    # the generic function computes in float32 whatever x's dtype (it upcasts x), Wan's in x's and the tables' dtype
+    compute = torch.promote_types(x.dtype if form == WAN else torch.float32, freqs_cos.dtype)
     _rotate_pairs_kernel[(triton.cdiv(rows, block_rows),)](
         x, cos, sin, out, rows, S, H, D, *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
-        block_rows, dp, _ROUND[torch.promote_types(x.dtype, freqs_cos.dtype)], enable_fp_fusion=False,
+        block_rows, dp, _ROUND[compute], form, enable_fp_fusion=False,
     )
     return out

@@ -1,35 +1,69 @@
-"""The stock rotary embedding of Wan's processors, run in one launch inside their routed copies.
+"""Stock rotary embeddings run in one launch inside the routed copies of diffusers' processors.
 
-``WanAttnProcessor`` (and the processors diffusers copied from it) define ``apply_rotary_emb(hidden_states,
-freqs_cos, freqs_sin)`` inside their ``__call__``, a dozen PyTorch ops per tensor; at 480p × 81 frames Q's and K's
-cost a quarter of what the INT8 attention call does. ``with_fast_rotary`` gives a routed copy's code a stand-in for
-that nested function which calls ``CheckedRotary``: ``kernels.rope.rotate_pairs`` once it has reproduced the stock
-function bit for bit on a real call's inputs, else the stock function. Only a nested function whose instructions are
-those of the installed diffusers' Wan function is replaced; any other stays as it is.
+Two stock functions rotate Q and K with a dozen or so PyTorch ops per tensor: at 480p × 81 frames Wan's cost a quarter
+of what the INT8 attention call does. ``kernels.rope.rotate_pairs`` gives their result, bit for bit, in one launch:
+
+- the ``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)`` that ``WanAttnProcessor`` (and the processors diffusers
+  copied from it) define inside their ``__call__``: ``with_fast_rotary`` gives a routed copy's code a stand-in for that
+  nested function, where its instructions are those of the installed diffusers' Wan function;
+- ``diffusers.models.embeddings.apply_rotary_emb`` with real tables (Flux, CogVideoX, HunyuanVideo, ...), which a
+  processor reads as a module global or imports inside its ``__call__``: the copy's globals map the name to a
+  stand-in, and its builtins' ``__import__`` hands that ``from ..embeddings import apply_rotary_emb`` the stand-in,
+  where the installed function has the signature it is known by.
+
+Each stand-in calls a ``Checked`` rotary: the one launch once it has reproduced the stock function bit for bit on a
+real call's inputs, else the stock function. A compiled model runs the stock function, which inductor fuses.
 """
 
 from __future__ import annotations
 
+import builtins
+import dis
 import functools
+import inspect
 import types
 import warnings
+from typing import Callable
 
 import torch
 
-from ..kernels.rope import rotate_pairs_takes, rotate_pairs_unchecked
+from ..kernels.rope import HALVES, INTERLEAVED, WAN, rotate_pairs_takes, rotate_pairs_unchecked
 
 _NAME = "apply_rotary_emb"
 _ARGS = ("hidden_states", "freqs_cos", "freqs_sin")
-# (the nested function's code, x's dtype, the tables' dtype, device) -> whether rotate_pairs gave the stock result:
-# checked once, as a kernel is compiled once
+# the generic function's parameters and defaults, as diffusers >= 0.35 defines it: any other is left alone
+_GENERIC_SIGNATURE = (("x", inspect.Parameter.empty), ("freqs_cis", inspect.Parameter.empty), ("use_real", True),
+                      ("use_real_unbind_dim", -1), ("sequence_dim", 2))
+# (the stock function's code, the form, x's dtype, the tables' dtype, device, ...) -> whether rotate_pairs gave the
+# stock result: checked once, as a kernel is compiled once
 _CHECKED: dict[tuple, bool] = {}
+
+
+def _checked(key: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: int, stock: Callable[[], torch.Tensor],
+             name: str) -> torch.Tensor:
+    """The rotary of ``x`` by ``rotate_pairs`` where it reproduced ``stock()`` bit for bit for ``key``, else ``stock()``;
+    the first call for a key checks (one host synchronization, holding one more x-sized tensor for it; not while a
+    CUDA graph is captured) and warns once if the bits differ."""
+    equal = _CHECKED.get(key)
+    if equal:
+        return rotate_pairs_unchecked(x, cos, sin, None, form)
+    want = stock()
+    if equal is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        fast = rotate_pairs_unchecked(x, cos, sin, None, form)
+        bits = {2: torch.int16, 4: torch.int32}[want.element_size()]
+        nan = want.isnan()  # a NaN's payload may differ: where stock has one, fast must have one too
+        equal = _CHECKED[key] = bool(fast.shape == want.shape and torch.equal(fast.isnan(), nan) and torch.equal(
+            fast.view(bits).masked_fill(nan, 0), want.view(bits).masked_fill(nan, 0)))
+        if not equal:
+            warnings.warn(f"diffusion_int8: the one-launch rotary embedding did not reproduce {name} ({x.dtype} "
+                          f"inputs, {cos.dtype} tables); it runs as it is", RuntimeWarning, stacklevel=3)
+    return want
 
 
 class CheckedRotary:
     """A stock Wan ``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)`` and ``rotate_pairs``: the one-launch twin
-    runs for inputs it takes once it has given the stock result bit for bit for their dtypes and device (checked on
-    the first such call of the process, one host synchronization, holding one more Q-sized tensor for it; not while
-    a CUDA graph is captured), the stock function otherwise."""
+    runs for inputs it takes once it has given the stock result bit for bit for their dtypes and device (``_checked``),
+    the stock function otherwise."""
 
     def __init__(self, stock: types.FunctionType):
         self.stock = stock
@@ -37,22 +71,36 @@ class CheckedRotary:
     def __call__(self, hidden_states, freqs_cos, freqs_sin):
         if not rotate_pairs_takes(hidden_states, freqs_cos, freqs_sin):
             return self.stock(hidden_states, freqs_cos, freqs_sin)
-        key = (self.stock.__code__, hidden_states.dtype, freqs_cos.dtype, hidden_states.device)
-        equal = _CHECKED.get(key)
-        if equal:
-            return rotate_pairs_unchecked(hidden_states, freqs_cos, freqs_sin)
-        stock = self.stock(hidden_states, freqs_cos, freqs_sin)
-        if equal is None and not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()):
-            fast = rotate_pairs_unchecked(hidden_states, freqs_cos, freqs_sin)
-            bits = {2: torch.int16, 4: torch.int32}[stock.element_size()]
-            nan = stock.isnan()  # a NaN's payload may differ: where stock has one, fast must have one too
-            equal = _CHECKED[key] = bool(torch.equal(fast.isnan(), nan) and torch.equal(
-                fast.view(bits).masked_fill(nan, 0), stock.view(bits).masked_fill(nan, 0)))
-            if not equal:
-                warnings.warn(f"diffusion_int8: the one-launch rotary embedding did not reproduce "
-                              f"{self.stock.__qualname__} ({hidden_states.dtype} inputs, {freqs_cos.dtype} tables); "
-                              f"it runs as it is", RuntimeWarning, stacklevel=2)
-        return stock
+        key = (self.stock.__code__, WAN, hidden_states.dtype, freqs_cos.dtype, hidden_states.device)
+        return _checked(key, hidden_states, freqs_cos, freqs_sin, WAN,
+                        lambda: self.stock(hidden_states, freqs_cos, freqs_sin), self.stock.__qualname__)
+
+
+class CheckedApplyRotary:
+    """diffusers' ``embeddings.apply_rotary_emb(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)`` and
+    ``rotate_pairs``: real (cos, sin) tables of shape (S, D), unbind dim -1 or -2 and sequence dim 1 or 2 run in one
+    launch once checked (``_checked``, per form, sequence dim, dtypes and device); any other call, and every call
+    torch.compile traces, runs the stock function."""
+
+    def __init__(self, stock: types.FunctionType):
+        self.stock = stock
+
+    def __call__(self, x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
+        def stock():
+            return self.stock(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+
+        form = {-1: INTERLEAVED, -2: HALVES}.get(use_real_unbind_dim) if use_real else None
+        if (form is None or sequence_dim not in (1, 2) or not isinstance(x, torch.Tensor)
+                or not isinstance(freqs_cis, (tuple, list)) or len(freqs_cis) != 2
+                or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in freqs_cis)
+                or torch.compiler.is_compiling()):
+            return stock()
+        # the stock function's broadcast: (S, D) tables against x's sequence dim
+        cos, sin = (t[None, :, None, :] if sequence_dim == 1 else t[None, None] for t in freqs_cis)
+        if not rotate_pairs_takes(x, cos, sin):
+            return stock()
+        key = (self.stock.__code__, form, sequence_dim, x.dtype, cos.dtype, x.device)
+        return _checked(key, x, cos, sin, form, stock, self.stock.__qualname__)
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,6 +116,18 @@ def stock_wan_rotary() -> types.FunctionType | None:
     return None if code is None else types.FunctionType(code, fn.__globals__, _NAME)
 
 
+@functools.lru_cache(maxsize=1)
+def generic_rotary() -> CheckedApplyRotary | None:
+    """The stand-in for the installed ``diffusers.models.embeddings.apply_rotary_emb``, or None where that function is
+    missing or has other parameters than ``_GENERIC_SIGNATURE`` (a release that changed it keeps its own)."""
+    try:
+        from diffusers.models.embeddings import apply_rotary_emb
+    except ImportError:
+        return None
+    params = tuple((p.name, p.default) for p in inspect.signature(apply_rotary_emb).parameters.values())
+    return CheckedApplyRotary(apply_rotary_emb) if params == _GENERIC_SIGNATURE else None
+
+
 def _is_wan_rotary(code: types.CodeType) -> bool:
     """Whether nested ``code`` is Wan's rotary embedding, instruction for instruction (WanAttnProcessor's own, or a
     processor's copy of it: SkyReels-V2, ChronoEdit, ...)."""
@@ -78,11 +138,42 @@ def _is_wan_rotary(code: types.CodeType) -> bool:
             and all(getattr(code, f) == getattr(wan.__code__, f) for f in fields))
 
 
+class _ModuleView:
+    """A module as ``from module import ...`` reads it, with ``apply_rotary_emb`` the stand-in."""
+
+    __slots__ = ("_module", "_stand_in")
+
+    def __init__(self, module: types.ModuleType, stand_in: CheckedApplyRotary):
+        self._module, self._stand_in = module, stand_in
+
+    def __getattr__(self, name):
+        return self._stand_in if name == _NAME else getattr(self._module, name)
+
+
+def _builtins_importing(stand_in: CheckedApplyRotary) -> dict:
+    """Builtins whose ``__import__`` gives ``from ... import apply_rotary_emb`` of the stock function's module the
+    stand-in instead, and imports everything else as it is."""
+    views: dict[int, _ModuleView] = {}
+
+    def __import__(name, globals=None, locals=None, fromlist=(), level=0):
+        module = builtins.__import__(name, globals, locals, fromlist, level)
+        if fromlist and _NAME in fromlist and getattr(module, _NAME, None) is stand_in.stock:
+            view = views.get(id(module))
+            if view is None:
+                view = views[id(module)] = _ModuleView(module, stand_in)
+            return view
+        return module
+
+    return {**builtins.__dict__, "__import__": __import__}
+
+
 def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeType, dict]:
-    """``code`` (a stock processor's ``__call__``) with each nested function that is Wan's rotary embedding
-    (``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)``) replaced by a stand-in that calls a ``CheckedRotary`` of
-    it, and the globals the stand-ins read (to add to the copy's globals, which the stand-ins are made with);
-    ``code``, {} where there is none."""
+    """``code`` (a stock processor's ``__call__``) with its rotary embeddings in one launch, and the globals that takes
+    (to add to the copy's globals, which the stand-ins are made with); ``code``, {} where there is none.
+
+    Each nested function that is Wan's rotary embedding is replaced by a stand-in that calls a ``CheckedRotary`` of it.
+    Where the code reads diffusers' generic ``apply_rotary_emb`` as a module global, the globals map it to
+    ``generic_rotary()``; where it imports it, the globals' builtins give the import that stand-in."""
     consts, names = list(code.co_consts), {}
     for i, nested in enumerate(consts):
         if not (isinstance(nested, types.CodeType) and _is_wan_rotary(nested)):
@@ -97,6 +188,13 @@ def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeTy
         if hasattr(nested, "co_qualname"):  # Python 3.11+: a nested function takes its qualified name from its code
             where["co_qualname"] = nested.co_qualname
         consts[i] = stub.replace(**where)
+    generic = generic_rotary() if _NAME in code.co_names else None
+    if generic is not None:
+        reads = {(ins.opname, ins.argval) for ins in dis.get_instructions(code)}
+        if ("LOAD_GLOBAL", _NAME) in reads and globals_.get(_NAME) is generic.stock:
+            names[_NAME] = generic
+        if ("IMPORT_FROM", _NAME) in reads:
+            names["__builtins__"] = _builtins_importing(generic)
     if not names:
         return code, {}
     return code.replace(co_consts=tuple(consts)), names
