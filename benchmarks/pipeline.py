@@ -100,12 +100,14 @@ def models():
 
     def cogvideox():
         # CogVideoX-5B, 720x480 x 49 frames: latent 13 x 60 x 90 -> 17550 tokens + 226 text, 48 heads x 64, 42 blocks;
-        # cut to 8 blocks. RoPE off: the pipeline, not the model, computes its embeddings.
+        # cut to 8 blocks. Its rotary embeddings as CogVideoXPipeline computes them (float32, on the GPU): 13 frames of
+        # 30 x 45 patches, the grid equal to the base size (no crop).
         m = d.CogVideoXTransformer3DModel(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16,
                                           time_embed_dim=512, text_embed_dim=4096, num_layers=8, sample_width=90,
-                                          sample_height=60, sample_frames=49, use_rotary_positional_embeddings=False)
+                                          sample_height=60, sample_frames=49, use_rotary_positional_embeddings=True)
+        rope = d.models.embeddings.get_3d_rotary_pos_embed(64, ((0, 0), (30, 45)), (30, 45), 13, device="cuda")
         x = dict(hidden_states=torch.randn(1, 13, 16, 60, 90), timestep=torch.tensor([500]),
-                 encoder_hidden_states=torch.randn(1, 226, 4096))
+                 encoder_hidden_states=torch.randn(1, 226, 4096), image_rotary_emb=rope)
         return m, x, torch.bfloat16, "8 of 42 blocks"
 
     def padded(n_text, n_valid, dtype=torch.bool):

@@ -71,7 +71,8 @@ def main() -> None:
         fast = lambda: (fast_fn(q), fast_fn(k))  # noqa: E731
         bits = torch.int16
         row = {"shape": list(q.shape), "equal": torch.equal(stock_fn(q).view(bits), fast_fn(q).view(bits)),
-               "stock ms": triton.testing.do_bench(stock, rep=300), "rotate_pairs ms": triton.testing.do_bench(fast, rep=300)}
+               "stock ms": triton.testing.do_bench(stock, rep=300),
+               "rotate_pairs ms": triton.testing.do_bench(fast, rep=300)}
         with torch.cuda.stream(torch.cuda.Stream()):
             row["stock graph ms"] = triton.testing.do_bench_cudagraph(stock, rep=300)
             row["rotate_pairs graph ms"] = triton.testing.do_bench_cudagraph(fast, rep=300)

@@ -362,8 +362,9 @@ def test_a_generic_function_of_other_parameters_is_left_alone(monkeypatch):
 @pytest.mark.parametrize("family, rotations", [("flux", 4), ("CogVideoXTransformer3DModel", 2),
                                                 ("HunyuanVideoTransformer3DModel", 4)])
 def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(kdev, monkeypatch, family, rotations):
-    """Tiny Flux (a module global), CogVideoX-5b and HunyuanVideo (imported inside ``__call__``), INT8 on the Triton backend:
-    their routed copies rotate through ``rotate_pairs`` and give what they give with the stock rotary, bit for bit."""
+    """Tiny Flux (a module global), CogVideoX-5b and HunyuanVideo (imported inside ``__call__``), INT8 on the Triton
+    backend: their routed copies rotate through ``rotate_pairs`` and give what they give with the stock rotary, bit for
+    bit."""
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
     model, x = build(family) if family == "flux" else build_case(family)
     dtype = torch.bfloat16 if kdev == "cuda" else torch.float32

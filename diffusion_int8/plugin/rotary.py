@@ -39,11 +39,11 @@ _GENERIC_SIGNATURE = (("x", inspect.Parameter.empty), ("freqs_cis", inspect.Para
 _CHECKED: dict[tuple, bool] = {}
 
 
-def _checked(key: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: int, stock: Callable[[], torch.Tensor],
-             name: str) -> torch.Tensor:
-    """The rotary of ``x`` by ``rotate_pairs`` where it reproduced ``stock()`` bit for bit for ``key``, else ``stock()``;
-    the first call for a key checks (one host synchronization, holding one more x-sized tensor for it; not while a
-    CUDA graph is captured) and warns once if the bits differ."""
+def _checked(key: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: int,
+             stock: Callable[[], torch.Tensor], name: str) -> torch.Tensor:
+    """The rotary of ``x`` by ``rotate_pairs`` where it reproduced ``stock()`` bit for bit for ``key``, else
+    ``stock()``; the first call for a key checks (one host synchronization, holding one more x-sized tensor for it; not
+    while a CUDA graph is captured) and warns once if the bits differ."""
     equal = _CHECKED.get(key)
     if equal:
         return rotate_pairs_unchecked(x, cos, sin, None, form)
