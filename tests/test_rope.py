@@ -3,6 +3,7 @@ Wan's nested function, and ``diffusers.models.embeddings.apply_rotary_emb`` with
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from unittest import mock
@@ -15,7 +16,7 @@ from zoo.registry import to_device
 
 import diffusion_int8
 from diffusion_int8.kernels import rope
-from diffusion_int8.plugin import rotary
+from diffusion_int8.plugin import rotary, routing
 
 
 wan_stock = rotary.stock_wan_rotary()  # diffusers' own function, as WanAttnProcessor.__call__ defines it
@@ -198,7 +199,8 @@ def test_other_nested_functions_are_left_alone(src):
 
 def test_wan_runs_its_rotary_in_one_launch_and_computes_what_it_did(kdev, monkeypatch):
     """The tiny Wan model, INT8 on the Triton backend, its rotary tables in float32 as from_pretrained keeps them:
-    its routed copies rotate through ``rotate_pairs`` and give what they give with the stock rotary, bit for bit."""
+    its routed copies rotate through ``rotate_pairs`` and give what routed copies of the stock code give, bit for
+    bit."""
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
     model, x = build("wan")
     dtype = torch.bfloat16 if kdev == "cuda" else torch.float32
@@ -207,8 +209,8 @@ def test_wan_runs_its_rotary_in_one_launch_and_computes_what_it_did(kdev, monkey
     x = {k: v.to(kdev, dtype) if v.is_floating_point() else v.to(kdev) for k, v in x.items()}
     calls, outs = counted(monkeypatch), {}
     for fast in (True, False):
-        takes = rope.rotate_pairs_takes if fast else (lambda *a: False)
-        with mock.patch.object(rotary, "rotate_pairs_takes", takes):
+        stand_ins = rotary.with_fast_rotary if fast else (lambda code, g: (code, {}))  # stock code and globals
+        with mock.patch.object(routing, "with_fast_rotary", stand_ins):
             handle = diffusion_int8.enable(model, "int8", speed_gate=False)
             with torch.no_grad():
                 outs[fast] = [model(**x, return_dict=False)[0] for _ in range(2)]
@@ -242,7 +244,7 @@ def generic_inputs(device, x_dtype, table_dtype, sequence_dim, B=2, S=37, H=3, D
 @pytest.mark.parametrize("unbind", [-1, -2])
 @pytest.mark.parametrize("sequence_dim", [1, 2])
 @pytest.mark.parametrize("x_dtype", DTYPES)
-@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("table_dtype", DTYPES)
 def test_rotate_pairs_is_diffusers_apply_rotary_emb_bit_for_bit(kdev, unbind, sequence_dim, x_dtype, table_dtype):
     x, (cos, sin) = generic_inputs(kdev, x_dtype, table_dtype, sequence_dim)
     shaped = (lambda t: t[None, :, None, :]) if sequence_dim == 1 else (lambda t: t[None, None])
@@ -306,6 +308,37 @@ def test_generic_stand_in_runs_in_one_launch_after_one_check_and_leaves_other_ca
             assert torch.equal(generic(x, tables), generic.stock(x, tables)) and len(calls) == n
 
 
+@needs_generic
+def test_generic_stand_in_keeps_stock_where_the_launch_differs_or_fails(kdev, monkeypatch):
+    x, tables = generic_inputs(kdev, torch.bfloat16, torch.float32, 1)
+    real = rope.rotate_pairs_unchecked
+    monkeypatch.setattr(rotary, "rotate_pairs_unchecked",  # one bit off in one element
+                        lambda *a: real(*a).view(torch.int16).add_((torch.arange(a[0].numel()) == 7).to(
+                            a[0].device).view(a[0].shape).short()).view(torch.bfloat16))
+    want = generic.stock(x, tables, sequence_dim=1)
+    with pytest.warns(RuntimeWarning, match="did not reproduce"):
+        assert torch.equal(generic(x, tables, sequence_dim=1), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning
+        assert torch.equal(generic(x, tables, sequence_dim=1), want)
+    monkeypatch.setattr(rotary, "_CHECKED", {})
+
+    def fails(*a):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(rotary, "rotate_pairs_unchecked", fails)  # a kernel that cannot launch on this device
+    with pytest.warns(RuntimeWarning, match="failed .RuntimeError: out of resources"):
+        assert torch.equal(generic(x, tables, sequence_dim=1), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(generic(x, tables, sequence_dim=1), want) and list(rotary._CHECKED.values()) == [False]
+    # arguments stock takes apart from plain ints go to stock, which raises what it raises for them
+    with pytest.raises(ValueError, match="use_real_unbind_dim"):
+        generic(x, tables, True, [-1])
+    assert torch.equal(generic(x, tables, True, -1, torch.tensor(1)), want)
+    assert len(rotary._CHECKED) == 1
+
+
 def code_of(text: str, g: dict) -> types.CodeType:
     exec(compile(text, "<processor>", "exec"), g)
     return g["call"].__code__
@@ -347,24 +380,24 @@ def test_processors_get_the_generic_stand_in_where_they_read_or_import_diffusers
 def test_a_generic_function_of_other_parameters_is_left_alone(monkeypatch):
     from diffusers.models import embeddings
 
-    rotary.generic_rotary.cache_clear()
+    # a fresh cache, so that the process's stand-in (the module's ``generic``) stays the one other tests compare with
+    monkeypatch.setattr(rotary, "generic_rotary", functools.lru_cache(maxsize=1)(rotary.generic_rotary.__wrapped__))
     monkeypatch.setattr(embeddings, "apply_rotary_emb", lambda x, freqs_cis, use_real=True: x)
-    try:
-        assert rotary.generic_rotary() is None
-        g = {"apply_rotary_emb": embeddings.apply_rotary_emb}
-        code = code_of("def call(x, f):\n    return apply_rotary_emb(x, f)\n", g)
-        assert rotary.with_fast_rotary(code, g) == (code, {})
-    finally:
-        rotary.generic_rotary.cache_clear()
+    assert rotary.generic_rotary() is None
+    g = {"apply_rotary_emb": embeddings.apply_rotary_emb}
+    code = code_of("def call(x, f):\n    return apply_rotary_emb(x, f)\n", g)
+    assert rotary.with_fast_rotary(code, g) == (code, {})
 
 
 @needs_generic
-@pytest.mark.parametrize("family, rotations", [("flux", 4), ("CogVideoXTransformer3DModel", 2),
-                                                ("HunyuanVideoTransformer3DModel", 4)])
-def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(kdev, monkeypatch, family, rotations):
-    """Tiny Flux (a module global), CogVideoX-5b and HunyuanVideo (imported inside ``__call__``), INT8 on the Triton
-    backend: their routed copies rotate through ``rotate_pairs`` and give what they give with the stock rotary, bit for
-    bit."""
+@pytest.mark.parametrize("family, form, rotations", [
+    ("flux", rope.INTERLEAVED, 4), ("CogVideoXTransformer3DModel", rope.INTERLEAVED, 2),
+    ("HunyuanVideoTransformer3DModel", rope.INTERLEAVED, 4), ("CogView4Transformer2DModel", rope.HALVES, 2)])
+def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(kdev, monkeypatch, family, form,
+                                                                                rotations):
+    """Tiny Flux (a module global), CogVideoX-5b, HunyuanVideo and CogView4 (imported inside ``__call__``; CogView4's
+    channel pairs are halves), INT8 on the Triton backend: their routed copies rotate through ``rotate_pairs`` and give
+    what routed copies without stand-ins (stock builtins and globals) give, bit for bit."""
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
     model, x = build(family) if family == "flux" else build_case(family)
     dtype = torch.bfloat16 if kdev == "cuda" else torch.float32
@@ -374,14 +407,14 @@ def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(k
          for k, v in to_device(x, kdev).items()}
     calls, outs = generic_counted(monkeypatch), {}
     for fast in (True, False):
-        takes = rope.rotate_pairs_takes if fast else (lambda *a: False)
-        with mock.patch.object(rotary, "rotate_pairs_takes", takes):
+        stand_ins = rotary.with_fast_rotary if fast else (lambda code, g: (code, {}))
+        with mock.patch.object(routing, "with_fast_rotary", stand_ins):
             handle = diffusion_int8.enable(model, "int8", speed_gate=False)
             with torch.no_grad():
                 outs[fast] = [model(**x, return_dict=False)[0] for _ in range(2)]
             assert handle.state.int8_calls > 0
             handle.disable()
     # Q and K of each block with rotary tables, two forwards: each through rotate_pairs (the first as the check)
-    assert calls == [rope.INTERLEAVED] * (2 * rotations)
+    assert calls == [form] * (2 * rotations)
     assert len(rotary._CHECKED) == 1 and all(rotary._CHECKED.values())
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))

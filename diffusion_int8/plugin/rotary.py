@@ -12,7 +12,8 @@ of what the INT8 attention call does. ``kernels.rope.rotate_pairs`` gives their 
   where the installed function has the signature it is known by.
 
 Each stand-in calls a ``Checked`` rotary: the one launch once it has reproduced the stock function bit for bit on a
-real call's inputs, else the stock function. A compiled model runs the stock function, which inductor fuses.
+real call's inputs, else the stock function (also where the launch fails). A compiled model runs the stock function,
+which inductor fuses.
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ def _checked(key: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         return rotate_pairs_unchecked(x, cos, sin, None, form)
     want = stock()
     if equal is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        fast = rotate_pairs_unchecked(x, cos, sin, None, form)
+        try:
+            fast = rotate_pairs_unchecked(x, cos, sin, None, form)
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: stock, as promised
+            _CHECKED[key] = False
+            warnings.warn(f"diffusion_int8: the one-launch rotary embedding failed ({type(exc).__name__}: {exc}); "
+                          f"{name} runs as it is", RuntimeWarning, stacklevel=3)
+            return want
         bits = {2: torch.int16, 4: torch.int32}[want.element_size()]
         nan = want.isnan()  # a NaN's payload may differ: where stock has one, fast must have one too
         equal = _CHECKED[key] = bool(fast.shape == want.shape and torch.equal(fast.isnan(), nan) and torch.equal(
@@ -89,7 +96,10 @@ class CheckedApplyRotary:
         def stock():
             return self.stock(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
 
-        form = {-1: INTERLEAVED, -2: HALVES}.get(use_real_unbind_dim) if use_real else None
+        # plain ints only: anything else (a 0-d tensor, a list) goes to stock, which raises what it raises for it
+        form = None
+        if use_real and type(use_real_unbind_dim) is int and type(sequence_dim) is int:
+            form = INTERLEAVED if use_real_unbind_dim == -1 else HALVES if use_real_unbind_dim == -2 else None
         if (form is None or sequence_dim not in (1, 2) or not isinstance(x, torch.Tensor)
                 or not isinstance(freqs_cis, (tuple, list)) or len(freqs_cis) != 2
                 or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in freqs_cis)
@@ -152,7 +162,8 @@ class _ModuleView:
 
 def _builtins_importing(stand_in: CheckedApplyRotary) -> dict:
     """Builtins whose ``__import__`` gives ``from ... import apply_rotary_emb`` of the stock function's module the
-    stand-in instead, and imports everything else as it is."""
+    stand-in instead, and imports everything else as it is. A snapshot of the builtins module taken now (a frame reads
+    its builtins from a dict): a builtin added to the module later, by a profiler say, is not seen by the copy."""
     views: dict[int, _ModuleView] = {}
 
     def __import__(name, globals=None, locals=None, fromlist=(), level=0):
@@ -173,7 +184,8 @@ def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeTy
 
     Each nested function that is Wan's rotary embedding is replaced by a stand-in that calls a ``CheckedRotary`` of it.
     Where the code reads diffusers' generic ``apply_rotary_emb`` as a module global, the globals map it to
-    ``generic_rotary()``; where it imports it, the globals' builtins give the import that stand-in."""
+    ``generic_rotary()``; where it imports it, the globals' builtins give the import that stand-in. Only ``code``'s own
+    instructions are read: a read or an import inside a function nested in it stays stock."""
     consts, names = list(code.co_consts), {}
     for i, nested in enumerate(consts):
         if not (isinstance(nested, types.CodeType) and _is_wan_rotary(nested)):

@@ -3,11 +3,11 @@
 Every stock diffusers processor ends in ``torch.nn.functional.scaled_dot_product_attention``, called through
 its module's ``F`` (``AttnProcessor2_0``, ``JointAttnProcessor2_0``, ``CogVideoXAttnProcessor2_0`` …), or in
 the attention dispatcher's ``dispatch_attention_fn`` (``FluxAttnProcessor``, ``WanAttnProcessor`` …).
-``routed`` copies a stock processor's ``__call__`` with those two globals pointing elsewhere (and Wan's nested
-rotary embedding run as one launch, ``rotary``), so nothing is patched globally and nothing else in the processor
-pays for the routing (a ``TorchFunctionMode`` around the call would intercept every torch call in it, at a host cost
-per attention module; ``RouteToInt8`` does that only where torch.compile traces it away). ``int8_sdpa`` is SDPA's
-signature on the INT8 op.
+``routed`` copies a stock processor's ``__call__`` with those two globals pointing elsewhere (and its rotary
+embedding run as one launch: ``rotary.with_fast_rotary``), so nothing is patched globally and nothing else in the
+processor pays for the routing (a ``TorchFunctionMode`` around the call would intercept every torch call in it, at a
+host cost per attention module; ``RouteToInt8`` does that only where torch.compile traces it away). ``int8_sdpa`` is
+SDPA's signature on the INT8 op.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from .rotary import with_fast_rotary
 
 def routed(fn: Callable, sdpa: Callable, dispatch: Callable) -> Callable | None:
     """A copy of the stock processor's ``__call__`` ``fn`` whose module-level ``F.scaled_dot_product_attention``
-    is ``sdpa`` and ``dispatch_attention_fn`` is ``dispatch``, and whose nested Wan rotary embedding runs in one
-    launch (``rotary.with_fast_rotary``); None when ``fn`` reaches attention through neither."""
+    is ``sdpa`` and ``dispatch_attention_fn`` is ``dispatch``, and whose rotary embedding (Wan's nested one, or
+    diffusers' ``embeddings.apply_rotary_emb`` read as a global or imported) runs in one launch: the code, globals and
+    builtins ``rotary.with_fast_rotary`` gives; None when ``fn`` reaches attention through neither."""
     g = fn.__globals__
     names = {}
     if g.get("F") is F:
