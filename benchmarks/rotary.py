@@ -3,8 +3,8 @@ processors run it in, in the same run. Wan's nested ``apply_rotary_emb`` at Wan2
 128), with its float32 tables (as ``from_pretrained`` keeps them) and bfloat16 ones (a model cast by ``.to()``);
 ``diffusers.models.embeddings.apply_rotary_emb`` at HunyuanVideo's 544 × 960 × 61 frames (1, 32640, 24, 128; sequence
 dim 1, its video tokens), CogVideoX-5b's 720 × 480 × 49 frames with CFG (2, 48, 17550, 64; sequence dim 2) and Flux's
-1024² (1, 4608, 24, 128; sequence dim 1), float32 tables; bfloat16 Q and K. The INT8 call and SDPA at Wan's shape
-for scale.
+1024² (1, 4608, 24, 128; sequence dim 1); LTX-Video's own ``apply_rotary_emb`` on (B, S, C) tokens at 768 × 512 × 121
+frames with CFG (2, 6144, 2048); float32 tables, bfloat16 Q and K. The INT8 call and SDPA at Wan's shape for scale.
 
     python benchmarks/rotary.py [--out bench_out/rotary.json]
 
@@ -22,7 +22,7 @@ import triton
 
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.rope import INTERLEAVED, WAN, rotate_pairs
-from diffusion_int8.plugin.rotary import generic_rotary, stock_wan_rotary
+from diffusion_int8.plugin.rotary import generic_rotary, stock_token_rotary, stock_wan_rotary
 
 # (row, x's shape, its sequence dim) for diffusers' generic function
 GENERIC = [("HunyuanVideo", (1, 32640, 24, 128), 1), ("CogVideoX-5b", (2, 48, 17550, 64), 2),
@@ -42,14 +42,20 @@ def cases():
     generic = generic_rotary()
     if generic is None:
         print("the installed diffusers' embeddings.apply_rotary_emb is not the one the stand-in knows: not timed")
-        return
-    for name, shape, seq_dim in GENERIC:
+    for name, shape, seq_dim in GENERIC if generic is not None else ():
         q = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
         angle = torch.rand(shape[seq_dim], shape[-1], device="cuda") * 60
         tables = (angle.cos(), angle.sin())
         shaped = [t[None, :, None] if seq_dim == 1 else t[None, None] for t in tables]
         yield (name, q, torch.randn_like(q), lambda x, t=tables, d=seq_dim: generic.stock(x, t, sequence_dim=d),
                lambda x, t=shaped: rotate_pairs(x, *t, form=INTERLEAVED))
+    ltx = stock_token_rotary()
+    if ltx is not None:
+        q = torch.randn(2, 6144, 2048, device="cuda", dtype=torch.bfloat16)
+        angle = torch.rand(2, 6144, 2048, device="cuda") * 60
+        tables = (angle.cos(), angle.sin())
+        yield ("LTX-Video", q, torch.randn_like(q), lambda x: ltx(x, tables),
+               lambda x: rotate_pairs(x[:, :, None], *(t[:, :, None] for t in tables), form=INTERLEAVED)[:, :, 0])
 
 
 def main() -> None:

@@ -339,6 +339,33 @@ def test_generic_stand_in_keeps_stock_where_the_launch_differs_or_fails(kdev, mo
     assert len(rotary._CHECKED) == 1
 
 
+def test_ltx_stand_in_is_ltx_rotary_bit_for_bit_after_one_check(kdev, monkeypatch):
+    from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_stock
+
+    calls = generic_counted(monkeypatch)
+    checked = rotary.CheckedTokenRotary(ltx_stock)
+    g = torch.Generator().manual_seed(3)
+    B, S, C = 2, 21, 70  # C = 2 heads of 32 and LTX's 6 padding channels (cos 1, sin 0), as its rope makes them
+    for x_dtype, table_dtype in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                 (torch.float32, torch.bfloat16)):
+        fused = torch.randn(B, S, 3 * C, generator=g) * 3
+        x = fused.to(x_dtype).to(kdev)[..., C:2 * C]  # a slice of a fused projection: not contiguous
+        angle = torch.rand(1, S, C - 6, generator=g) * 60
+        cos = torch.cat([torch.ones(1, S, 6), angle.cos()], -1).to(table_dtype).to(kdev)
+        sin = torch.cat([torch.zeros(1, S, 6), angle.sin()], -1).to(table_dtype).to(kdev)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            outs = [checked(x, (cos, sin)) for _ in range(2)]
+        want = ltx_stock(x, (cos, sin))
+        assert not torch.equal(want, x) and all(torch.equal(o, want) and o.shape == want.shape for o in outs)
+    assert calls == [rope.INTERLEAVED] * 6 and len(rotary._CHECKED) == 3 and all(rotary._CHECKED.values())
+    tables = (cos.double(), sin.double())  # float64 tables: the stock function
+    assert torch.equal(checked(x, tables), ltx_stock(x, tables)) and len(calls) == 6
+    with pytest.raises(ValueError):  # 4-D x: the stock function, which raises what it raises
+        checked(x.unflatten(2, (2, -1)), (cos[..., :35], sin[..., :35]))
+    assert len(calls) == 6
+
+
 def code_of(text: str, g: dict) -> types.CodeType:
     exec(compile(text, "<processor>", "exec"), g)
     return g["call"].__code__
@@ -365,6 +392,16 @@ def test_processors_get_the_generic_stand_in_where_they_read_or_import_diffusers
             assert copy() == (generic, embeddings.get_1d_rotary_pos_embed)  # the rest of the module as it is
         else:
             assert names == {"apply_rotary_emb": generic}
+    from diffusers.models.transformers import transformer_ltx, transformer_ltx2
+
+    for processor, name, stock in ((transformer_ltx.LTXVideoAttnProcessor, "apply_rotary_emb",
+                                    transformer_ltx.apply_rotary_emb),
+                                   (transformer_ltx2.LTX2AudioVideoAttnProcessor, "apply_interleaved_rotary_emb",
+                                    transformer_ltx2.apply_interleaved_rotary_emb)):
+        fn = processor.__call__
+        _, names = rotary.with_fast_rotary(fn.__code__, fn.__globals__)
+        assert list(names) == [name] and isinstance(names[name], rotary.CheckedTokenRotary)
+        assert names[name].stock is stock
     # a look-alike global, and an import of another module's function of that name, stay as they are
     g = {"apply_rotary_emb": lambda x, f: x}
     code = code_of("def call(x, f):\n    return apply_rotary_emb(x, f)\n", g)
@@ -392,12 +429,14 @@ def test_a_generic_function_of_other_parameters_is_left_alone(monkeypatch):
 @needs_generic
 @pytest.mark.parametrize("family, form, rotations", [
     ("flux", rope.INTERLEAVED, 4), ("CogVideoXTransformer3DModel", rope.INTERLEAVED, 2),
-    ("HunyuanVideoTransformer3DModel", rope.INTERLEAVED, 4), ("CogView4Transformer2DModel", rope.HALVES, 2)])
+    ("HunyuanVideoTransformer3DModel", rope.INTERLEAVED, 4), ("CogView4Transformer2DModel", rope.HALVES, 2),
+    ("LTXVideoTransformer3DModel", rope.INTERLEAVED, 2)])
 def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(kdev, monkeypatch, family, form,
                                                                                 rotations):
     """Tiny Flux (a module global), CogVideoX-5b, HunyuanVideo and CogView4 (imported inside ``__call__``; CogView4's
-    channel pairs are halves), INT8 on the Triton backend: their routed copies rotate through ``rotate_pairs`` and give
-    what routed copies without stand-ins (stock builtins and globals) give, bit for bit."""
+    channel pairs are halves) and LTX-Video (its own function, on (B, S, C) tokens), INT8 on the Triton backend: their
+    routed copies rotate through ``rotate_pairs`` and give what routed copies without stand-ins (stock builtins and
+    globals) give, bit for bit."""
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
     model, x = build(family) if family == "flux" else build_case(family)
     dtype = torch.bfloat16 if kdev == "cuda" else torch.float32

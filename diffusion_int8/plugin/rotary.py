@@ -9,7 +9,9 @@ of what the INT8 attention call does. ``kernels.rope.rotate_pairs`` gives their 
 - ``diffusers.models.embeddings.apply_rotary_emb`` with real tables (Flux, CogVideoX, HunyuanVideo, ...), which a
   processor reads as a module global or imports inside its ``__call__``: the copy's globals map the name to a
   stand-in, and its builtins' ``__import__`` hands that ``from ..embeddings import apply_rotary_emb`` the stand-in,
-  where the installed function has the signature it is known by.
+  where the installed function has the signature it is known by;
+- LTX-Video's module-level ``apply_rotary_emb(x, freqs)`` on (B, S, C) tokens, and its copies (LTX-2's
+  ``apply_interleaved_rotary_emb``): the copy's globals map each to a stand-in.
 
 Each stand-in calls a ``Checked`` rotary: the one launch once it has reproduced the stock function bit for bit on a
 real call's inputs, else the stock function (also where the launch fails). A compiled model runs the stock function,
@@ -40,18 +42,19 @@ _GENERIC_SIGNATURE = (("x", inspect.Parameter.empty), ("freqs_cis", inspect.Para
 _CHECKED: dict[tuple, bool] = {}
 
 
-def _checked(key: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: int,
-             stock: Callable[[], torch.Tensor], name: str) -> torch.Tensor:
-    """The rotary of ``x`` by ``rotate_pairs`` where it reproduced ``stock()`` bit for bit for ``key``, else
-    ``stock()``; the first call for a key checks (one host synchronization, holding one more x-sized tensor for it; not
-    while a CUDA graph is captured) and warns once if the bits differ."""
+def _checked(key: tuple, x: torch.Tensor, fast: Callable[[], torch.Tensor], stock: Callable[[], torch.Tensor],
+             name: str, tables: torch.dtype) -> torch.Tensor:
+    """``fast()`` (the rotary of ``x`` by ``rotate_pairs``, in the stock result's shape) where it reproduced ``stock()``
+    bit for bit for ``key``, else ``stock()``; the first call for a key checks (one host synchronization, holding one
+    more x-sized tensor for it; not while a CUDA graph is captured) and warns once if the bits differ or the launch
+    fails."""
     equal = _CHECKED.get(key)
     if equal:
-        return rotate_pairs_unchecked(x, cos, sin, None, form)
+        return fast()
     want = stock()
     if equal is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         try:
-            fast = rotate_pairs_unchecked(x, cos, sin, None, form)
+            got = fast()
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: stock, as promised
             _CHECKED[key] = False
             warnings.warn(f"diffusion_int8: the one-launch rotary embedding failed ({type(exc).__name__}: {exc}); "
@@ -59,11 +62,11 @@ def _checked(key: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
             return want
         bits = {2: torch.int16, 4: torch.int32}[want.element_size()]
         nan = want.isnan()  # a NaN's payload may differ: where stock has one, fast must have one too
-        equal = _CHECKED[key] = bool(fast.shape == want.shape and torch.equal(fast.isnan(), nan) and torch.equal(
-            fast.view(bits).masked_fill(nan, 0), want.view(bits).masked_fill(nan, 0)))
+        equal = _CHECKED[key] = bool(got.shape == want.shape and torch.equal(got.isnan(), nan) and torch.equal(
+            got.view(bits).masked_fill(nan, 0), want.view(bits).masked_fill(nan, 0)))
         if not equal:
             warnings.warn(f"diffusion_int8: the one-launch rotary embedding did not reproduce {name} ({x.dtype} "
-                          f"inputs, {cos.dtype} tables); it runs as it is", RuntimeWarning, stacklevel=3)
+                          f"inputs, {tables} tables); it runs as it is", RuntimeWarning, stacklevel=3)
     return want
 
 
@@ -79,8 +82,9 @@ class CheckedRotary:
         if not rotate_pairs_takes(hidden_states, freqs_cos, freqs_sin):
             return self.stock(hidden_states, freqs_cos, freqs_sin)
         key = (self.stock.__code__, WAN, hidden_states.dtype, freqs_cos.dtype, hidden_states.device)
-        return _checked(key, hidden_states, freqs_cos, freqs_sin, WAN,
-                        lambda: self.stock(hidden_states, freqs_cos, freqs_sin), self.stock.__qualname__)
+        return _checked(key, hidden_states, lambda: rotate_pairs_unchecked(hidden_states, freqs_cos, freqs_sin),
+                        lambda: self.stock(hidden_states, freqs_cos, freqs_sin), self.stock.__qualname__,
+                        freqs_cos.dtype)
 
 
 class CheckedApplyRotary:
@@ -110,7 +114,30 @@ class CheckedApplyRotary:
         if not rotate_pairs_takes(x, cos, sin):
             return stock()
         key = (self.stock.__code__, form, sequence_dim, x.dtype, cos.dtype, x.device)
-        return _checked(key, x, cos, sin, form, stock, self.stock.__qualname__)
+        return _checked(key, x, lambda: rotate_pairs_unchecked(x, cos, sin, None, form), stock,
+                        self.stock.__qualname__, cos.dtype)
+
+
+class CheckedTokenRotary:
+    """LTX-Video's ``apply_rotary_emb(x, freqs)`` (LTX-2's ``apply_interleaved_rotary_emb`` is the same function) and
+    ``rotate_pairs``: x (B, S, C) with channel pairs (2j, 2j+1) each rotated by its own entries of (cos, sin) tables
+    (B, S, C) or broadcastable to x, in float32, run in one launch once checked (``_checked``, per dtypes and device);
+    any other call, and every call torch.compile traces, runs the stock function."""
+
+    def __init__(self, stock: types.FunctionType):
+        self.stock = stock
+
+    def __call__(self, x, freqs):
+        if (not isinstance(x, torch.Tensor) or x.dim() != 3 or not isinstance(freqs, (tuple, list)) or len(freqs) != 2
+                or not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in freqs)
+                or torch.compiler.is_compiling()):
+            return self.stock(x, freqs)
+        x4, cos, sin = (t.unsqueeze(2) for t in (x, *freqs))  # (B, S, 1, C): one head of all the channels
+        if not rotate_pairs_takes(x4, cos, sin):
+            return self.stock(x, freqs)
+        key = (self.stock.__code__, INTERLEAVED, x.dtype, cos.dtype, x.device)
+        return _checked(key, x, lambda: rotate_pairs_unchecked(x4, cos, sin, None, INTERLEAVED).squeeze(2),
+                        lambda: self.stock(x, freqs), self.stock.__qualname__, cos.dtype)
 
 
 @functools.lru_cache(maxsize=1)
@@ -138,14 +165,29 @@ def generic_rotary() -> CheckedApplyRotary | None:
     return CheckedApplyRotary(apply_rotary_emb) if params == _GENERIC_SIGNATURE else None
 
 
+@functools.lru_cache(maxsize=1)
+def stock_token_rotary() -> types.FunctionType | None:
+    """The installed diffusers' LTX-Video rotary embedding, ``transformer_ltx.apply_rotary_emb(x, freqs)``; None
+    without one."""
+    try:
+        from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
+    except ImportError:
+        return None
+    return apply_rotary_emb
+
+
+def _same_code(code: types.CodeType, reference: types.FunctionType | None) -> bool:
+    """Whether ``code`` is ``reference``'s, instruction for instruction, whatever its name, and takes no closure."""
+    fields = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_kwonlyargcount", "co_flags",
+              "co_freevars")
+    return (reference is not None and not code.co_freevars
+            and all(getattr(code, f) == getattr(reference.__code__, f) for f in fields))
+
+
 def _is_wan_rotary(code: types.CodeType) -> bool:
     """Whether nested ``code`` is Wan's rotary embedding, instruction for instruction (WanAttnProcessor's own, or a
     processor's copy of it: SkyReels-V2, ChronoEdit, ...)."""
-    wan = stock_wan_rotary()
-    fields = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_kwonlyargcount", "co_flags",
-              "co_freevars")
-    return (wan is not None and code.co_name == _NAME and not code.co_freevars  # a stand-in takes no closure
-            and all(getattr(code, f) == getattr(wan.__code__, f) for f in fields))
+    return code.co_name == _NAME and _same_code(code, stock_wan_rotary())
 
 
 class _ModuleView:
@@ -184,8 +226,9 @@ def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeTy
 
     Each nested function that is Wan's rotary embedding is replaced by a stand-in that calls a ``CheckedRotary`` of it.
     Where the code reads diffusers' generic ``apply_rotary_emb`` as a module global, the globals map it to
-    ``generic_rotary()``; where it imports it, the globals' builtins give the import that stand-in. Only ``code``'s own
-    instructions are read: a read or an import inside a function nested in it stays stock."""
+    ``generic_rotary()``; where it imports it, the globals' builtins give the import that stand-in. A module global
+    that is LTX-Video's function, instruction for instruction, maps to a ``CheckedTokenRotary`` of it. Only ``code``'s
+    own instructions are read: a read or an import inside a function nested in it stays stock."""
     consts, names = list(code.co_consts), {}
     for i, nested in enumerate(consts):
         if not (isinstance(nested, types.CodeType) and _is_wan_rotary(nested)):
@@ -200,13 +243,17 @@ def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeTy
         if hasattr(nested, "co_qualname"):  # Python 3.11+: a nested function takes its qualified name from its code
             where["co_qualname"] = nested.co_qualname
         consts[i] = stub.replace(**where)
+    reads = {(ins.opname, ins.argval) for ins in dis.get_instructions(code)}
     generic = generic_rotary() if _NAME in code.co_names else None
     if generic is not None:
-        reads = {(ins.opname, ins.argval) for ins in dis.get_instructions(code)}
         if ("LOAD_GLOBAL", _NAME) in reads and globals_.get(_NAME) is generic.stock:
             names[_NAME] = generic
         if ("IMPORT_FROM", _NAME) in reads:
             names["__builtins__"] = _builtins_importing(generic)
+    for op, name in reads:  # LTX-Video's function (or a copy of it, LTX-2's) read as a module global
+        fn = globals_.get(name) if op == "LOAD_GLOBAL" and name not in names else None
+        if isinstance(fn, types.FunctionType) and _same_code(fn.__code__, stock_token_rotary()):
+            names[name] = CheckedTokenRotary(fn)
     if not names:
         return code, {}
     return code.replace(co_consts=tuple(consts)), names
