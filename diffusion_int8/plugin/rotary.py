@@ -109,8 +109,9 @@ class CheckedApplyRotary:
                 or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in freqs_cis)
                 or torch.compiler.is_compiling()):
             return stock()
-        # the stock function's broadcast: (S, D) tables against x's sequence dim
-        cos, sin = (t[None, :, None, :] if sequence_dim == 1 else t[None, None] for t in freqs_cis)
+        # the stock function's broadcast: (S, D) tables against x's sequence dim, moved to x's device as it moves them
+        # (CogView4 makes its tables on the CPU)
+        cos, sin = ((t[None, :, None, :] if sequence_dim == 1 else t[None, None]).to(x.device) for t in freqs_cis)
         if not rotate_pairs_takes(x, cos, sin):
             return stock()
         key = (self.stock.__code__, form, sequence_dim, x.dtype, cos.dtype, x.device)
