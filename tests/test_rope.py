@@ -207,17 +207,25 @@ def test_wan_runs_its_rotary_in_one_launch_and_computes_what_it_did(kdev, monkey
     model = model.to(kdev, dtype)
     model.rope.float()
     x = {k: v.to(kdev, dtype) if v.is_floating_point() else v.to(kdev) for k, v in x.items()}
-    calls, outs = counted(monkeypatch), {}
+    calls = counted(monkeypatch)
+    with_stand_ins, stock = with_and_without_stand_ins(model, x)
+    assert calls == [dtype] * 4  # the first call's check (Q), then K, then Q and K of the second call
+    assert all(torch.equal(a, b) for a, b in zip(with_stand_ins, stock))
+
+
+def with_and_without_stand_ins(model, x) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two INT8 forwards of ``model`` with the rotary stand-ins, and two through routed copies without them (the stock
+    code, globals and builtins)."""
+    outs = {}
     for fast in (True, False):
-        stand_ins = rotary.with_fast_rotary if fast else (lambda code, g: (code, {}))  # stock code and globals
+        stand_ins = rotary.with_fast_rotary if fast else (lambda code, g: (code, {}))
         with mock.patch.object(routing, "with_fast_rotary", stand_ins):
             handle = diffusion_int8.enable(model, "int8", speed_gate=False)
             with torch.no_grad():
                 outs[fast] = [model(**x, return_dict=False)[0] for _ in range(2)]
             assert handle.state.int8_calls > 0
             handle.disable()
-    assert calls == [dtype] * 4  # the first call's check (Q), then K, then Q and K of the second call
-    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    return outs[True], outs[False]
 
 
 # -- diffusers.models.embeddings.apply_rotary_emb (real tables): Flux, CogVideoX, HunyuanVideo, ... --
@@ -445,16 +453,9 @@ def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(k
     # the inputs in the model's dtype, the rotary tables (a tuple) kept in float32 as the pipelines make them
     x = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
          for k, v in to_device(x, kdev).items()}
-    calls, outs = generic_counted(monkeypatch), {}
-    for fast in (True, False):
-        stand_ins = rotary.with_fast_rotary if fast else (lambda code, g: (code, {}))
-        with mock.patch.object(routing, "with_fast_rotary", stand_ins):
-            handle = diffusion_int8.enable(model, "int8", speed_gate=False)
-            with torch.no_grad():
-                outs[fast] = [model(**x, return_dict=False)[0] for _ in range(2)]
-            assert handle.state.int8_calls > 0
-            handle.disable()
+    calls = generic_counted(monkeypatch)
+    with_stand_ins, stock = with_and_without_stand_ins(model, x)
     # Q and K of each block with rotary tables, two forwards: each through rotate_pairs (the first as the check)
     assert calls == [form] * (2 * rotations)
     assert len(rotary._CHECKED) == 1 and all(rotary._CHECKED.values())
-    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    assert all(torch.equal(a, b) for a, b in zip(with_stand_ins, stock))
