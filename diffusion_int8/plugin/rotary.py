@@ -1,7 +1,8 @@
 """Stock rotary embeddings run in one launch inside the routed copies of diffusers' processors.
 
-Two stock functions rotate Q and K with a dozen or so PyTorch ops per tensor: at 480p × 81 frames Wan's cost a quarter
-of what the INT8 attention call does. ``kernels.rope.rotate_pairs`` gives their result, bit for bit, in one launch:
+Three stock functions rotate Q and K with a dozen or so PyTorch ops per tensor: at 480p × 81 frames Wan's cost a
+quarter of what the INT8 attention call does. ``kernels.rope.rotate_pairs`` gives their result, bit for bit, in one
+launch:
 
 - the ``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)`` that ``WanAttnProcessor`` (and the processors diffusers
   copied from it) define inside their ``__call__``: ``with_fast_rotary`` gives a routed copy's code a stand-in for that
@@ -34,7 +35,7 @@ from ..kernels.rope import HALVES, INTERLEAVED, WAN, rotate_pairs_takes, rotate_
 
 _NAME = "apply_rotary_emb"
 _ARGS = ("hidden_states", "freqs_cos", "freqs_sin")
-# the generic function's parameters and defaults, as diffusers >= 0.35 defines it: any other is left alone
+# the generic function's parameters and defaults, as diffusers 0.42 defines it: a function of others is left alone
 _GENERIC_SIGNATURE = (("x", inspect.Parameter.empty), ("freqs_cis", inspect.Parameter.empty), ("use_real", True),
                       ("use_real_unbind_dim", -1), ("sequence_dim", 2))
 # (the stock function's code, the form, x's dtype, the tables' dtype, device, ...) -> whether rotate_pairs gave the
