@@ -16,6 +16,7 @@ from zoo.registry import to_device
 
 import diffusion_int8
 from diffusion_int8.kernels import rope
+from diffusion_int8.plugin import checked as twin_checks
 from diffusion_int8.plugin import rotary, routing
 
 
@@ -80,7 +81,7 @@ def test_rotate_pairs_refuses_what_it_does_not_take(kdev, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _no_checks_kept(monkeypatch):
-    monkeypatch.setattr(rotary, "_CHECKED", {})  # what the process learnt: each test checks anew
+    monkeypatch.setattr(twin_checks, "MATCHED", {})  # what the process learnt: each test checks anew
 
 
 def wan_copy():
@@ -151,14 +152,14 @@ def test_a_nan_in_the_first_call_is_checked_by_where_it_is(kdev, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = checked(bad, cos, sin)
-    assert torch.equal(out.isnan(), wan_stock(bad, cos, sin).isnan()) and list(rotary._CHECKED.values()) == [True]
+    assert torch.equal(out.isnan(), wan_stock(bad, cos, sin).isnan()) and list(twin_checks.MATCHED.values()) == [0]
     # a NaN where stock has none is a difference
-    monkeypatch.setattr(rotary, "_CHECKED", {})
+    monkeypatch.setattr(twin_checks, "MATCHED", {})
     monkeypatch.setattr(rotary, "rotate_pairs_unchecked",
                         lambda *a: real(*a).index_fill_(1, torch.tensor([0], device=a[0].device), float("nan")))
     with pytest.warns(RuntimeWarning, match="did not reproduce"):
         checked(x, cos, sin)
-    assert list(rotary._CHECKED.values()) == [False]
+    assert list(twin_checks.MATCHED.values()) == [None]
 
 
 @pytest.mark.gpu
@@ -171,7 +172,7 @@ def test_nothing_is_checked_while_a_cuda_graph_is_captured(monkeypatch):
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         out = checked(x, cos, sin)
-    assert calls == [] and rotary._CHECKED == {}  # stock, captured as it is
+    assert calls == [] and twin_checks.MATCHED == {}  # stock, captured as it is
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, wan_stock(x, cos, sin))
@@ -329,7 +330,7 @@ def test_generic_stand_in_keeps_stock_where_the_launch_differs_or_fails(kdev, mo
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning
         assert torch.equal(generic(x, tables, sequence_dim=1), want)
-    monkeypatch.setattr(rotary, "_CHECKED", {})
+    monkeypatch.setattr(twin_checks, "MATCHED", {})
 
     def fails(*a):
         raise RuntimeError("out of resources")
@@ -339,12 +340,12 @@ def test_generic_stand_in_keeps_stock_where_the_launch_differs_or_fails(kdev, mo
         assert torch.equal(generic(x, tables, sequence_dim=1), want)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert torch.equal(generic(x, tables, sequence_dim=1), want) and list(rotary._CHECKED.values()) == [False]
+        assert torch.equal(generic(x, tables, sequence_dim=1), want) and list(twin_checks.MATCHED.values()) == [None]
     # arguments stock takes apart from plain ints go to stock, which raises what it raises for them
     with pytest.raises(ValueError, match="use_real_unbind_dim"):
         generic(x, tables, True, [-1])
     assert torch.equal(generic(x, tables, True, -1, torch.tensor(1)), want)
-    assert len(rotary._CHECKED) == 1
+    assert len(twin_checks.MATCHED) == 1
 
 
 def test_ltx_stand_in_is_ltx_rotary_bit_for_bit_after_one_check(kdev, monkeypatch):
@@ -366,7 +367,7 @@ def test_ltx_stand_in_is_ltx_rotary_bit_for_bit_after_one_check(kdev, monkeypatc
             outs = [checked(x, (cos, sin)) for _ in range(2)]
         want = ltx_stock(x, (cos, sin))
         assert not torch.equal(want, x) and all(torch.equal(o, want) and o.shape == want.shape for o in outs)
-    assert calls == [rope.INTERLEAVED] * 6 and len(rotary._CHECKED) == 3 and all(rotary._CHECKED.values())
+    assert calls == [rope.INTERLEAVED] * 6 and list(twin_checks.MATCHED.values()) == [0, 0, 0]
     tables = (cos.double(), sin.double())  # float64 tables: the stock function
     assert torch.equal(checked(x, tables), ltx_stock(x, tables)) and len(calls) == 6
     with pytest.raises(ValueError):  # 4-D x: the stock function, which raises what it raises
@@ -457,5 +458,5 @@ def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(k
     with_stand_ins, stock = with_and_without_stand_ins(model, x)
     # Q and K of each block with rotary tables, two forwards: each through rotate_pairs (the first as the check)
     assert calls == [form] * (2 * rotations)
-    assert len(rotary._CHECKED) == 1 and all(rotary._CHECKED.values())
+    assert list(twin_checks.MATCHED.values()) == [0]
     assert all(torch.equal(a, b) for a, b in zip(with_stand_ins, stock))

@@ -26,55 +26,25 @@ import dis
 import functools
 import inspect
 import types
-import warnings
-from typing import Callable
 
 import torch
 
 from ..kernels.rope import HALVES, INTERLEAVED, WAN, rotate_pairs_takes, rotate_pairs_unchecked
+from .checked import first_equal
 
 _NAME = "apply_rotary_emb"
 _ARGS = ("hidden_states", "freqs_cos", "freqs_sin")
 # the generic function's parameters and defaults, as diffusers 0.42 defines it: a function of others is left alone
 _GENERIC_SIGNATURE = (("x", inspect.Parameter.empty), ("freqs_cis", inspect.Parameter.empty), ("use_real", True),
                       ("use_real_unbind_dim", -1), ("sequence_dim", 2))
-# (the stock function's code, the form, x's dtype, the tables' dtype, device, ...) -> whether rotate_pairs gave the
-# stock result: checked once, as a kernel is compiled once
-_CHECKED: dict[tuple, bool] = {}
-
-
-def _checked(key: tuple, x: torch.Tensor, fast: Callable[[], torch.Tensor], stock: Callable[[], torch.Tensor],
-             name: str, tables: torch.dtype) -> torch.Tensor:
-    """``fast()`` (the rotary of ``x`` by ``rotate_pairs``, in the stock result's shape) where it reproduced ``stock()``
-    bit for bit for ``key``, else ``stock()``; the first call for a key checks (one host synchronization, holding one
-    more x-sized tensor for it; not while a CUDA graph is captured) and warns once if the bits differ or the launch
-    fails."""
-    equal = _CHECKED.get(key)
-    if equal:
-        return fast()
-    want = stock()
-    if equal is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        try:
-            got = fast()
-        except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: stock, as promised
-            _CHECKED[key] = False
-            warnings.warn(f"diffusion_int8: the one-launch rotary embedding failed ({type(exc).__name__}: {exc}); "
-                          f"{name} runs as it is", RuntimeWarning, stacklevel=3)
-            return want
-        bits = {2: torch.int16, 4: torch.int32}[want.element_size()]
-        nan = want.isnan()  # a NaN's payload may differ: where stock has one, fast must have one too
-        equal = _CHECKED[key] = bool(got.shape == want.shape and torch.equal(got.isnan(), nan) and torch.equal(
-            got.view(bits).masked_fill(nan, 0), want.view(bits).masked_fill(nan, 0)))
-        if not equal:
-            warnings.warn(f"diffusion_int8: the one-launch rotary embedding did not reproduce {name} ({x.dtype} "
-                          f"inputs, {tables} tables); it runs as it is", RuntimeWarning, stacklevel=3)
-    return want
+def _detail(x: torch.Tensor, table: torch.Tensor) -> str:
+    return f"{x.dtype} inputs, {table.dtype} tables"
 
 
 class CheckedRotary:
     """A stock Wan ``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)`` and ``rotate_pairs``: the one-launch twin
-    runs for inputs it takes once it has given the stock result bit for bit for their dtypes and device (``_checked``),
-    the stock function otherwise."""
+    runs for inputs it takes once it has given the stock result bit for bit for their dtypes and device
+    (``checked.first_equal``), the stock function otherwise."""
 
     def __init__(self, stock: types.FunctionType):
         self.stock = stock
@@ -83,16 +53,16 @@ class CheckedRotary:
         if not rotate_pairs_takes(hidden_states, freqs_cos, freqs_sin):
             return self.stock(hidden_states, freqs_cos, freqs_sin)
         key = (self.stock.__code__, WAN, hidden_states.dtype, freqs_cos.dtype, hidden_states.device)
-        return _checked(key, hidden_states, lambda: rotate_pairs_unchecked(hidden_states, freqs_cos, freqs_sin),
-                        lambda: self.stock(hidden_states, freqs_cos, freqs_sin), self.stock.__qualname__,
-                        freqs_cos.dtype)
+        return first_equal(key, hidden_states, (lambda: rotate_pairs_unchecked(hidden_states, freqs_cos, freqs_sin),),
+                           lambda: self.stock(hidden_states, freqs_cos, freqs_sin), self.stock.__qualname__,
+                           _detail(hidden_states, freqs_cos))
 
 
 class CheckedApplyRotary:
     """diffusers' ``embeddings.apply_rotary_emb(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)`` and
     ``rotate_pairs``: real (cos, sin) tables of shape (S, D), unbind dim -1 or -2 and sequence dim 1 or 2 run in one
-    launch once checked (``_checked``, per form, sequence dim, dtypes and device); any other call, and every call
-    torch.compile traces, runs the stock function."""
+    launch once checked (``checked.first_equal``, per form, sequence dim, dtypes and device); any other call, and
+    every call torch.compile traces, runs the stock function."""
 
     def __init__(self, stock: types.FunctionType):
         self.stock = stock
@@ -116,15 +86,15 @@ class CheckedApplyRotary:
         if not rotate_pairs_takes(x, cos, sin):
             return stock()
         key = (self.stock.__code__, form, sequence_dim, x.dtype, cos.dtype, x.device)
-        return _checked(key, x, lambda: rotate_pairs_unchecked(x, cos, sin, None, form), stock,
-                        self.stock.__qualname__, cos.dtype)
+        return first_equal(key, x, (lambda: rotate_pairs_unchecked(x, cos, sin, None, form),), stock,
+                           self.stock.__qualname__, _detail(x, cos))
 
 
 class CheckedTokenRotary:
     """LTX-Video's ``apply_rotary_emb(x, freqs)`` (LTX-2's ``apply_interleaved_rotary_emb`` is the same function) and
     ``rotate_pairs``: x (B, S, C) with channel pairs (2j, 2j+1) each rotated by its own entries of (cos, sin) tables
-    (B, S, C) or broadcastable to x, in float32, run in one launch once checked (``_checked``, per dtypes and device);
-    any other call, and every call torch.compile traces, runs the stock function."""
+    (B, S, C) or broadcastable to x, in float32, run in one launch once checked (``checked.first_equal``, per dtypes
+    and device); any other call, and every call torch.compile traces, runs the stock function."""
 
     def __init__(self, stock: types.FunctionType):
         self.stock = stock
@@ -138,8 +108,8 @@ class CheckedTokenRotary:
         if not rotate_pairs_takes(x4, cos, sin):
             return self.stock(x, freqs)
         key = (self.stock.__code__, INTERLEAVED, x.dtype, cos.dtype, x.device)
-        return _checked(key, x, lambda: rotate_pairs_unchecked(x4, cos, sin, None, INTERLEAVED).squeeze(2),
-                        lambda: self.stock(x, freqs), self.stock.__qualname__, cos.dtype)
+        return first_equal(key, x, (lambda: rotate_pairs_unchecked(x4, cos, sin, None, INTERLEAVED).squeeze(2),),
+                           lambda: self.stock(x, freqs), self.stock.__qualname__, _detail(x, cos))
 
 
 @functools.lru_cache(maxsize=1)
