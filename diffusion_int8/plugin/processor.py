@@ -32,6 +32,7 @@ from .config import Int8Config
 from .context_parallel import DispatcherCalls, context_split, heads_share, ulysses_share
 from .models import (any_stock_signature, call_params, declaring_subclass, skip_metadata_as, skip_metadata_inferred,
                      stock_processor_for, stock_signature, text_position)
+from .norms import with_fast_norms
 from .observer import AttentionCall, Observer
 from .routing import RouteToInt8, attention_dispatch, int8_core, kernel_takes, other_backend, routed
 from .speed_gate import eager_call
@@ -43,6 +44,7 @@ class _Default(str):
 
 
 _DEFAULT_MODE = _Default("int8")
+_FAST_NORMS_FROM = 1 << 20  # hidden-state elements from which a routed call's RMSNorms run in one launch
 
 
 class Int8DiffusionProcessor(DispatcherCalls):
@@ -241,7 +243,9 @@ class Int8DiffusionProcessor(DispatcherCalls):
         before = tuple(self._outcomes)
         call = self._routed_calls.get(type(inner))
         if call is not None:
-            out = call(inner, attn, hidden_states, *args, **kwargs)
+            # a long sequence's query/key RMSNorms run in one launch (``norms``); a short one's are not worth the view
+            seen = with_fast_norms(attn) if hidden_states.numel() >= _FAST_NORMS_FROM else attn
+            out = call(inner, seen, hidden_states, *args, **kwargs)
             int8, gated, other = (a - b for a, b in zip(self._outcomes, before))
             if key is not None and gated > 0 and int8 == 0 and other == 0:
                 shapes = self._stock_shapes.setdefault(attn, {})

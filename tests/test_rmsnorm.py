@@ -1,0 +1,243 @@
+"""diffusers' RMSNorm in one launch (``kernels.rmsnorm``) and its use for the query/key norms of routed processors
+(``plugin.norms``)."""
+
+from __future__ import annotations
+
+import struct
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from diffusers.models.normalization import RMSNorm
+from zoo import build as build_case
+from zoo.registry import to_device
+
+import diffusion_int8
+from diffusion_int8.kernels import rmsnorm
+from diffusion_int8.kernels.rmsnorm import HALVES, ORDERS, PAIRS, STRIDED, VECTORIZED
+from diffusion_int8.plugin import checked as twin_checks
+from diffusion_int8.plugin import norms, processor
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def _no_checks_kept(monkeypatch):
+    monkeypatch.setattr(twin_checks, "MATCHED", {})  # what the process learnt: each test checks anew
+
+
+def inputs(device, dtype, D, rows=(3, 37, 4), seed=0):
+    """Rows of D channels as Q or K comes out of a projection: a mean per channel, one outlier channel, rows of
+    very different scales (a sink token's)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*rows, D, generator=g) + torch.randn(D, generator=g)
+    x[..., 3 % D] *= 30
+    x[:, 0] *= 50
+    return x.to(dtype).to(device)
+
+
+def stock(x, weight, eps=1e-6):
+    m = RMSNorm(x.shape[-1], eps, elementwise_affine=weight is not None).to(x.device)
+    if weight is not None:
+        m.weight.data = weight
+    return m(x)
+
+
+def emulated(x, weight, eps, order, tree):
+    """What the kernel computes, in PyTorch on the CPU: the squares summed in ``order`` and ``tree`` (the kernel
+    module's docstring), the reciprocal square root as Triton's interpreter takes it (1 / sqrt in float32)."""
+    D = x.shape[-1]
+    f = x.reshape(-1, D).float().cpu()
+    R = f.shape[0]
+    if order == STRIDED:
+        s = torch.zeros(R, 32)
+        for i in range(-(-D // 32)):
+            cols = torch.arange(32) + 32 * i
+            s = s + torch.where(cols < D, f[:, cols.clamp(max=D - 1)], 0).square()
+    else:
+        acc = torch.zeros(R, 128)
+        for k in range(D // 128):
+            acc = acc + f[:, 128 * k:128 * (k + 1)].square()
+        q = acc.view(R, 32, 4)
+        s = ((q[..., 0] + q[..., 1]) + q[..., 2]) + q[..., 3]
+    while s.shape[1] > 1:  # the warp's shuffle-down tree
+        n = s.shape[1] // 2
+        s = s[:, :n] + s[:, n:] if tree == HALVES else s[:, 0::2] + s[:, 1::2]
+    f32 = lambda v: struct.unpack("f", struct.pack("f", v))[0]  # noqa: E731
+    mean = s * f32(f32(R) / f32(R * D)) + torch.tensor(eps, dtype=torch.float32)
+    y = f * torch.from_numpy(1 / np.sqrt(mean.numpy()))
+    y = y.to(x.dtype) if weight is None else y.to(weight.dtype) * weight.cpu()
+    return y.reshape(x.shape)
+
+
+CASES = [(STRIDED, 128), (STRIDED, 64), (STRIDED, 72), (VECTORIZED, 128), (VECTORIZED, 384)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's arithmetic (the GPU's is checked against "
+                                                      "stock instead)")
+@pytest.mark.parametrize("order, D", CASES)
+@pytest.mark.parametrize("tree", [HALVES, PAIRS])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight", [None, "same", torch.float32])
+def test_rms_norm_sums_in_the_order_it_documents(order, D, tree, dtype, weight):
+    x = inputs("cpu", dtype, D)
+    w = None if weight is None else (torch.rand(D) + 0.5).to(dtype if weight == "same" else weight)
+    got = rmsnorm.rms_norm(x, w, 1e-6, order, tree)
+    want = emulated(x, w, 1e-6, order, tree)
+    assert got.dtype == want.dtype == stock(x, w).dtype and torch.equal(got, want)
+    # and the stock module's result up to the float32 sums' order (the CPU's differs from the GPU's)
+    torch.testing.assert_close(got, stock(x, w), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("D", [32, 64, 72, 96, 128, 256, 1536])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight", [None, "same", torch.float32])
+def test_one_order_gives_the_stock_module_bit_for_bit_on_the_gpu(D, dtype, weight):
+    """The claim the plugin relies on: for each head dim, one of the orders reproduces the stock module on this
+    PyTorch's CUDA reduction, bit for bit, and every element is written (the output is poisoned first)."""
+    x = inputs("cuda", dtype, D, rows=(2, 300, 3))
+    w = None if weight is None else (torch.rand(D) + 0.5).to("cuda", dtype if weight == "same" else weight)
+    with torch.no_grad():
+        want = stock(x, w)
+        matched = []
+        for order, tree in ORDERS:
+            if rmsnorm.rms_norm_refusal(x, w, order) is None:
+                torch.full_like(want, float("nan"))  # freed at once: the block the output is likely to reuse
+                if torch.equal(rmsnorm.rms_norm(x, w, 1e-6, order, tree), want):
+                    matched.append((order, tree))
+    assert matched, f"no order gives the stock bits at D={D}"
+
+
+def test_rms_norm_refuses_what_it_does_not_take(kdev):
+    x = inputs(kdev, torch.bfloat16, 128)
+    with pytest.raises(ValueError, match="order must be"):
+        rmsnorm.rms_norm(x, None, 1e-6, 2)
+    with pytest.raises(ValueError, match="tree must be"):
+        rmsnorm.rms_norm(x, None, 1e-6, STRIDED, 2)
+    for bad, order, why in [(x[..., :16].contiguous(), STRIDED, "last dim \\(16\\)"),
+                            (inputs(kdev, torch.bfloat16, 200), VECTORIZED, "last dim \\(200\\)"),
+                            (x[0, :3], STRIDED, "fewer than 16 rows"),
+                            (x.transpose(0, 1), STRIDED, "contiguous"), (x.int(), STRIDED, "contiguous"),
+                            (x.detach().requires_grad_(True), STRIDED, "no backward")]:
+        assert rmsnorm.rms_norm_refusal(bad, None, order) is not None
+        with pytest.raises(ValueError, match=f"rms_norm does not run these inputs: .*{why}"):
+            rmsnorm.rms_norm(bad, None, 1e-6, order)
+    with pytest.raises(ValueError, match="the weight must be \\(128,\\)"):
+        rmsnorm.rms_norm(x, torch.ones(64, device=kdev), 1e-6)
+
+
+def counted_twin(monkeypatch) -> list[int]:
+    calls = []
+    real = norms.rms_norm_unchecked
+
+    def twin(x, weight, eps, order, tree):
+        calls.append((order, tree))
+        return real(x, weight, eps, order, tree)
+
+    monkeypatch.setattr(norms, "rms_norm_unchecked", twin)
+    return calls
+
+
+@torch.no_grad()
+def test_checked_norm_runs_the_twin_once_it_matched_and_the_module_otherwise(kdev, monkeypatch):
+    m = RMSNorm(128, 1e-6).to(kdev, torch.bfloat16)
+    x = inputs(kdev, torch.bfloat16, 128)
+    fast = norms.CheckedRMSNorm(m)
+    calls = counted_twin(monkeypatch)
+    want = m(x).detach()
+    # a twin that gives the stock bits: tried once, then run alone
+    monkeypatch.setattr(norms, "rms_norm_unchecked", lambda x_, w, eps, *order: calls.append(order) or m.forward(x_))
+    first = ORDERS[0]
+    assert torch.equal(fast(x), want) and calls == [first]
+    assert torch.equal(fast(x), want) and calls == [first, first] and list(twin_checks.MATCHED.values()) == [0]
+    # one whose first order is off by one bit: the second is tried, and kept
+    monkeypatch.setattr(twin_checks, "MATCHED", {})
+    calls.clear()
+    monkeypatch.setattr(norms, "rms_norm_unchecked", lambda x_, w, eps, *order: calls.append(order) or (
+        m.forward(x_) if order == ORDERS[1] else m.forward(x_).view(torch.int16).add(1).view(torch.bfloat16)))
+    assert torch.equal(fast(x), want) and torch.equal(fast(x), want)
+    assert calls == [ORDERS[0], ORDERS[1], ORDERS[1]] and list(twin_checks.MATCHED.values()) == [1]
+    # none that does: one warning, the module from then on
+    monkeypatch.setattr(twin_checks, "MATCHED", {})
+    calls.clear()
+    monkeypatch.setattr(norms, "rms_norm_unchecked", lambda x_, w, eps, *order: calls.append(order) or m.forward(x_) * 2)
+    with pytest.warns(RuntimeWarning, match="RMSNorm \\(query/key norm\\) did not reproduce"):
+        assert torch.equal(fast(x), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(fast(x), want)
+    assert calls == ORDERS and list(twin_checks.MATCHED.values()) == [None]  # D = 128: each order and tree
+
+
+@torch.no_grad()
+def test_checked_norm_leaves_what_it_does_not_cover_to_the_module(kdev, monkeypatch):
+    calls = counted_twin(monkeypatch)
+    x = inputs(kdev, torch.float16, 64)
+    with_bias = RMSNorm(64, 1e-6, bias=True).to(kdev, torch.float16)
+    hooked = RMSNorm(64, 1e-6).to(kdev, torch.float16)
+    hooked.register_forward_hook(lambda mod, args, out: out * 2)
+    own_forward = RMSNorm(64, 1e-6).to(kdev, torch.float16)
+    own_forward.forward = lambda h: h + 1  # as diffusers' and accelerate's hooks wrap a module's forward
+    small = RMSNorm(16, 1e-6).to(kdev, torch.float16)
+    for m, arg in [(with_bias, x), (hooked, x), (own_forward, x), (small, inputs(kdev, torch.float16, 16)),
+                   (RMSNorm(64, 1e-6).to(kdev, torch.float16), x.transpose(0, 1))]:
+        assert torch.equal(norms.CheckedRMSNorm(m)(arg), m(arg))
+    assert calls == [] and twin_checks.MATCHED == {}
+    assert norms.CheckedRMSNorm(hooked).eps == 1e-6  # other attributes are the module's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # on the CPU no order gives the stock bits
+        norms.CheckedRMSNorm(RMSNorm(64, 1e-6).to(kdev, torch.float16))(x)
+    assert calls  # the same input to a plain module: the twins are tried
+
+
+def test_the_view_reads_and_writes_the_module():
+    from diffusers.models.attention_processor import Attention
+
+    attn = Attention(64, heads=2, dim_head=32, qk_norm="rms_norm", added_kv_proj_dim=16, context_pre_only=False)
+    view = norms.with_fast_norms(attn)
+    assert isinstance(view, norms.FastNorms)
+    for name in norms.NORMS:
+        assert isinstance(getattr(view, name), norms.CheckedRMSNorm) and getattr(view, name).module is getattr(attn, name)
+    assert view.to_q is attn.to_q and view.heads == attn.heads and view.prepare_attention_mask.__self__ is attn
+    view.some_state = 3  # what a processor stores on its module goes to the module
+    assert attn.some_state == 3
+    with pytest.raises(AttributeError):
+        view.no_such_attribute
+    across = Attention(64, heads=2, kv_heads=2, dim_head=32, qk_norm="rms_norm_across_heads")  # diffusers' RMSNorm too
+    assert isinstance(norms.with_fast_norms(across).norm_k, norms.CheckedRMSNorm)
+    # LayerNorm, torch.nn.RMSNorm (one fused PyTorch kernel already) and no norm: the module itself
+    for plain in (Attention(64, heads=2, dim_head=32, qk_norm="layer_norm"), Attention(64, heads=2, dim_head=32)):
+        assert norms.with_fast_norms(plain) is plain
+    torch_norms = Attention(64, heads=2, dim_head=32)
+    torch_norms.norm_q = torch.nn.RMSNorm(32)
+    assert norms.with_fast_norms(torch_norms) is torch_norms
+
+
+def test_hunyuanvideo_runs_its_norms_in_one_launch_and_computes_what_it_did(kdev, monkeypatch):
+    """The tiny HunyuanVideo, INT8 on the Triton backend, every call's norms through the view: the same output, bit for
+    bit, as routed copies handed the module itself; on the GPU the twin is what ran."""
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
+    monkeypatch.setattr(processor, "_FAST_NORMS_FROM", 0)
+    model, x = build_case("HunyuanVideoTransformer3DModel")
+    dtype = torch.bfloat16 if kdev == "cuda" else torch.float32
+    model = model.to(kdev, dtype)
+    x = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+         for k, v in to_device(x, kdev).items()}
+    calls = counted_twin(monkeypatch)
+    outs = {}
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(processor, "with_fast_norms", lambda attn: attn)
+        handle = diffusion_int8.enable(model, "int8", speed_gate=False)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the CPU's reduction is not the GPU's: no twin matches
+            outs[fast] = [model(**x, return_dict=False)[0] for _ in range(2)]
+        assert handle.state.int8_calls > 0
+        handle.disable()
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    assert calls  # the twins were tried
+    if kdev == "cuda":
+        assert None not in twin_checks.MATCHED.values() and len(calls) > len(twin_checks.MATCHED) * 2
