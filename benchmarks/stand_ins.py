@@ -1,12 +1,16 @@
-"""diffusers' rotary embeddings of Q and K: each stock function against ``rotate_pairs``, the one launch the routed
-processors run it in, in the same run. Wan's nested ``apply_rotary_emb`` at Wan2.1's 480p × 81 frames (1, 32760, 12,
+"""What the routed processors run in one launch for Q and K, against the stock code, in the same run.
+
+diffusers' rotary embeddings, each stock function against ``rotate_pairs``. Wan's nested ``apply_rotary_emb`` at Wan2.1's 480p × 81 frames (1, 32760, 12,
 128), with its float32 tables (as ``from_pretrained`` keeps them) and bfloat16 ones (a model cast by ``.to()``);
 ``diffusers.models.embeddings.apply_rotary_emb`` at HunyuanVideo's 544 × 960 × 61 frames (1, 32640, 24, 128; sequence
 dim 1, its video tokens), CogVideoX-5b's 720 × 480 × 49 frames with CFG (2, 48, 17550, 64; sequence dim 2) and Flux's
 1024² (1, 4608, 24, 128; sequence dim 1); LTX-Video's own ``apply_rotary_emb`` on (B, S, C) tokens at 768 × 512 × 121
-frames with CFG (2, 6144, 2048); float32 tables, bfloat16 Q and K. The INT8 call and SDPA at Wan's shape for scale.
+frames with CFG (2, 6144, 2048); float32 tables, bfloat16 Q and K. diffusers' ``RMSNorm`` against ``rms_norm`` (in
+the reduction order that gives the stock bits here) at HunyuanVideo's (1, 32896, 24, 128: video and text tokens) and
+SD3.5's 1024² with CFG (2, 4429, 24, 64), bfloat16 with a bfloat16 weight. The INT8 call and SDPA at Wan's shape for
+scale.
 
-    python benchmarks/rotary.py [--out bench_out/rotary.json]
+    python benchmarks/stand_ins.py [--out bench_out/stand_ins.json]
 
 Times are medians of ``triton.testing.do_bench`` (L2 flushed between calls) and of ``do_bench_cudagraph``.
 """
@@ -21,9 +25,11 @@ import torch
 import triton
 
 from diffusion_int8 import int8_attention
+from diffusion_int8.kernels.rmsnorm import STRIDED, VECTORIZED, rms_norm
 from diffusion_int8.kernels.rope import INTERLEAVED, WAN, rotate_pairs
 from diffusion_int8.plugin.rotary import generic_rotary, stock_token_rotary, stock_wan_rotary
 
+NORMS = [("HunyuanVideo", (1, 32896, 24, 128)), ("SD3.5", (2, 4429, 24, 64))]  # (row, Q's shape) for RMSNorm
 # (row, x's shape, its sequence dim) for diffusers' generic function
 GENERIC = [("HunyuanVideo", (1, 32640, 24, 128), 1), ("CogVideoX-5b", (2, 48, 17550, 64), 2),
            ("Flux", (1, 4608, 24, 128), 1)]
@@ -56,8 +62,20 @@ def cases():
         tables = (angle.cos(), angle.sin())
         yield ("LTX-Video", q, torch.randn_like(q), lambda x: ltx(x, tables),
                lambda x: rotate_pairs(x[:, :, None], *(t[:, :, None] for t in tables), form=INTERLEAVED)[:, :, 0])
+    from diffusers.models.normalization import RMSNorm
+
+    for name, shape in NORMS:
+        q = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) + torch.randn(shape[-1], device="cuda")
+        norm = RMSNorm(shape[-1], 1e-6).to("cuda", torch.bfloat16)
+        norm.weight.data.uniform_(0.5, 1.5)
+        want = norm(q)
+        # the order whose sums are PyTorch's here (the plugin finds it the same way)
+        order = next((o for o in (STRIDED, VECTORIZED) if torch.equal(rms_norm(q, norm.weight, 1e-6, o), want)),
+                     STRIDED)
+        yield (f"{name} RMSNorm", q, torch.randn_like(q), norm, lambda x, o=order: rms_norm(x, norm.weight, 1e-6, o))
 
 
+@torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
@@ -70,7 +88,7 @@ def main() -> None:
                                                  rep=300)
     print(f"{results['device']}: at Wan's shape the INT8 call takes {results['int8 call ms']:.3f} ms, SDPA "
           f"{results['sdpa ms']:.3f} ms")
-    print("| function, tables | stock Q+K ms | graph | rotate_pairs Q+K ms | graph | equal bit for bit |\n"
+    print("| function | stock Q+K ms | graph | one launch Q+K ms | graph | equal bit for bit |\n"
           "|---|---|---|---|---|---|")
     for name, q, k, stock_fn, fast_fn in cases():
         stock = lambda: (stock_fn(q), stock_fn(k))  # noqa: E731
@@ -78,13 +96,13 @@ def main() -> None:
         bits = torch.int16
         row = {"shape": list(q.shape), "equal": torch.equal(stock_fn(q).view(bits), fast_fn(q).view(bits)),
                "stock ms": triton.testing.do_bench(stock, rep=300),
-               "rotate_pairs ms": triton.testing.do_bench(fast, rep=300)}
+               "one launch ms": triton.testing.do_bench(fast, rep=300)}
         with torch.cuda.stream(torch.cuda.Stream()):
             row["stock graph ms"] = triton.testing.do_bench_cudagraph(stock, rep=300)
-            row["rotate_pairs graph ms"] = triton.testing.do_bench_cudagraph(fast, rep=300)
+            row["one launch graph ms"] = triton.testing.do_bench_cudagraph(fast, rep=300)
         results["rows"][name] = row
         print(f"| {name} {tuple(q.shape)} | {row['stock ms']:.3f} | {row['stock graph ms']:.3f} | "
-              f"{row['rotate_pairs ms']:.3f} | {row['rotate_pairs graph ms']:.3f} | {row['equal']} |", flush=True)
+              f"{row['one launch ms']:.3f} | {row['one launch graph ms']:.3f} | {row['equal']} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
