@@ -24,7 +24,9 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 @pytest.fixture(autouse=True)
 def _no_checks_kept(monkeypatch):
-    monkeypatch.setattr(twin_checks, "MATCHED", {})  # what the process learnt: each test checks anew
+    # what the process learnt: each test probes and checks anew
+    monkeypatch.setattr(twin_checks, "MATCHED", {})
+    monkeypatch.setattr(norms, "_ORDER", {})
 
 
 def inputs(device, dtype, D, rows=(3, 37, 4), seed=0):
@@ -90,25 +92,38 @@ def test_rms_norm_sums_in_the_order_it_documents(order, D, tree, dtype, weight):
     torch.testing.assert_close(got, stock(x, w), rtol=2 ** -7, atol=0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's arithmetic")
+@pytest.mark.parametrize("layout", ["17 rows", "transposed"])
+def test_rms_norm_at_few_rows_and_transposed_rows(layout):
+    """17 rows (the fewest it takes are 16); Q as SD3 normalizes it, (B, H, S, D) viewed from (B, S, H·D): the rows
+    are read and written where they lie, and the result is laid out as stock's."""
+    x = inputs("cpu", torch.float16, 72, rows=(17,)) if layout == "17 rows" else \
+        inputs("cpu", torch.float16, 64, rows=(2, 37, 3)).transpose(1, 2)
+    w = torch.rand(x.shape[-1]).half() + 0.5
+    got = rmsnorm.rms_norm(x, w, 1e-6, STRIDED, HALVES)
+    want = stock(x, w)
+    assert got.stride() == want.stride() and torch.equal(got, emulated(x.contiguous(), w, 1e-6, STRIDED, HALVES))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("D", [32, 64, 72, 96, 128, 256, 1536])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("weight", [None, "same", torch.float32])
-def test_one_order_gives_the_stock_module_bit_for_bit_on_the_gpu(D, dtype, weight):
-    """The claim the plugin relies on: for each head dim, one of the orders reproduces the stock module on this
-    PyTorch's CUDA reduction, bit for bit, and every element is written (the output is poisoned first)."""
-    x = inputs("cuda", dtype, D, rows=(2, 300, 3))
-    w = None if weight is None else (torch.rand(D) + 0.5).to("cuda", dtype if weight == "same" else weight)
+@pytest.mark.parametrize("D", [32, 64, 72, 96, 128, 256, 1536, 3072])
+def test_the_probe_finds_the_order_that_gives_the_stock_module_bit_for_bit(D):
+    """The claim the plugin relies on: on this PyTorch's CUDA reduction exactly one order and tree reproduces the stock
+    module on the float32 probe, and that one reproduces it at every dtype, weight and layout, every element written
+    (the freed block the output is likely to reuse holds NaNs first)."""
+    order = norms.probed_order(D, torch.device("cuda"))
+    assert order is not None, f"no single order gives the stock bits at D={D}"
     with torch.no_grad():
-        want = stock(x, w)
-        matched = []
-        for order, tree in ORDERS:
-            if rmsnorm.rms_norm_refusal(x, w, order) is None:
-                torch.full_like(want, float("nan"))  # freed at once: the block the output is likely to reuse
-                if torch.equal(rmsnorm.rms_norm(x, w, 1e-6, order, tree), want):
-                    matched.append((order, tree))
-    assert matched, f"no order gives the stock bits at D={D}"
+        for dtype in DTYPES:
+            for weight in (None, dtype, torch.float32):
+                x = inputs("cuda", dtype, D, rows=(2, 300, 3), seed=D)
+                w = None if weight is None else (torch.rand(D) + 0.5).to("cuda", weight)
+                for layout in (x, x.transpose(1, 2)):
+                    want = stock(layout, w)
+                    torch.full_like(want, float("nan"))  # freed at once
+                    got = rmsnorm.rms_norm(layout, w, 1e-6, *order)
+                    assert got.stride() == want.stride() and torch.equal(got, want), (dtype, weight)
 
 
 def test_rms_norm_refuses_what_it_does_not_take(kdev):
@@ -120,77 +135,109 @@ def test_rms_norm_refuses_what_it_does_not_take(kdev):
     for bad, order, why in [(x[..., :16].contiguous(), STRIDED, "last dim \\(16\\)"),
                             (inputs(kdev, torch.bfloat16, 200), VECTORIZED, "last dim \\(200\\)"),
                             (x[0, :3], STRIDED, "fewer than 16 rows"),
-                            (x.transpose(0, 1), STRIDED, "contiguous"), (x.int(), STRIDED, "contiguous"),
+                            (x[:, ::2], STRIDED, "rows tile one block"), (x.int(), STRIDED, "float16, bfloat16"),
                             (x.detach().requires_grad_(True), STRIDED, "no backward")]:
         assert rmsnorm.rms_norm_refusal(bad, None, order) is not None
         with pytest.raises(ValueError, match=f"rms_norm does not run these inputs: .*{why}"):
             rmsnorm.rms_norm(bad, None, 1e-6, order)
-    with pytest.raises(ValueError, match="the weight must be \\(128,\\)"):
-        rmsnorm.rms_norm(x, torch.ones(64, device=kdev), 1e-6)
+    for w in (torch.ones(64, device=kdev), torch.ones(256, device=kdev)[::2]):  # another size; strided
+        with pytest.raises(ValueError, match="the weight must be a contiguous \\(128,\\)"):
+            rmsnorm.rms_norm(x, w, 1e-6)
 
 
-def counted_twin(monkeypatch) -> list[int]:
-    calls = []
-    real = norms.rms_norm_unchecked
-
+def stock_equal(calls):
+    """A twin that gives the stock module's result (whatever the order): the plugin's paths run as they would where the
+    kernel matches, here on the CPU too."""
     def twin(x, weight, eps, order, tree):
         calls.append((order, tree))
-        return real(x, weight, eps, order, tree)
+        return stock(x, weight, eps)
+    return twin
 
-    monkeypatch.setattr(norms, "rms_norm_unchecked", twin)
-    return calls
+
+def test_the_probe_keeps_the_one_order_that_matches_and_nothing_when_not_one(monkeypatch):
+    cpu = torch.device("cpu")
+    # a PyTorch whose sums are ORDERS[1]'s: found, once
+    probes = []
+    monkeypatch.setattr(norms, "stock_probe", lambda p: probes.append(p) or emulated(p, None, 1e-6, *ORDERS[1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert norms.probed_order(128, cpu) == ORDERS[1] and norms.probed_order(128, cpu) == ORDERS[1]
+    assert len(probes) == 1 and probes[0].dtype == torch.float32 and probes[0].shape == (norms._PROBE_ROWS, 128)
+    assert probes[0].abs().max() / probes[0].abs().min() > 1e6  # widely spread values: an order shows in float32
+    # none that matches, and several that do: nothing, with one warning
+    monkeypatch.setattr(norms, "stock_probe", lambda p: emulated(p, None, 1e-6, *ORDERS[0]) * 2)
+    with pytest.warns(RuntimeWarning, match="0 reduction orders .* D=64"):
+        assert norms.probed_order(64, cpu) is None
+    calls = []
+    monkeypatch.setattr(norms, "rms_norm_unchecked", stock_equal(calls))
+    monkeypatch.setattr(norms, "stock_probe", lambda p: stock(p, None))
+    with pytest.warns(RuntimeWarning, match="2 reduction orders .* D=256"):
+        assert norms.probed_order(256, cpu) is None
+    assert len(calls) == 2  # at D=256 the strided order does not run: the vectorized one with each tree
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert norms.probed_order(256, cpu) is None and norms.probed_order(64, cpu) is None  # asked once
 
 
 @torch.no_grad()
-def test_checked_norm_runs_the_twin_once_it_matched_and_the_module_otherwise(kdev, monkeypatch):
-    m = RMSNorm(128, 1e-6).to(kdev, torch.bfloat16)
-    x = inputs(kdev, torch.bfloat16, 128)
+def test_checked_norm_runs_the_twin_once_it_matched_and_the_module_otherwise(monkeypatch):
+    m = RMSNorm(128, 1e-6).to(torch.bfloat16)
+    x = inputs("cpu", torch.bfloat16, 128)
     fast = norms.CheckedRMSNorm(m)
-    calls = counted_twin(monkeypatch)
-    want = m(x).detach()
-    # a twin that gives the stock bits: tried once, then run alone
-    monkeypatch.setattr(norms, "rms_norm_unchecked", lambda x_, w, eps, *order: calls.append(order) or m.forward(x_))
-    first = ORDERS[0]
-    assert torch.equal(fast(x), want) and calls == [first]
-    assert torch.equal(fast(x), want) and calls == [first, first] and list(twin_checks.MATCHED.values()) == [0]
-    # one whose first order is off by one bit: the second is tried, and kept
+    want = m(x)
+    monkeypatch.setattr(norms, "probed_order", lambda d, device: ORDERS[1])
+    # a twin that gives the stock bits: checked once, then run alone
+    calls = []
+    monkeypatch.setattr(norms, "rms_norm_unchecked", stock_equal(calls))
+    assert torch.equal(fast(x), want) and calls == [ORDERS[1]]
+    assert torch.equal(fast(x), want) and calls == [ORDERS[1]] * 2 and list(twin_checks.MATCHED.values()) == [0]
+    # one off by a bit on the real call: one warning, the module from then on
     monkeypatch.setattr(twin_checks, "MATCHED", {})
     calls.clear()
-    monkeypatch.setattr(norms, "rms_norm_unchecked", lambda x_, w, eps, *order: calls.append(order) or (
-        m.forward(x_) if order == ORDERS[1] else m.forward(x_).view(torch.int16).add(1).view(torch.bfloat16)))
-    assert torch.equal(fast(x), want) and torch.equal(fast(x), want)
-    assert calls == [ORDERS[0], ORDERS[1], ORDERS[1]] and list(twin_checks.MATCHED.values()) == [1]
-    # none that does: one warning, the module from then on
-    monkeypatch.setattr(twin_checks, "MATCHED", {})
-    calls.clear()
-    monkeypatch.setattr(norms, "rms_norm_unchecked", lambda x_, w, eps, *order: calls.append(order) or m.forward(x_) * 2)
+    monkeypatch.setattr(norms, "rms_norm_unchecked", lambda x_, w, eps, *order: calls.append(order) or
+                        stock(x_, w, eps).view(torch.int16).add(1).view(torch.bfloat16))
     with pytest.warns(RuntimeWarning, match="RMSNorm \\(query/key norm\\) did not reproduce"):
         assert torch.equal(fast(x), want)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(fast(x), want)
-    assert calls == ORDERS and list(twin_checks.MATCHED.values()) == [None]  # D = 128: each order and tree
+    assert calls == [ORDERS[1]] and list(twin_checks.MATCHED.values()) == [None]
+    # no order found for the head dim: the module, and no twin
+    monkeypatch.setattr(twin_checks, "MATCHED", {})
+    monkeypatch.setattr(norms, "probed_order", lambda d, device: None)
+    calls.clear()
+    assert torch.equal(fast(x), want) and calls == [] and twin_checks.MATCHED == {}
 
 
-@torch.no_grad()
-def test_checked_norm_leaves_what_it_does_not_cover_to_the_module(kdev, monkeypatch):
-    calls = counted_twin(monkeypatch)
-    x = inputs(kdev, torch.float16, 64)
-    with_bias = RMSNorm(64, 1e-6, bias=True).to(kdev, torch.float16)
-    hooked = RMSNorm(64, 1e-6).to(kdev, torch.float16)
+def test_checked_norm_leaves_what_it_does_not_cover_to_the_module(monkeypatch):
+    calls = []
+    monkeypatch.setattr(norms, "rms_norm_unchecked", stock_equal(calls))
+    monkeypatch.setattr(norms, "probed_order", lambda d, device: (STRIDED, HALVES))
+    x = inputs("cpu", torch.float16, 64)
+    with_bias = RMSNorm(64, 1e-6, bias=True).half()
+    hooked = RMSNorm(64, 1e-6).half()
     hooked.register_forward_hook(lambda mod, args, out: out * 2)
-    own_forward = RMSNorm(64, 1e-6).to(kdev, torch.float16)
+    pre_hooked = RMSNorm(64, 1e-6).half()
+    pre_hooked.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    own_forward = RMSNorm(64, 1e-6).half()
     own_forward.forward = lambda h: h + 1  # as diffusers' and accelerate's hooks wrap a module's forward
-    small = RMSNorm(16, 1e-6).to(kdev, torch.float16)
-    for m, arg in [(with_bias, x), (hooked, x), (own_forward, x), (small, inputs(kdev, torch.float16, 16)),
-                   (RMSNorm(64, 1e-6).to(kdev, torch.float16), x.transpose(0, 1))]:
-        assert torch.equal(norms.CheckedRMSNorm(m)(arg), m(arg))
+    small = RMSNorm(16, 1e-6).half()
+    with torch.no_grad():
+        for m, arg in [(with_bias, x), (hooked, x), (pre_hooked, x), (own_forward, x),
+                       (small, inputs("cpu", torch.float16, 16)), (RMSNorm(64, 1e-6).half(), x[..., ::2, :])]:
+            assert torch.equal(norms.CheckedRMSNorm(m)(arg), m(arg))
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: out)
+        try:
+            assert torch.equal(norms.CheckedRMSNorm(RMSNorm(64, 1e-6).half())(x), RMSNorm(64, 1e-6).half()(x))
+        finally:
+            handle.remove()
+    plain = RMSNorm(64, 1e-6).half()
+    assert torch.equal(norms.CheckedRMSNorm(plain)(x), plain(x))  # gradients to keep (a Parameter weight): the module
     assert calls == [] and twin_checks.MATCHED == {}
     assert norms.CheckedRMSNorm(hooked).eps == 1e-6  # other attributes are the module's
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # on the CPU no order gives the stock bits
-        norms.CheckedRMSNorm(RMSNorm(64, 1e-6).to(kdev, torch.float16))(x)
-    assert calls  # the same input to a plain module: the twins are tried
+    with torch.no_grad():
+        norms.CheckedRMSNorm(plain)(x)
+    assert calls  # the same input to a plain module without gradients: the twin runs
 
 
 def test_the_view_reads_and_writes_the_module():
@@ -200,7 +247,8 @@ def test_the_view_reads_and_writes_the_module():
     view = norms.with_fast_norms(attn)
     assert isinstance(view, norms.FastNorms)
     for name in norms.NORMS:
-        assert isinstance(getattr(view, name), norms.CheckedRMSNorm) and getattr(view, name).module is getattr(attn, name)
+        stand_in = getattr(view, name)
+        assert isinstance(stand_in, norms.CheckedRMSNorm) and stand_in.module is getattr(attn, name)
     assert view.to_q is attn.to_q and view.heads == attn.heads and view.prepare_attention_mask.__self__ is attn
     view.some_state = 3  # what a processor stores on its module goes to the module
     assert attn.some_state == 3
@@ -218,7 +266,8 @@ def test_the_view_reads_and_writes_the_module():
 
 def test_hunyuanvideo_runs_its_norms_in_one_launch_and_computes_what_it_did(kdev, monkeypatch):
     """The tiny HunyuanVideo, INT8 on the Triton backend, every call's norms through the view: the same output, bit for
-    bit, as routed copies handed the module itself; on the GPU the twin is what ran."""
+    bit, as routed copies handed the module itself, with the twin running in the second forward. On the GPU the twin is
+    the kernel; on the CPU, whose sums are in another order, a stand-in for it that gives the stock result."""
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
     monkeypatch.setattr(processor, "_FAST_NORMS_FROM", 0)
     model, x = build_case("HunyuanVideoTransformer3DModel")
@@ -226,18 +275,26 @@ def test_hunyuanvideo_runs_its_norms_in_one_launch_and_computes_what_it_did(kdev
     model = model.to(kdev, dtype)
     x = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
          for k, v in to_device(x, kdev).items()}
-    calls = counted_twin(monkeypatch)
+    calls = []
+    if kdev == "cpu":
+        monkeypatch.setattr(norms, "probed_order", lambda d, device: (STRIDED, HALVES))
+        monkeypatch.setattr(norms, "rms_norm_unchecked", stock_equal(calls))
+    else:
+        real = norms.rms_norm_unchecked
+        monkeypatch.setattr(norms, "rms_norm_unchecked", lambda *a: calls.append(a[3:]) or real(*a))
     outs = {}
     for fast in (True, False):
         if not fast:
             monkeypatch.setattr(processor, "with_fast_norms", lambda attn: attn)
         handle = diffusion_int8.enable(model, "int8", speed_gate=False)
         with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # the CPU's reduction is not the GPU's: no twin matches
+            warnings.simplefilter("error", RuntimeWarning)  # no order left unfound, no twin that differs
             outs[fast] = [model(**x, return_dict=False)[0] for _ in range(2)]
         assert handle.state.int8_calls > 0
         handle.disable()
+        if fast:
+            first = len(calls)
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
-    assert calls  # the twins were tried
-    if kdev == "cuda":
-        assert None not in twin_checks.MATCHED.values() and len(calls) > len(twin_checks.MATCHED) * 2
+    assert twin_checks.MATCHED and all(v == 0 for v in twin_checks.MATCHED.values())
+    # the twin ran with the view and never without it
+    assert first > 0 and len(calls) == first

@@ -104,21 +104,37 @@ def _f32(v: float) -> float:
     return struct.unpack("f", struct.pack("f", v))[0]
 
 
+def _dense_rows(x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows (its last dim) are contiguous and tile one block of memory, in some order of the other dims
+    (a contiguous tensor, or a transpose of one such as SD3's (B, H, S, D) view of (B, S, H·D))."""
+    if x.stride(-1) != 1 and x.shape[-1] != 1:
+        return False
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(x.shape, x.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def rms_norm_refusal(x: torch.Tensor, weight: torch.Tensor | None, order: int) -> str | None:
-    """Why ``rms_norm`` does not run these inputs in ``order``, or None where it does: a contiguous float16, bfloat16
-    or float32 ``x`` of at least 16 rows of D (32 ≤ D ≤ 128 for ``STRIDED``, a multiple of 128 for ``VECTORIZED``), a
-    weight of D elements on its device or none, no gradient to keep, and a device the Triton kernels run on."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.dtype not in _DTYPES or not x.is_contiguous():
-        return "x must be a contiguous float16, bfloat16 or float32 tensor"
+    """Why ``rms_norm`` does not run these inputs in ``order``, or None where it does: a float16, bfloat16 or float32
+    ``x`` whose rows tile one block of memory (``_dense_rows``: contiguous, or transposed in the dims before the last),
+    at least 16 rows of D (32 ≤ D ≤ 128 for ``STRIDED``, a multiple of 128 below 8192 for ``VECTORIZED``: from there
+    PyTorch splits a row across warps), a contiguous weight of D elements on its device or none, no gradient to keep,
+    and a device the Triton kernels run on."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.dtype not in _DTYPES or not _dense_rows(x):
+        return "x must be a float16, bfloat16 or float32 tensor whose rows tile one block of memory"
     if order not in (STRIDED, VECTORIZED):
         return f"order must be rmsnorm.STRIDED or rmsnorm.VECTORIZED, got {order!r}"
     d = x.shape[-1]
-    if order == STRIDED and not 32 <= d <= 128 or order == VECTORIZED and (d < 128 or d % 128):
+    if order == STRIDED and not 32 <= d <= 128 or order == VECTORIZED and (d < 128 or d % 128 or d >= 8192):
         return f"its last dim ({d}) is not one the order's reduction covers"
     if x.numel() // d < 16:
         return "fewer than 16 rows (PyTorch's reduction then spans more threads a row)"
-    if weight is not None and (weight.dtype not in _DTYPES or weight.shape != (d,) or weight.device != x.device):
-        return f"the weight must be ({d},) float16, bfloat16 or float32 on x's device"
+    if weight is not None and (weight.dtype not in _DTYPES or weight.shape != (d,) or weight.device != x.device
+                               or weight.stride(0) != 1):
+        return f"the weight must be a contiguous ({d},) float16, bfloat16 or float32 tensor on x's device"
     if torch.is_grad_enabled() and (x.requires_grad or weight is not None and weight.requires_grad):
         return "it has no backward: call it without gradients (torch.no_grad())"
     return triton_unavailable(x.device)
@@ -130,8 +146,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, order: in
     summing each row's squares in ``order`` (``STRIDED`` or ``VECTORIZED``) and ``tree`` (``HALVES`` or ``PAIRS``):
     the module docstring.
 
-    x: (..., D) contiguous float16/bfloat16/float32. weight: (D,) or None. Returns x's shape in the stock module's
-    dtype: x's without a weight, else the weight's. Inputs ``rms_norm_refusal`` refuses raise ``ValueError``."""
+    x: (..., D) float16/bfloat16/float32, its rows tiling one block of memory. weight: (D,) or None. Returns x's shape
+    and layout in the stock module's dtype: x's without a weight, else the weight's. Inputs ``rms_norm_refusal`` refuses
+    raise ``ValueError``."""
     reason = rms_norm_refusal(x, weight, order)
     if reason is not None:
         raise ValueError(f"rms_norm does not run these inputs: {reason}")
@@ -148,7 +165,8 @@ def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
             return rms_norm_unchecked(x, weight, eps, order, tree)
     d = x.shape[-1]
     rows = x.numel() // d
-    out = torch.empty(x.shape, dtype=x.dtype if weight is None else weight.dtype, device=x.device)
+    # laid out as x (the stock module's result is): the kernel reads and writes rows in memory order
+    out = torch.empty_like(x, dtype=x.dtype if weight is None else weight.dtype)
     # PyTorch's mean: the sum times float32(outputs) / float32(inputs), a float32 division
     factor = _f32(_f32(rows) / _f32(x.numel()))
     strided = order == STRIDED

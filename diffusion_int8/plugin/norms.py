@@ -10,11 +10,12 @@ norms are ``CheckedRMSNorm``s, and whose every other attribute is the module's o
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch.nn.modules import module as _module
 
-from ..kernels.rmsnorm import ORDERS, rms_norm_refusal, rms_norm_unchecked
+from ..kernels.rmsnorm import ORDERS, STRIDED, VECTORIZED, rms_norm_refusal, rms_norm_unchecked
 from .checked import first_equal
 
 NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
@@ -30,11 +31,59 @@ def stock_rms_norm() -> type | None:
     return RMSNorm
 
 
+# (RMSNorm.forward's code, D, device) -> the (order, tree) whose sums are PyTorch's there, or None where no single one
+# is: found once per process, as a kernel is compiled once
+_ORDER: dict[tuple, tuple[int, int] | None] = {}
+_PROBE_ROWS = 256
+
+
+def probed_order(d: int, device: torch.device) -> tuple[int, int] | None:
+    """The one (order, tree) of ``kernels.rmsnorm.ORDERS`` whose result equals the installed ``RMSNorm``'s, bit for
+    bit, on a float32 probe of D channels on ``device``, or None (none does, or more than one: the probe cannot tell
+    them apart), with one warning. Float32 rows of widely spread values without a weight, so that a sum in another
+    order shows in the result (in 16 bits most of them round to the same output, and the first real call alone could
+    not tell the orders apart). Not while a CUDA graph is captured: None then, and the question stays open."""
+    stock = stock_rms_norm()
+    key = (stock.forward.__code__, d, device)
+    if key in _ORDER:
+        return _ORDER[key]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(_PROBE_ROWS, d, generator=g).mul(3).exp2()
+    probe = (torch.randn(_PROBE_ROWS, d, generator=g) * spread).to(device)
+    want = stock_probe(probe)
+    found = []
+    try:
+        for order, tree in ORDERS:
+            if rms_norm_refusal(probe, None, order) is None and torch.equal(
+                    rms_norm_unchecked(probe, None, 1e-6, order, tree), want):
+                found.append((order, tree))
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: stock, as promised
+        found = []
+        warnings.warn(f"diffusion_int8: the one-launch RMSNorm failed ({type(exc).__name__}: {exc}); query/key "
+                      f"RMSNorms run as they are", RuntimeWarning, stacklevel=3)
+    else:
+        if len(found) != 1:
+            warnings.warn(f"diffusion_int8: {len(found)} reduction orders of the one-launch RMSNorm give PyTorch's "
+                          f"bits at D={d} on {device}, where one should; query/key RMSNorms of that size run as they "
+                          f"are", RuntimeWarning, stacklevel=3)
+    _ORDER[key] = found[0] if len(found) == 1 else None
+    return _ORDER[key]
+
+
+def stock_probe(probe: torch.Tensor) -> torch.Tensor:
+    """The installed ``RMSNorm``'s result on ``probe`` (float32, without a weight)."""
+    with torch.no_grad():
+        return stock_rms_norm()(probe.shape[-1], 1e-6, elementwise_affine=False)(probe)
+
+
 class CheckedRMSNorm:
-    """A diffusers ``RMSNorm`` module and ``kernels.rmsnorm.rms_norm``: calls it takes (no bias, a contiguous input)
-    run in one launch once one of its reduction orders (``kernels.rmsnorm.ORDERS``) has given the module's result bit for
-    bit for their head dim, dtypes and device (``checked.first_equal``); other calls, calls torch.compile traces, and a module with hooks or a
-    forward of its own run the module. Other attributes are the module's."""
+    """A diffusers ``RMSNorm`` module and ``kernels.rmsnorm.rms_norm``: calls it takes (no bias, rows that tile one
+    block of memory) run in one launch in the order the probe found for their head dim (``probed_order``), once that
+    has also given the module's result bit for bit on a real call of their dtypes, layout and device
+    (``checked.first_equal``); other calls, calls torch.compile traces, and a module with hooks or a forward of its own
+    run the module. Other attributes are the module's."""
 
     __slots__ = ("module",)
 
@@ -48,12 +97,15 @@ class CheckedRMSNorm:
                 or _module._global_forward_hooks or _module._global_forward_pre_hooks):
             return m(x)
         w = m.weight
-        orders = [(o, t) for o, t in ORDERS if rms_norm_refusal(x, w, o) is None]
-        if not orders:
+        if rms_norm_refusal(x, w, STRIDED) is not None and rms_norm_refusal(x, w, VECTORIZED) is not None:
             return m(x)
-        key = (type(m).forward.__code__, x.shape[-1], x.dtype, None if w is None else w.dtype, x.device)
-        twins = [lambda o=o, t=t: rms_norm_unchecked(x, w, m.eps, o, t) for o, t in orders]
-        return first_equal(key, x, twins, lambda: m(x), f"{type(m).__name__} (query/key norm)",
+        order = probed_order(x.shape[-1], x.device)
+        if order is None or rms_norm_refusal(x, w, order[0]) is not None:
+            return m(x)
+        key = (type(m).forward.__code__, order, x.shape[-1], x.dtype, None if w is None else w.dtype, x.device,
+               x.is_contiguous())
+        return first_equal(key, x, (lambda: rms_norm_unchecked(x, w, m.eps, *order),), lambda: m(x),
+                           f"{type(m).__name__} (query/key norm)",
                            f"{x.dtype} input, {None if w is None else w.dtype} weight, D={x.shape[-1]}")
 
     def __getattr__(self, name):
