@@ -10,14 +10,17 @@ import numpy as np
 import pytest
 import torch
 from diffusers.models.normalization import RMSNorm
+from zoo import CASES as ZOO
 from zoo import build as build_case
-from zoo.registry import to_device
+from zoo import run as run_case
+from zoo.registry import UNROUTABLE, to_device
 
 import diffusion_int8
 from diffusion_int8.kernels import rmsnorm
 from diffusion_int8.kernels.rmsnorm import HALVES, ORDERS, PAIRS, STRIDED, VECTORIZED
 from diffusion_int8.plugin import checked as twin_checks
 from diffusion_int8.plugin import norms, processor
+from diffusion_int8.plugin.models import attention_modules
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -298,3 +301,34 @@ def test_hunyuanvideo_runs_its_norms_in_one_launch_and_computes_what_it_did(kdev
     assert twin_checks.MATCHED and all(v == 0 for v in twin_checks.MATCHED.values())
     # the twin ran with the view and never without it
     assert first > 0 and len(calls) == first
+
+
+@pytest.mark.parametrize("name", sorted(set(ZOO) - set(UNROUTABLE)))
+def test_every_zoo_model_computes_what_it_did_through_the_view(name, monkeypatch):
+    """Every zoo model whose attention modules have a diffusers-``RMSNorm`` query/key norm, INT8 on the emulation
+    backend with every routed call handed the view and every such norm taking the twin's path (a stand-in twin that
+    gives the stock result, as the kernel does where its order matched): the same output, bit for bit, as routed copies
+    handed the module itself. What this holds is the view: a processor that reads or writes its module in a way the
+    view does not pass on would differ or fail here."""
+    model, x = build_case(name)
+    if all(norms.with_fast_norms(m) is m for m in attention_modules(model).values()):
+        pytest.skip("no diffusers RMSNorm among its attention modules' query/key norms")
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+    monkeypatch.setattr(processor, "_FAST_NORMS_FROM", 0)
+    monkeypatch.setattr(norms, "probed_order", lambda d, device: (STRIDED, HALVES))
+    monkeypatch.setattr(norms, "rms_norm_refusal", lambda *a: None)
+    calls = []
+    monkeypatch.setattr(norms, "rms_norm_unchecked", stock_equal(calls))
+    outs = {}
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(processor, "with_fast_norms", lambda attn: attn)
+        handle = diffusion_int8.enable(model, "int8", speed_gate=False)
+        run_case(model, x)  # a processor type's first call decides its route, with the module itself
+        outs[fast] = run_case(model, x)
+        int8_calls = handle.state.int8_calls
+        handle.disable()
+        if fast:
+            through_view = len(calls)
+    assert int8_calls > 0 and through_view > 0 and len(calls) == through_view
+    assert len(outs[True]) == len(outs[False]) and all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
