@@ -303,13 +303,20 @@ def test_hunyuanvideo_runs_its_norms_in_one_launch_and_computes_what_it_did(kdev
     assert first > 0 and len(calls) == first
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["routed", "gated"])
 @pytest.mark.parametrize("name", sorted(set(ZOO) - set(UNROUTABLE)))
-def test_every_zoo_model_computes_what_it_did_through_the_view(name, monkeypatch):
+def test_every_zoo_model_computes_what_it_did_through_the_view(name, gated, monkeypatch):
     """Every zoo model whose attention modules have a diffusers-``RMSNorm`` query/key norm, INT8 on the emulation
-    backend with every routed call handed the view and every such norm taking the twin's path (a stand-in twin that
-    gives the stock result, as the kernel does where its order matched): the same output, bit for bit, as routed copies
-    handed the module itself. What this holds is the view: a processor that reads or writes its module in a way the
-    view does not pass on would differ or fail here."""
+    backend with every call handed the view and every such norm taking the twin's path (a stand-in twin that gives
+    the stock result, as the kernel does where its order matched): the same output, bit for bit, as calls handed the
+    module itself. Routed: every call runs the processor's routed copy. Gated: the speed gate sends every call to
+    SDPA, so from the third forward on each module's calls go straight to its stock processor, which the view then
+    reaches. What this holds is the view: a processor that reads or writes its module in a way the view does not
+    pass on would differ or fail here."""
+    from test_zoo import NO_TABLE
+
+    from diffusion_int8.plugin.speed_gate import SpeedGate
+
     model, x = build_case(name)
     if all(norms.with_fast_norms(m) is m for m in attention_modules(model).values()):
         pytest.skip("no diffusers RMSNorm among its attention modules' query/key norms")
@@ -317,18 +324,22 @@ def test_every_zoo_model_computes_what_it_did_through_the_view(name, monkeypatch
     monkeypatch.setattr(processor, "_FAST_NORMS_FROM", 0)
     monkeypatch.setattr(norms, "probed_order", lambda d, device: (STRIDED, HALVES))
     monkeypatch.setattr(norms, "rms_norm_refusal", lambda *a: None)
+    monkeypatch.setattr(norms, "covers", lambda order, d: True)  # the zoo's tiny head dims too
     calls = []
     monkeypatch.setattr(norms, "rms_norm_unchecked", stock_equal(calls))
-    outs = {}
+    outs, counts = {}, {}
     for fast in (True, False):
         if not fast:
             monkeypatch.setattr(processor, "with_fast_norms", lambda attn: attn)
-        handle = diffusion_int8.enable(model, "int8", speed_gate=False)
+        handle = diffusion_int8.enable(model, "int8", speed_gate=SpeedGate(NO_TABLE) if gated else False)
         run_case(model, x)  # a processor type's first call decides its route, with the module itself
+        if gated:
+            run_case(model, x)  # the routed copy finds every call gated: the next forward goes to the stock processor
+        before = len(calls)
         outs[fast] = run_case(model, x)
-        int8_calls = handle.state.int8_calls
+        counts[fast] = (handle.state.int8_calls, handle.state.gated_calls, len(calls) - before)
         handle.disable()
-        if fast:
-            through_view = len(calls)
-    assert int8_calls > 0 and through_view > 0 and len(calls) == through_view
+    (int8_calls, gated_calls, through_view), (*_, without_view) = counts[True], counts[False]
+    assert (int8_calls == 0 and gated_calls > 0) if gated else int8_calls > 0
+    assert through_view > 0 and without_view == 0
     assert len(outs[True]) == len(outs[False]) and all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))

@@ -107,6 +107,8 @@ def _f32(v: float) -> float:
 def _dense_rows(x: torch.Tensor) -> bool:
     """Whether ``x``'s rows (its last dim) are contiguous and tile one block of memory, in some order of the other dims
     (a contiguous tensor, or a transpose of one such as SD3's (B, H, S, D) view of (B, S, H·D))."""
+    if x.is_contiguous():
+        return True
     if x.stride(-1) != 1 and x.shape[-1] != 1:
         return False
     expected = 1
@@ -115,6 +117,12 @@ def _dense_rows(x: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def covers(order: int, d: int) -> bool:
+    """Whether ``order``'s reduction is PyTorch's kind for rows of ``d`` channels: 32 ≤ D ≤ 128 for ``STRIDED``, a
+    multiple of 128 below 8192 for ``VECTORIZED`` (from there PyTorch splits a row across warps)."""
+    return 32 <= d <= 128 if order == STRIDED else order == VECTORIZED and 128 <= d < 8192 and d % 128 == 0
 
 
 def rms_norm_refusal(x: torch.Tensor, weight: torch.Tensor | None, order: int) -> str | None:
@@ -128,7 +136,7 @@ def rms_norm_refusal(x: torch.Tensor, weight: torch.Tensor | None, order: int) -
     if order not in (STRIDED, VECTORIZED):
         return f"order must be rmsnorm.STRIDED or rmsnorm.VECTORIZED, got {order!r}"
     d = x.shape[-1]
-    if order == STRIDED and not 32 <= d <= 128 or order == VECTORIZED and (d < 128 or d % 128 or d >= 8192):
+    if not covers(order, d):
         return f"its last dim ({d}) is not one the order's reduction covers"
     if x.numel() // d < 16:
         return "fewer than 16 rows (PyTorch's reduction then spans more threads a row)"

@@ -1,7 +1,7 @@
-"""Query and key RMSNorms run in one launch inside the routed copies of diffusers' processors.
+"""Query and key RMSNorms run in one launch where the processor runs diffusers' processors: routed or gated calls.
 
 Attention modules built with ``qk_norm="rms_norm"`` (HunyuanVideo, SD3, Cosmos, ...) normalize Q and K with diffusers'
-``RMSNorm``, six PyTorch launches per tensor in eager mode (``kernels.rmsnorm``). A routed copy is handed the module
+``RMSNorm``, six PyTorch launches per tensor in eager mode (``kernels.rmsnorm``). A stock processor is handed the module
 through ``with_fast_norms``: a view whose ``norm_q``, ``norm_k``, ``norm_added_q`` and ``norm_added_k`` that are such
 norms are ``CheckedRMSNorm``s, and whose every other attribute is the module's own. ``torch.nn.RMSNorm`` (Flux, Wan,
 ...) is one fused PyTorch kernel already and is left alone.
@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch.nn.modules import module as _module
 
-from ..kernels.rmsnorm import ORDERS, STRIDED, VECTORIZED, rms_norm_refusal, rms_norm_unchecked
+from ..kernels.rmsnorm import ORDERS, STRIDED, VECTORIZED, covers, rms_norm_refusal, rms_norm_unchecked
 from .checked import first_equal
 
 NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
@@ -96,11 +96,13 @@ class CheckedRMSNorm:
                 or "forward" in m.__dict__ or m._forward_hooks or m._forward_pre_hooks
                 or _module._global_forward_hooks or _module._global_forward_pre_hooks):
             return m(x)
-        w = m.weight
-        taken = [o for o in (STRIDED, VECTORIZED) if rms_norm_refusal(x, w, o) is None]
-        if not taken:  # asked before the probe: a head dim no order takes is not probed (nor warned of)
+        w, d = m.weight, x.shape[-1]
+        taken = [o for o in (STRIDED, VECTORIZED) if covers(o, d)]
+        # asked before the probe: inputs no order takes are not probed (nor warned of); the orders' refusals differ
+        # only in the head dims they cover
+        if not taken or rms_norm_refusal(x, w, taken[0]) is not None:
             return m(x)
-        order = probed_order(x.shape[-1], x.device)
+        order = probed_order(d, x.device)
         if order is None or order[0] not in taken:
             return m(x)
         key = (type(m).forward.__code__, order, x.shape[-1], x.dtype, None if w is None else w.dtype, x.device,
