@@ -146,6 +146,11 @@ def test_rms_norm_refuses_what_it_does_not_take(kdev):
     for w in (torch.ones(64, device=kdev), torch.ones(256, device=kdev)[::2]):  # another size; strided
         with pytest.raises(ValueError, match="the weight must be a contiguous \\(128,\\)"):
             rmsnorm.rms_norm(x, w, 1e-6)
+    # the orders' refusals differ in the head dims they cover alone (CheckedRMSNorm asks one of them): at D = 128,
+    # which both cover, every input gets the same answer from both
+    for bad in (x, x[0, :3], x[:, ::2], x.int(), x.detach().requires_grad_(True), x.double()):
+        for w in (None, torch.ones(128, device=kdev), torch.ones(64, device=kdev)):
+            assert rmsnorm.rms_norm_refusal(bad, w, STRIDED) == rmsnorm.rms_norm_refusal(bad, w, VECTORIZED)
 
 
 def stock_equal(calls):
@@ -311,7 +316,7 @@ def test_every_zoo_model_computes_what_it_did_through_the_view(name, gated, monk
     the stock result, as the kernel does where its order matched): the same output, bit for bit, as calls handed the
     module itself. Routed: every call runs the processor's routed copy. Gated: the speed gate sends every call to
     SDPA, so from the third forward on each module's calls go straight to its stock processor, which the view then
-    reaches. What this holds is the view: a processor that reads or writes its module in a way the view does not
+    reaches (and nothing else runs the routed copy in that forward, so the twin's calls are the stock path's). What this holds is the view: a processor that reads or writes its module in a way the view does not
     pass on would differ or fail here."""
     from test_zoo import NO_TABLE
 
@@ -335,8 +340,14 @@ def test_every_zoo_model_computes_what_it_did_through_the_view(name, gated, monk
         run_case(model, x)  # a processor type's first call decides its route, with the module itself
         if gated:
             run_case(model, x)  # the routed copy finds every call gated: the next forward goes to the stock processor
+        procs = {id(m.processor): m.processor for m in attention_modules(model).values()
+                 if isinstance(m.processor, processor.Int8DiffusionProcessor)}.values()
+        routed_before = [list(p._outcomes) for p in procs]
         before = len(calls)
         outs[fast] = run_case(model, x)
+        if gated and fast and [list(p._outcomes) for p in procs] != routed_before:
+            pytest.skip("some calls still take the routed copy (another backend's attention): the stock path's view "
+                        "cannot be told apart")
         counts[fast] = (handle.state.int8_calls, handle.state.gated_calls, len(calls) - before)
         handle.disable()
     (int8_calls, gated_calls, through_view), (*_, without_view) = counts[True], counts[False]

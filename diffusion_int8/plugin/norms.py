@@ -92,7 +92,7 @@ class CheckedRMSNorm:
 
     def __call__(self, hidden_states):
         m, x = self.module, hidden_states
-        if (torch.compiler.is_compiling() or not isinstance(x, torch.Tensor) or m.bias is not None
+        if (torch.compiler.is_compiling() or not isinstance(x, torch.Tensor) or x.dim() < 1 or m.bias is not None
                 or "forward" in m.__dict__ or m._forward_hooks or m._forward_pre_hooks
                 or _module._global_forward_hooks or _module._global_forward_pre_hooks):
             return m(x)
