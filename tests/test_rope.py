@@ -460,3 +460,42 @@ def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(k
     assert calls == [form] * (2 * rotations)
     assert list(twin_checks.MATCHED.values()) == [0]
     assert all(torch.equal(a, b) for a, b in zip(with_stand_ins, stock))
+
+
+@needs_generic
+@pytest.mark.parametrize("family, rotations", [
+    ("flux", 4), ("HunyuanVideoTransformer3DModel", 4), ("WanTransformer3DModel", 4)])
+def test_gated_calls_run_the_rotary_in_one_launch_and_compute_what_stock_does(kdev, monkeypatch, family, rotations):
+    """Every call sent to SDPA by the speed gate: from the third forward on, each module's calls skip the routed copy
+    for the stock processor (the copy found them all gated), whose rotary embedding runs in one launch there too
+    (``routing.rotary_only``: Flux's a module global, HunyuanVideo's imported inside ``__call__``, Wan's nested). The
+    forward is the stock one, bit for bit."""
+    from test_zoo import NO_TABLE
+
+    from diffusion_int8.plugin.processor import Int8DiffusionProcessor
+    from diffusion_int8.plugin.speed_gate import SpeedGate
+
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
+    model, x = build(family) if family == "flux" else build_case(family)
+    dtype = torch.bfloat16 if kdev == "cuda" else torch.float32
+    model = model.to(kdev, dtype)
+    x = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+         for k, v in to_device(x, kdev).items()}
+    with torch.no_grad():
+        stock = model(**x, return_dict=False)[0]
+    calls = []
+    real = rope.rotate_pairs_unchecked
+    monkeypatch.setattr(rotary, "rotate_pairs_unchecked", lambda *a: calls.append(a) or real(*a))
+    handle = diffusion_int8.enable(model, "int8", speed_gate=SpeedGate(NO_TABLE))
+    procs = {id(p): p for p in model.attn_processors.values() if isinstance(p, Int8DiffusionProcessor)}.values()
+    with torch.no_grad():
+        for _ in range(2):  # the routed copy: the first call of a rotary form is its check
+            model(**x, return_dict=False)
+        routed_before, before = [list(p._outcomes) for p in procs], len(calls)
+        out = model(**x, return_dict=False)[0]
+    assert [list(p._outcomes) for p in procs] == routed_before, "the third forward still ran the routed copy"
+    assert handle.state.int8_calls == 0 and handle.state.gated_calls > 0
+    assert len(calls) - before == rotations
+    assert list(twin_checks.MATCHED.values()) == [0] * len(twin_checks.MATCHED)
+    assert torch.equal(out, stock)
+    handle.disable()

@@ -34,7 +34,7 @@ from .models import (any_stock_signature, call_params, declaring_subclass, skip_
                      stock_processor_for, stock_signature, text_position)
 from .norms import with_fast_norms
 from .observer import AttentionCall, Observer
-from .routing import RouteToInt8, attention_dispatch, int8_core, kernel_takes, other_backend, routed
+from .routing import RouteToInt8, attention_dispatch, int8_core, kernel_takes, other_backend, rotary_only, routed
 from .speed_gate import eager_call
 from .state import Int8State, block_pairs
 
@@ -105,6 +105,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
         self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_infer = False
         self._routed_calls: dict[type, Callable] = {}  # stock processor type -> its routed __call__
+        self._stock_calls: dict[type, Callable] = {}  # ... and its __call__ with the rotary in one launch (gated calls)
         self._routed_hit = False  # set by the routes: did the first routed call reach them
         self._undecided = 0  # first calls that reached no attention at all
         self._text: tuple[int, str | None] = (0, None)  # text tokens of the current call and where they are
@@ -180,14 +181,14 @@ class Int8DiffusionProcessor(DispatcherCalls):
     __hash__ = object.__hash__
 
     # what a copy or a pickle leaves out and makes anew: the lock, and caches of stock processors and shapes
-    _TRANSIENT = ("_lock", "_inferred", "_stock_shapes", "_routed_calls")
+    _TRANSIENT = ("_lock", "_inferred", "_stock_shapes", "_routed_calls", "_stock_calls")
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
 
     def __setstate__(self, state):
         self.__dict__.update(state, _lock=threading.RLock(), _inferred=weakref.WeakKeyDictionary(),
-                             _stock_shapes=weakref.WeakKeyDictionary(), _routed_calls={})
+                             _stock_shapes=weakref.WeakKeyDictionary(), _routed_calls={}, _stock_calls={})
         self.__dict__.setdefault("_undecided", 0)
 
     def __reduce__(self):
@@ -228,7 +229,8 @@ class Int8DiffusionProcessor(DispatcherCalls):
         # Inputs whose every attention call the speed gate sent to SDPA last time go straight to the stock
         # processor: the gate decides by the call's mode, shapes, dtype and device, which follow from the module
         # and its inputs' shapes, and whether the call is eager (``SpeedGate.pays``), so this is what the routed
-        # copy would run, without its host time (image models at 1-4K tokens, every call gated). A backend change
+        # copy would run, without its host time (image models at 1-4K tokens, every call gated). Its rotary
+        # embedding runs in one launch, as in the routed copy (``routing.rotary_only``). A backend change
         # clears what was learnt. Not under a context-parallel split, where the routed copy also mends what
         # diffusers' split gets wrong (per-head masks, ring).
         key = shapes = None
@@ -241,7 +243,10 @@ class Int8DiffusionProcessor(DispatcherCalls):
             gated = None if shapes is None else shapes.get(key)
             if gated is not None:
                 self.state.gated_calls += gated
-                return inner(self._seen(attn, hidden_states), hidden_states, *args, **kwargs)
+                stock = self._stock_calls.get(type(inner))
+                if stock is None:
+                    stock = self._stock_calls[type(inner)] = rotary_only(type(inner).__call__)
+                return stock(inner, self._seen(attn, hidden_states), hidden_states, *args, **kwargs)
         before = tuple(self._outcomes)
         call = self._routed_calls.get(type(inner))
         if call is not None:

@@ -41,7 +41,21 @@ def routed(fn: Callable, sdpa: Callable, dispatch: Callable) -> Callable | None:
     if not names:
         return None
     code, rotary = with_fast_rotary(fn.__code__, g)
-    copy = types.FunctionType(code, {**g, **names, **rotary}, fn.__name__, fn.__defaults__, fn.__closure__)
+    return _copy(fn, code, {**g, **names, **rotary})
+
+
+def rotary_only(fn: Callable) -> Callable:
+    """A copy of the stock processor's ``__call__`` ``fn`` whose rotary embedding runs in one launch, as in ``routed``,
+    and whose attention is the stock one: what a call the speed gate sends to SDPA computes, bit for bit, with fewer
+    launches; ``fn`` itself where it has no rotary embedding the stand-ins take (or is not a plain function)."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    code, rotary = with_fast_rotary(fn.__code__, fn.__globals__)
+    return _copy(fn, code, {**fn.__globals__, **rotary}) if rotary else fn
+
+
+def _copy(fn: types.FunctionType, code: types.CodeType, globals_: dict) -> types.FunctionType:
+    copy = types.FunctionType(code, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
 
