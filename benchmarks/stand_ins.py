@@ -7,18 +7,23 @@ dim 1, its video tokens), CogVideoX-5b's 720 × 480 × 49 frames with CFG (2, 48
 1024² (1, 4608, 24, 128; sequence dim 1); LTX-Video's own ``apply_rotary_emb`` on (B, S, C) tokens at 768 × 512 × 121
 frames with CFG (2, 6144, 2048); float32 tables, bfloat16 Q and K. diffusers' ``RMSNorm`` against ``rms_norm`` (in
 the reduction order that gives the stock bits here) at HunyuanVideo's (1, 32896, 24, 128: video and text tokens) and
-SD3.5's 1024² with CFG (2, 4429, 24, 64), bfloat16 with a bfloat16 weight. The INT8 call and SDPA at Wan's shape for
-scale.
+SD3.5's 1024² with CFG (2, 4429, 24, 64), bfloat16 with a bfloat16 weight; Flux's rotary and SD3.5's norms at 512²
+too (1, 1280, 24, 128 and 2, 1357, 24, 64), where an eager step waits on its host. The INT8 call and SDPA at Wan's
+shape for scale.
 
     python benchmarks/stand_ins.py [--out bench_out/stand_ins.json]
 
-Times are medians of ``triton.testing.do_bench`` (L2 flushed between calls) and of ``do_bench_cudagraph``.
+Times are medians of ``triton.testing.do_bench`` (L2 flushed between calls) and of ``do_bench_cudagraph``; host
+time, the median over 15 rounds of the host time a Q + K pair takes in a round of 20 (synchronized between rounds
+only: a round's launches fit in the launch queue, so the host never waits on the GPU), both taking turns. The
+one-launch functions replay their launch from a plan after the first call, as in the stand-ins.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -29,10 +34,11 @@ from diffusion_int8.kernels.rmsnorm import STRIDED, VECTORIZED, rms_norm
 from diffusion_int8.kernels.rope import INTERLEAVED, WAN, rotate_pairs
 from diffusion_int8.plugin.rotary import generic_rotary, stock_token_rotary, stock_wan_rotary
 
-NORMS = [("HunyuanVideo", (1, 32896, 24, 128)), ("SD3.5", (2, 4429, 24, 64))]  # (row, Q's shape) for RMSNorm
+NORMS = [("HunyuanVideo", (1, 32896, 24, 128)), ("SD3.5", (2, 4429, 24, 64)),  # (row, Q's shape) for RMSNorm
+         ("SD3.5 512²", (2, 1357, 24, 64))]
 # (row, x's shape, its sequence dim) for diffusers' generic function
 GENERIC = [("HunyuanVideo", (1, 32640, 24, 128), 1), ("CogVideoX-5b", (2, 48, 17550, 64), 2),
-           ("Flux", (1, 4608, 24, 128), 1)]
+           ("Flux", (1, 4608, 24, 128), 1), ("Flux 512²", (1, 1280, 24, 128), 1)]
 
 
 def cases():
@@ -75,6 +81,21 @@ def cases():
         yield (f"{name} RMSNorm", q, torch.randn_like(q), norm, lambda x, o=order: rms_norm(x, norm.weight, 1e-6, o))
 
 
+def host_us(fns: dict, rounds: int = 15, calls: int = 20) -> dict:
+    """Median host µs a call of each of ``fns``: over ``rounds`` rounds of ``calls`` calls, the functions taking
+    turns."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,8 +109,8 @@ def main() -> None:
                                                  rep=300)
     print(f"{results['device']}: at Wan's shape the INT8 call takes {results['int8 call ms']:.3f} ms, SDPA "
           f"{results['sdpa ms']:.3f} ms")
-    print("| function | stock Q+K ms | graph | one launch Q+K ms | graph | equal bit for bit |\n"
-          "|---|---|---|---|---|---|")
+    print("| function | stock Q+K ms | graph | host µs | one launch Q+K ms | graph | host µs | equal bit for bit |\n"
+          "|---|---|---|---|---|---|---|---|")
     for name, q, k, stock_fn, fast_fn in cases():
         stock = lambda: (stock_fn(q), stock_fn(k))  # noqa: E731
         fast = lambda: (fast_fn(q), fast_fn(k))  # noqa: E731
@@ -100,9 +121,12 @@ def main() -> None:
         with torch.cuda.stream(torch.cuda.Stream()):
             row["stock graph ms"] = triton.testing.do_bench_cudagraph(stock, rep=300)
             row["one launch graph ms"] = triton.testing.do_bench_cudagraph(fast, rep=300)
+        host = host_us({"stock": stock, "one launch": fast})
+        row.update({"stock host us": host["stock"], "one launch host us": host["one launch"]})
         results["rows"][name] = row
         print(f"| {name} {tuple(q.shape)} | {row['stock ms']:.3f} | {row['stock graph ms']:.3f} | "
-              f"{row['one launch ms']:.3f} | {row['one launch graph ms']:.3f} | {row['equal']} |", flush=True)
+              f"{host['stock']:.0f} | {row['one launch ms']:.3f} | {row['one launch graph ms']:.3f} | "
+              f"{host['one launch']:.0f} | {row['equal']} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -95,6 +95,26 @@ def test_rms_norm_sums_in_the_order_it_documents(order, D, tree, dtype, weight):
     torch.testing.assert_close(got, stock(x, w), rtol=2 ** -7, atol=0)
 
 
+@pytest.mark.parametrize("weight", [None, torch.bfloat16])
+def test_a_signature_seen_before_replays_its_launch(kdev, weight):
+    """The first call of a signature (shapes, strides, dtypes, alignment, eps, order) records its launch and later ones
+    replay it with their own tensors' pointers (``launch.Plan``): each of three inputs held at once (no two at one
+    address) gives what a first call of it gives."""
+    from diffusion_int8.kernels import cache
+    from diffusion_int8.kernels.launch import Plan
+
+    cache.clear()
+    xs = [inputs(kdev, torch.bfloat16, 128, seed=seed) for seed in range(3)]
+    w = None if weight is None else (torch.rand(128) + 0.5).to(weight).to(kdev)
+    outs = [rmsnorm.rms_norm(x, w, 1e-6, VECTORIZED) for x in xs]
+    plans = [plan for key, plan in cache.ENTRIES.items() if key[0] == "rmsnorm"]
+    assert len(plans) == 1 and isinstance(plans[0], Plan)
+    for out, x in zip(outs, xs):
+        cache.clear()
+        assert torch.equal(out, rmsnorm.rms_norm(x, w, 1e-6, VECTORIZED))
+    assert not torch.equal(outs[1], outs[2])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's arithmetic")
 @pytest.mark.parametrize("layout", ["17 rows", "transposed"])
 def test_rms_norm_at_few_rows_and_transposed_rows(layout):
@@ -277,7 +297,6 @@ def test_hunyuanvideo_runs_its_norms_in_one_launch_and_computes_what_it_did(kdev
     bit, as routed copies handed the module itself, with the twin running in the second forward. On the GPU the twin is
     the kernel; on the CPU, whose sums are in another order, a stand-in for it that gives the stock result."""
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
-    monkeypatch.setattr(processor, "_FAST_NORMS_FROM", 0)
     model, x = build_case("HunyuanVideoTransformer3DModel")
     dtype = torch.bfloat16 if kdev == "cuda" else torch.float32
     model = model.to(kdev, dtype)
@@ -326,7 +345,6 @@ def test_every_zoo_model_computes_what_it_did_through_the_view(name, gated, monk
     if all(norms.with_fast_norms(m) is m for m in attention_modules(model).values()):
         pytest.skip("no diffusers RMSNorm among its attention modules' query/key norms")
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
-    monkeypatch.setattr(processor, "_FAST_NORMS_FROM", 0)
     monkeypatch.setattr(norms, "probed_order", lambda d, device: (STRIDED, HALVES))
     monkeypatch.setattr(norms, "rms_norm_refusal", lambda *a: None)
     monkeypatch.setattr(norms, "covers", lambda order, d: True)  # the zoo's tiny head dims too

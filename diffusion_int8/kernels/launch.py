@@ -124,7 +124,7 @@ class Plan:
             size += -(-t.untyped_storage().nbytes() // _ALIGN) * _ALIGN
             if zero:
                 self.zero_bytes = size
-        self.workspace_bytes = max(size, 1)
+        self.workspace_bytes = size  # 0: the kernels write only into the inputs (a one-launch twin's plan)
         starts = [None if t is None else t.data_ptr() for t in inputs]
         if len({s for s in starts if s is not None}) != sum(s is not None for s in starts):
             raise InputsShareMemory("two inputs share a data pointer")
@@ -172,12 +172,12 @@ class Plan:
         if not self.interpret and torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):  # the recorded kernels are loaded in the inputs' device's context
                 return self(inputs)
-        ws = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        ws = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device) if self.workspace_bytes else None
         if self.interpret:
             if self.zero_bytes:
                 ws[: self.zero_bytes].zero_()
             return self._interpret(ws, inputs)
-        base = ws.data_ptr()
+        base = 0 if ws is None else ws.data_ptr()
         ptrs = [None if t is None else t.data_ptr() for t in inputs]
         stream = self._stream(self.device.index)
         if self.zero_bytes:

@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .cache import signature
 from .config import triton_unavailable
+from .launch import plan_or_run
 
 STRIDED, VECTORIZED = 0, 1  # the orders of a thread's sums: see the module docstring
 HALVES, PAIRS = 0, 1  # the warp's trees: see the module docstring
@@ -171,16 +173,21 @@ def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if x.is_cuda and torch.cuda.current_device() != x.device.index:
         with torch.cuda.device(x.device):  # Triton launches on the current device
             return rms_norm_unchecked(x, weight, eps, order, tree)
-    d = x.shape[-1]
-    rows = x.numel() // d
     # laid out as x (the stock module's result is): the kernel reads and writes rows in memory order
     out = torch.empty_like(x, dtype=x.dtype if weight is None else weight.dtype)
-    # PyTorch's mean: the sum times float32(outputs) / float32(inputs), a float32 division
-    factor = _f32(_f32(rows) / _f32(x.numel()))
-    strided = order == STRIDED
-    _rms_norm_kernel[(triton.cdiv(rows, _ROWS),)](
-        x, weight if weight is not None else x, out, rows, d, factor, _f32(eps),
-        _ROWS, order, tree, triton.cdiv(d, 32) if strided else d // 128, triton.next_power_of_2(d) if strided else 128,
-        weight is not None, _ROUND[weight.dtype] if weight is not None else 0, enable_fp_fusion=False,
-    )
+
+    def record(runner):
+        d = x.shape[-1]
+        rows = x.numel() // d
+        # PyTorch's mean: the sum times float32(outputs) / float32(inputs), a float32 division
+        factor = _f32(_f32(rows) / _f32(x.numel()))
+        strided = order == STRIDED
+        runner.launch(_rms_norm_kernel, (triton.cdiv(rows, _ROWS),), (
+            x, weight if weight is not None else x, out, rows, d, factor, _f32(eps),
+            _ROWS, order, tree, triton.cdiv(d, 32) if strided else d // 128,
+            triton.next_power_of_2(d) if strided else 128, weight is not None,
+            _ROUND[weight.dtype] if weight is not None else 0), dict(enable_fp_fusion=False))
+
+    # later calls of the signature replay the launch
+    plan_or_run(("rmsnorm", order, tree, eps, signature(x), signature(weight)), [x, weight, out], record)
     return out

@@ -105,11 +105,11 @@ class CheckedRMSNorm:
         order = probed_order(d, x.device)
         if order is None or order[0] not in taken:
             return m(x)
-        key = (type(m).forward.__code__, order, x.shape[-1], x.dtype, None if w is None else w.dtype, x.device,
+        key = (type(m).forward.__code__, order, d, x.dtype, None if w is None else w.dtype, x.device,
                x.is_contiguous())
         return first_equal(key, x, (lambda: rms_norm_unchecked(x, w, m.eps, *order),), lambda: m(x),
                            f"{type(m).__name__} (query/key norm)",
-                           f"{x.dtype} input, {None if w is None else w.dtype} weight, D={x.shape[-1]}")
+                           f"{x.dtype} input, {None if w is None else w.dtype} weight, D={d}")
 
     def __getattr__(self, name):
         return getattr(self.module, name)

@@ -44,9 +44,6 @@ class _Default(str):
 
 
 _DEFAULT_MODE = _Default("int8")
-# hidden-state elements from which a call's query/key RMSNorms run in one launch: below, the GPU time it saves (tens of
-# µs) is about the host time the view and a Triton launch add, which an eager step waiting on its host pays
-_FAST_NORMS_FROM = 1 << 22
 
 
 class Int8DiffusionProcessor(DispatcherCalls):
@@ -246,11 +243,11 @@ class Int8DiffusionProcessor(DispatcherCalls):
                 stock = self._stock_calls.get(type(inner))
                 if stock is None:
                     stock = self._stock_calls[type(inner)] = rotary_only(type(inner).__call__)
-                return stock(inner, self._seen(attn, hidden_states), hidden_states, *args, **kwargs)
+                return stock(inner, with_fast_norms(attn), hidden_states, *args, **kwargs)
         before = tuple(self._outcomes)
         call = self._routed_calls.get(type(inner))
         if call is not None:
-            out = call(inner, self._seen(attn, hidden_states), hidden_states, *args, **kwargs)
+            out = call(inner, with_fast_norms(attn), hidden_states, *args, **kwargs)
             int8, gated, other = (a - b for a, b in zip(self._outcomes, before))
             if key is not None and gated > 0 and int8 == 0 and other == 0:
                 shapes = self._stock_shapes.setdefault(attn, {})
@@ -304,13 +301,6 @@ class Int8DiffusionProcessor(DispatcherCalls):
                       f"HunyuanVideo, Sana, ...) then compute something else. diffusion_int8.enable(pipe) wraps "
                       f"the processors the model has.")
         return inner
-
-    @staticmethod
-    def _seen(attn: torch.nn.Module, hidden_states: torch.Tensor):
-        """The module as a routed or gated call hands it to the stock processor's code: a long sequence's
-        query/key RMSNorms run in one launch, bit for bit (``norms``); a short one's are not worth the view. A gated
-        call takes it too: the stock processor reads the module as its routed copy does."""
-        return with_fast_norms(attn) if hidden_states.numel() >= _FAST_NORMS_FROM else attn
 
     def _mode_call(self, inner, attn, hidden_states, *args, **kwargs):
         with RouteToInt8(self._attention):
