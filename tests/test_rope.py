@@ -454,6 +454,16 @@ def test_a_generic_function_of_other_parameters_is_left_alone(monkeypatch):
     assert rotary.with_fast_rotary(code, g) == (code, {})
 
 
+def model_on(kdev: str, family: str):
+    """A tiny model of ``family`` (a ``tiny_models`` family or a zoo case) on ``kdev`` in bfloat16 (float32 on the CPU),
+    and its inputs in that dtype, the rotary tables (a tuple) kept in float32 as the pipelines make them."""
+    model, x = build(family) if family == "flux" else build_case(family)
+    dtype = torch.bfloat16 if kdev == "cuda" else torch.float32
+    x = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+         for k, v in to_device(x, kdev).items()}
+    return model.to(kdev, dtype), x
+
+
 @needs_generic
 @pytest.mark.parametrize("family, form, rotations", [
     ("flux", rope.INTERLEAVED, 4), ("CogVideoXTransformer3DModel", rope.INTERLEAVED, 2),
@@ -467,12 +477,7 @@ def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(k
     routed copies rotate through ``rotate_pairs`` and give what routed copies without stand-ins (stock builtins and
     globals) give, bit for bit."""
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
-    model, x = build(family) if family == "flux" else build_case(family)
-    dtype = torch.bfloat16 if kdev == "cuda" else torch.float32
-    model = model.to(kdev, dtype)
-    # the inputs in the model's dtype, the rotary tables (a tuple) kept in float32 as the pipelines make them
-    x = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-         for k, v in to_device(x, kdev).items()}
+    model, x = model_on(kdev, family)
     calls = generic_counted(monkeypatch)
     with_stand_ins, stock = with_and_without_stand_ins(model, x)
     # Q and K of each block with rotary tables, two forwards: each through rotate_pairs (the first as the check)
@@ -496,11 +501,7 @@ def test_gated_calls_run_the_rotary_in_one_launch_and_compute_what_stock_does(kd
     from diffusion_int8.plugin.speed_gate import SpeedGate
 
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
-    model, x = build(family) if family == "flux" else build_case(family)
-    dtype = torch.bfloat16 if kdev == "cuda" else torch.float32
-    model = model.to(kdev, dtype)
-    x = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-         for k, v in to_device(x, kdev).items()}
+    model, x = model_on(kdev, family)
     with torch.no_grad():
         stock = model(**x, return_dict=False)[0]
     calls = []
