@@ -113,6 +113,13 @@ def test_a_signature_seen_before_replays_its_launch(kdev, weight):
         cache.clear()
         assert torch.equal(out, rmsnorm.rms_norm(x, w, 1e-6, VECTORIZED))
     assert not torch.equal(outs[1], outs[2])
+    # another eps: a signature of its own (the eps is a launch argument the plan keeps)
+    cache.clear()
+    first = rmsnorm.rms_norm(xs[0], w, 1e-6, VECTORIZED)
+    other = rmsnorm.rms_norm(xs[0], w, 0.5, VECTORIZED)
+    assert sum(key[0] == "rmsnorm" for key in cache.ENTRIES) == 2 and not torch.equal(first, other)
+    cache.clear()
+    assert torch.equal(other, rmsnorm.rms_norm(xs[0], w, 0.5, VECTORIZED))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's arithmetic")
@@ -268,11 +275,13 @@ def test_checked_norm_leaves_what_it_does_not_cover_to_the_module(monkeypatch):
     assert calls  # the same input to a plain module without gradients: the twin runs
 
 
-def test_the_view_reads_and_writes_the_module():
+def test_the_view_reads_and_writes_the_module(monkeypatch):
     from diffusers.models.attention_processor import Attention
 
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(norms, "triton_unavailable", lambda device: None)  # as where the kernels run
     attn = Attention(64, heads=2, dim_head=32, qk_norm="rms_norm", added_kv_proj_dim=16, context_pre_only=False)
-    view = norms.with_fast_norms(attn)
+    view = norms.with_fast_norms(attn, cpu)
     assert isinstance(view, norms.FastNorms)
     for name in norms.NORMS:
         stand_in = getattr(view, name)
@@ -283,13 +292,17 @@ def test_the_view_reads_and_writes_the_module():
     with pytest.raises(AttributeError):
         view.no_such_attribute
     across = Attention(64, heads=2, kv_heads=2, dim_head=32, qk_norm="rms_norm_across_heads")  # diffusers' RMSNorm too
-    assert isinstance(norms.with_fast_norms(across).norm_k, norms.CheckedRMSNorm)
+    assert isinstance(norms.with_fast_norms(across, cpu).norm_k, norms.CheckedRMSNorm)
     # LayerNorm, torch.nn.RMSNorm (one fused PyTorch kernel already) and no norm: the module itself
     for plain in (Attention(64, heads=2, dim_head=32, qk_norm="layer_norm"), Attention(64, heads=2, dim_head=32)):
-        assert norms.with_fast_norms(plain) is plain
+        assert norms.with_fast_norms(plain, cpu) is plain
     torch_norms = Attention(64, heads=2, dim_head=32)
     torch_norms.norm_q = torch.nn.RMSNorm(32)
-    assert norms.with_fast_norms(torch_norms) is torch_norms
+    assert norms.with_fast_norms(torch_norms, cpu) is torch_norms
+    # where the kernels do not run on the call's device (no GPU, the emulation backend): no view, whose norms would
+    # only check and go to the module
+    monkeypatch.setattr(norms, "triton_unavailable", lambda device: "no Triton here")
+    assert norms.with_fast_norms(attn, cpu) is attn
 
 
 def test_hunyuanvideo_runs_its_norms_in_one_launch_and_computes_what_it_did(kdev, monkeypatch):
@@ -312,7 +325,7 @@ def test_hunyuanvideo_runs_its_norms_in_one_launch_and_computes_what_it_did(kdev
     outs = {}
     for fast in (True, False):
         if not fast:
-            monkeypatch.setattr(processor, "with_fast_norms", lambda attn: attn)
+            monkeypatch.setattr(processor, "with_fast_norms", lambda attn, device: attn)
         handle = diffusion_int8.enable(model, "int8", speed_gate=False)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # no order left unfound, no twin that differs
@@ -335,14 +348,16 @@ def test_every_zoo_model_computes_what_it_did_through_the_view(name, gated, monk
     the stock result, as the kernel does where its order matched): the same output, bit for bit, as calls handed the
     module itself. Routed: every call runs the processor's routed copy. Gated: the speed gate sends every call to
     SDPA, so from the third forward on each module's calls go straight to its stock processor, which the view then
-    reaches (and nothing else runs the routed copy in that forward, so the twin's calls are the stock path's). What this holds is the view: a processor that reads or writes its module in a way the view does not
+    reaches (and nothing else runs the routed copy in that forward, so the twin's calls are the stock path's). What
+    this holds is the view: a processor that reads or writes its module in a way the view does not
     pass on would differ or fail here."""
     from test_zoo import NO_TABLE
 
     from diffusion_int8.plugin.speed_gate import SpeedGate
 
     model, x = build_case(name)
-    if all(norms.with_fast_norms(m) is m for m in attention_modules(model).values()):
+    monkeypatch.setattr(norms, "triton_unavailable", lambda device: None)  # the view as where the kernels run
+    if all(norms.with_fast_norms(m, torch.device("cpu")) is m for m in attention_modules(model).values()):
         pytest.skip("no diffusers RMSNorm among its attention modules' query/key norms")
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
     monkeypatch.setattr(norms, "probed_order", lambda d, device: (STRIDED, HALVES))
@@ -353,7 +368,7 @@ def test_every_zoo_model_computes_what_it_did_through_the_view(name, gated, monk
     outs, counts = {}, {}
     for fast in (True, False):
         if not fast:
-            monkeypatch.setattr(processor, "with_fast_norms", lambda attn: attn)
+            monkeypatch.setattr(processor, "with_fast_norms", lambda attn, device: attn)
         handle = diffusion_int8.enable(model, "int8", speed_gate=SpeedGate(NO_TABLE) if gated else False)
         run_case(model, x)  # a processor type's first call decides its route, with the module itself
         if gated:

@@ -282,6 +282,12 @@ def test_a_signature_seen_before_replays_its_launch(kdev):
     for out, (x, tables) in zip(outs, calls):
         assert torch.equal(out, generic.stock(x, tables, True, -1, 1))
     assert not torch.equal(outs[1], outs[2])
+    # other strides, and an output given: signatures of their own, each recorded anew
+    x, (cos, sin) = calls[0]
+    for x, out in ((x.contiguous(), None), (x, torch.full_like(x, float("nan")))):
+        got = rope.rotate_pairs(x, cos[None, :, None], sin[None, :, None], out=out, form=rope.INTERLEAVED)
+        assert torch.equal(got, generic.stock(x, (cos, sin), True, -1, 1))
+    assert sum(key[0] == "rope" for key in cache.ENTRIES) == 3
 
 
 @needs_generic
@@ -482,8 +488,10 @@ def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(k
     with_stand_ins, stock = with_and_without_stand_ins(model, x)
     # Q and K of each block with rotary tables, two forwards: each through rotate_pairs (the first as the check)
     assert calls == [form] * (2 * rotations)
-    # every twin checked matched: the rotary, and on the GPU HunyuanVideo's RMSNorms too
-    assert twin_checks.MATCHED and all(v == 0 for v in twin_checks.MATCHED.values())
+    # every twin checked matched: the rotary, and on the GPU HunyuanVideo's RMSNorms too (on the CPU the probe finds
+    # no order: the interpreter sums in another)
+    norm = kdev == "cuda" and family == "HunyuanVideoTransformer3DModel"
+    assert list(twin_checks.MATCHED.values()) == [0] * (2 if norm else 1)
     assert all(torch.equal(a, b) for a, b in zip(with_stand_ins, stock))
 
 

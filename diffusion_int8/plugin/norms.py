@@ -15,6 +15,7 @@ import warnings
 import torch
 from torch.nn.modules import module as _module
 
+from ..kernels.config import triton_unavailable
 from ..kernels.rmsnorm import ORDERS, STRIDED, VECTORIZED, covers, rms_norm_refusal, rms_norm_unchecked
 from .checked import first_equal
 
@@ -133,11 +134,12 @@ class FastNorms:
         setattr(self._attn, name, value)
 
 
-def with_fast_norms(attn: torch.nn.Module) -> torch.nn.Module | FastNorms:
+def with_fast_norms(attn: torch.nn.Module, device: torch.device) -> torch.nn.Module | FastNorms:
     """``attn``, or a ``FastNorms`` view of it where one of its query/key norms is a diffusers ``RMSNorm`` whose
-    forward is the installed class's."""
+    forward is the installed class's and the Triton kernels run on ``device`` (the call's: elsewhere the view would
+    only add its checks to every norm)."""
     stock = stock_rms_norm()
-    if stock is None:
+    if stock is None or triton_unavailable(device) is not None:
         return attn
     modules = attn._modules
     norms = {}

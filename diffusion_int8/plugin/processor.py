@@ -102,7 +102,8 @@ class Int8DiffusionProcessor(DispatcherCalls):
         self._inferred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_infer = False
         self._routed_calls: dict[type, Callable] = {}  # stock processor type -> its routed __call__
-        self._stock_calls: dict[type, Callable] = {}  # ... and its __call__ with the rotary in one launch (gated calls)
+        # ... and its __call__ with the rotary in one launch (gated calls), False where that is the stock one
+        self._stock_calls: dict[type, Callable | bool] = {}
         self._routed_hit = False  # set by the routes: did the first routed call reach them
         self._undecided = 0  # first calls that reached no attention at all
         self._text: tuple[int, str | None] = (0, None)  # text tokens of the current call and where they are
@@ -240,14 +241,17 @@ class Int8DiffusionProcessor(DispatcherCalls):
             gated = None if shapes is None else shapes.get(key)
             if gated is not None:
                 self.state.gated_calls += gated
-                stock = self._stock_calls.get(type(inner))
-                if stock is None:
-                    stock = self._stock_calls[type(inner)] = rotary_only(type(inner).__call__)
-                return stock(inner, with_fast_norms(attn), hidden_states, *args, **kwargs)
+                copy = self._stock_calls.get(type(inner))
+                if copy is None:  # False: the stock processor itself
+                    copy = self._stock_calls[type(inner)] = rotary_only(type(inner).__call__) or False
+                view = with_fast_norms(attn, hidden_states.device)
+                if copy:
+                    return copy(inner, view, hidden_states, *args, **kwargs)
+                return inner(view, hidden_states, *args, **kwargs)
         before = tuple(self._outcomes)
         call = self._routed_calls.get(type(inner))
         if call is not None:
-            out = call(inner, with_fast_norms(attn), hidden_states, *args, **kwargs)
+            out = call(inner, with_fast_norms(attn, hidden_states.device), hidden_states, *args, **kwargs)
             int8, gated, other = (a - b for a, b in zip(self._outcomes, before))
             if key is not None and gated > 0 and int8 == 0 and other == 0:
                 shapes = self._stock_shapes.setdefault(attn, {})

@@ -1,11 +1,12 @@
-"""Stock rotary embeddings run in one launch inside the routed copies of diffusers' processors.
+"""Stock rotary embeddings run in one launch inside the copies of diffusers' processors that the plugin runs: the
+routed copies (``routing.routed``) and those of calls the speed gate keeps on SDPA (``routing.rotary_only``).
 
 Three stock functions rotate Q and K with a dozen or so PyTorch ops per tensor: at 480p × 81 frames Wan's cost a
 quarter of what the INT8 attention call does. ``kernels.rope.rotate_pairs`` gives their result, bit for bit, in one
 launch:
 
 - the ``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)`` that ``WanAttnProcessor`` (and the processors diffusers
-  copied from it) define inside their ``__call__``: ``with_fast_rotary`` gives a routed copy's code a stand-in for that
+  copied from it) define inside their ``__call__``: ``with_fast_rotary`` gives a copy's code a stand-in for that
   nested function, where its instructions are those of the installed diffusers' Wan function;
 - ``diffusers.models.embeddings.apply_rotary_emb`` with real tables (Flux, CogVideoX, HunyuanVideo, ...), which a
   processor reads as a module global or imports inside its ``__call__``: the copy's globals map the name to a

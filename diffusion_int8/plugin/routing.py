@@ -44,14 +44,15 @@ def routed(fn: Callable, sdpa: Callable, dispatch: Callable) -> Callable | None:
     return _copy(fn, code, {**g, **names, **rotary})
 
 
-def rotary_only(fn: Callable) -> Callable:
+def rotary_only(fn: Callable) -> Callable | None:
     """A copy of the stock processor's ``__call__`` ``fn`` whose rotary embedding runs in one launch, as in ``routed``,
     and whose attention is the stock one: what a call the speed gate sends to SDPA computes, bit for bit, with fewer
-    launches; ``fn`` itself where it has no rotary embedding the stand-ins take (or is not a plain function)."""
+    launches; None where it has no rotary embedding the stand-ins take (or is not a plain function). Like a routed
+    copy, it reads its module's globals (and builtins) as they were when it was made."""
     if not isinstance(fn, types.FunctionType):
-        return fn
+        return None
     code, rotary = with_fast_rotary(fn.__code__, fn.__globals__)
-    return _copy(fn, code, {**fn.__globals__, **rotary}) if rotary else fn
+    return _copy(fn, code, {**fn.__globals__, **rotary}) if rotary else None
 
 
 def _copy(fn: types.FunctionType, code: types.CodeType, globals_: dict) -> types.FunctionType:
