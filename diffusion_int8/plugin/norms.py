@@ -139,7 +139,7 @@ def with_fast_norms(attn: torch.nn.Module, device: torch.device) -> torch.nn.Mod
     forward is the installed class's and the Triton kernels run on ``device`` (the call's: elsewhere the view would
     only add its checks to every norm)."""
     stock = stock_rms_norm()
-    if stock is None or triton_unavailable(device) is not None:
+    if stock is None:
         return attn
     modules = attn._modules
     norms = {}
@@ -147,4 +147,5 @@ def with_fast_norms(attn: torch.nn.Module, device: torch.device) -> torch.nn.Mod
         m = modules.get(name)
         if m is not None and type(m).forward is stock.forward:
             norms[name] = CheckedRMSNorm(m)
-    return FastNorms(attn, norms) if norms else attn
+    # the device asked last: most modules (no such norm) return above, at every call
+    return FastNorms(attn, norms) if norms and triton_unavailable(device) is None else attn
