@@ -48,6 +48,7 @@ from diffusion_int8.timing import back_to_back, graph_ms, interleaved_rounds, me
 SHAPES = {
     "wan": (1, 12, 32760, 128),
     "cogvideox": (1, 24, 17550, 64),
+    "ltx": (2, 32, 6272, 64),
     "16k": (1, 16, 16384, 128),
     "flux": (2, 24, 4608, 128),
 }

@@ -1,15 +1,16 @@
 """What the routed processors run in one launch for Q and K, against the stock code, in the same run.
 
-diffusers' rotary embeddings, each stock function against ``rotate_pairs``. Wan's nested ``apply_rotary_emb`` at Wan2.1's 480p × 81 frames (1, 32760, 12,
-128), with its float32 tables (as ``from_pretrained`` keeps them) and bfloat16 ones (a model cast by ``.to()``);
-``diffusers.models.embeddings.apply_rotary_emb`` at HunyuanVideo's 544 × 960 × 61 frames (1, 32640, 24, 128; sequence
-dim 1, its video tokens), CogVideoX-5b's 720 × 480 × 49 frames with CFG (2, 48, 17550, 64; sequence dim 2) and Flux's
-1024² (1, 4608, 24, 128; sequence dim 1); LTX-Video's own ``apply_rotary_emb`` on (B, S, C) tokens at 768 × 512 × 121
-frames with CFG (2, 6144, 2048); float32 tables, bfloat16 Q and K. diffusers' ``RMSNorm`` against ``rms_norm`` (in
-the reduction order that gives the stock bits here) at HunyuanVideo's (1, 32896, 24, 128: video and text tokens) and
-SD3.5's 1024² with CFG (2, 4429, 24, 64), bfloat16 with a bfloat16 weight; Flux's rotary and SD3.5's norms at 512²
-too (1, 1280, 24, 128 and 2, 1357, 24, 64), where an eager step waits on its host. The INT8 call and SDPA at Wan's
-shape for scale.
+diffusers' rotary embeddings, each stock function against ``rotate_pairs``. Wan's nested ``apply_rotary_emb`` at
+Wan2.1's 480p × 81 frames (1, 32760, 12, 128), with its float32 tables (as ``from_pretrained`` keeps them) and bfloat16
+ones (a model cast by ``.to()``); ``diffusers.models.embeddings.apply_rotary_emb`` at HunyuanVideo's 544 × 960 × 61
+frames (1, 32640, 24, 128; sequence dim 1, its video tokens), CogVideoX-5b's 720 × 480 × 49 frames with CFG (2, 48,
+17550, 64; sequence dim 2) and Flux's 1024² (1, 4608, 24, 128; sequence dim 1); LTX-Video's own ``apply_rotary_emb`` on
+(B, S, C) tokens at 768 × 512 × 121 frames with CFG (2, 6144, 2048); Qwen-Image's ``apply_rotary_emb_qwen`` on a
+complex64 table at 1328² (1, 6889, 24, 128; its stand-in, ``CheckedQwenRotary``, as the processors call it, its check
+done in the warm-up); float32 tables, bfloat16 Q and K. diffusers' ``RMSNorm`` against ``rms_norm`` (in the reduction
+order that gives the stock bits here) at HunyuanVideo's (1, 32896, 24, 128: video and text tokens) and SD3.5's 1024²
+with CFG (2, 4429, 24, 64), bfloat16 with a bfloat16 weight; Flux's rotary and SD3.5's norms at 512² too (1, 1280, 24,
+128 and 2, 1357, 24, 64), where an eager step waits on its host. The INT8 call and SDPA at Wan's shape for scale.
 
     python benchmarks/stand_ins.py [--out bench_out/stand_ins.json]
 
@@ -32,7 +33,8 @@ import triton
 from diffusion_int8 import int8_attention
 from diffusion_int8.kernels.rmsnorm import STRIDED, VECTORIZED, rms_norm
 from diffusion_int8.kernels.rope import INTERLEAVED, WAN, rotate_pairs
-from diffusion_int8.plugin.rotary import generic_rotary, stock_token_rotary, stock_wan_rotary
+from diffusion_int8.plugin.rotary import (CheckedQwenRotary, generic_rotary, stock_qwen_rotary, stock_token_rotary,
+                                          stock_wan_rotary)
 
 NORMS = [("HunyuanVideo", (1, 32896, 24, 128)), ("SD3.5", (2, 4429, 24, 64)),  # (row, Q's shape) for RMSNorm
          ("SD3.5 512²", (2, 1357, 24, 64))]
@@ -68,6 +70,14 @@ def cases():
         tables = (angle.cos(), angle.sin())
         yield ("LTX-Video", q, torch.randn_like(q), lambda x: ltx(x, tables),
                lambda x: rotate_pairs(x[:, :, None], *(t[:, :, None] for t in tables), form=INTERLEAVED)[:, :, 0])
+    qwen = stock_qwen_rotary()
+    if qwen is not None:
+        q = torch.randn(1, 6889, 24, 128, device="cuda", dtype=torch.bfloat16)
+        angle = torch.rand(6889, 64, device="cuda") * 60
+        freqs = torch.polar(torch.ones_like(angle), angle)
+        stand_in = CheckedQwenRotary(qwen)
+        yield ("Qwen-Image 1328²", q, torch.randn_like(q), lambda x: qwen(x, freqs, use_real=False),
+               lambda x: stand_in(x, freqs, use_real=False))
     from diffusers.models.normalization import RMSNorm
 
     for name, shape in NORMS:

@@ -1,5 +1,6 @@
 """diffusers' rotary embeddings in one launch (``kernels.rope``) and their use in routed processors (``plugin.rotary``):
-Wan's nested function, and ``diffusers.models.embeddings.apply_rotary_emb`` with real tables."""
+Wan's nested function, ``diffusers.models.embeddings.apply_rotary_emb`` with real tables, LTX-Video's, and complex
+tables (Lumina, Qwen-Image, Z-Image)."""
 
 from __future__ import annotations
 
@@ -298,7 +299,7 @@ def test_rotate_pairs_generic_forms_at_other_head_dims(kdev, D):
         got = rope.rotate_pairs(x, cos[None, :, None], sin[None, :, None], form=FORMS[unbind])
         assert torch.equal(got, generic.stock(x, (cos, sin), True, unbind, 1))
     with pytest.raises(ValueError, match="form must be"):
-        rope.rotate_pairs(x, cos[None, :, None], sin[None, :, None], form=3)
+        rope.rotate_pairs(x, cos[None, :, None], sin[None, :, None], form=4)
 
 
 def generic_counted(monkeypatch):
@@ -497,12 +498,12 @@ def test_models_run_the_generic_rotary_in_one_launch_and_compute_what_they_did(k
 
 @needs_generic
 @pytest.mark.parametrize("family, rotations", [
-    ("flux", 4), ("HunyuanVideoTransformer3DModel", 4), ("WanTransformer3DModel", 4)])
+    ("flux", 4), ("HunyuanVideoTransformer3DModel", 4), ("WanTransformer3DModel", 4), ("QwenImageTransformer2DModel", 8)])
 def test_gated_calls_run_the_rotary_in_one_launch_and_compute_what_stock_does(kdev, monkeypatch, family, rotations):
     """Every call sent to SDPA by the speed gate: from the third forward on, each module's calls skip the routed copy
     for the stock processor (the copy found them all gated), whose rotary embedding runs in one launch there too
-    (``routing.rotary_only``: Flux's a module global, HunyuanVideo's imported inside ``__call__``, Wan's nested). The
-    forward is the stock one, bit for bit."""
+    (``routing.rotary_only``: Flux's a module global, HunyuanVideo's imported inside ``__call__``, Wan's nested,
+    Qwen-Image's its own on complex tables). The forward is the stock one, bit for bit."""
     from test_zoo import NO_TABLE
 
     from diffusion_int8.plugin.processor import Int8DiffusionProcessor
@@ -525,6 +526,143 @@ def test_gated_calls_run_the_rotary_in_one_launch_and_compute_what_stock_does(kd
     assert [list(p._outcomes) for p in procs] == routed_before, "the third forward still ran the routed copy"
     assert handle.state.int8_calls == 0 and handle.state.gated_calls > 0
     assert len(calls) - before == rotations
-    assert list(twin_checks.MATCHED.values()) == [0] * len(twin_checks.MATCHED)
+    assert twin_checks.MATCHED and None not in twin_checks.MATCHED.values()
     assert torch.equal(out, stock)
     handle.disable()
+
+
+# -- complex tables (use_real=False): Lumina's generic call, Qwen-Image's function, Z-Image's nested one --
+
+qwen_stock = rotary.stock_qwen_rotary()
+zimage_stock = rotary.stock_zimage_rotary()
+needs_complex = pytest.mark.skipif(generic is None or qwen_stock is None or zimage_stock is None,
+                                   reason="the installed diffusers lacks a complex-table rotary the stand-ins know")
+
+
+def complex_inputs(device, x_dtype, B=2, S=37, H=3, D=64, seed=0):
+    """x (B, S, H, D) cut from a fused projection (not contiguous), with a large channel, and a complex64 (S, D/2) table
+    of unit phases. D/2 a multiple of 16: PyTorch's CPU complex product computes a row's last elements, past its
+    vector width, with fused multiply-adds and the rest without."""
+    x, _ = generic_inputs(device, x_dtype, torch.float32, 1, B, S, H, D, seed)
+    angle = torch.rand(S, D // 2, generator=torch.Generator().manual_seed(seed + 1)) * 60
+    return x, torch.polar(torch.ones_like(angle), angle).to(device)
+
+
+def complex_table(freqs, dim):
+    return torch.view_as_real(freqs.unsqueeze(dim)).flatten(-2)
+
+
+@needs_complex
+def test_rotate_pairs_is_a_complex_product_bit_for_bit_for_one_choice_of_fused_products(kdev):
+    """One choice of fused multiply-adds (the compiler's, in the PyTorch build) gives Qwen-Image's product bit for bit
+    in float32, where the choices differ; the same choice then gives it for 16-bit x."""
+    x, freqs = complex_inputs(kdev, torch.float32)
+    table = complex_table(freqs, 1)
+    want = qwen_stock(x, freqs, use_real=False)
+    outs = {}
+    for fused in rotary._FUSED_ORDER:
+        out = torch.full_like(x, float("nan"))
+        assert rope.rotate_pairs(x, table, table, out=out, form=rope.COMPLEX, fused=fused) is out
+        outs[fused] = out
+    matching = [f for f, out in outs.items() if torch.equal(out, want)]
+    assert len(matching) >= 1 and not torch.equal(want, x)
+    assert len({o.view(torch.int32).sum().item() for o in outs.values()}) > 1, "the choices should differ somewhere"
+    for dtype in (torch.bfloat16, torch.float16):
+        x16 = x.to(dtype)
+        got = rope.rotate_pairs(x16, table, table, form=rope.COMPLEX, fused=matching[0])
+        assert torch.equal(got, qwen_stock(x16, freqs, use_real=False))
+    with pytest.raises(ValueError, match="fused must be"):
+        rope.rotate_pairs(x, table, table, form=rope.INTERLEAVED, fused=(1, 1))
+    with pytest.raises(ValueError, match="complex64"):
+        rope.rotate_pairs(x, table.half(), table.half(), form=rope.COMPLEX)
+
+
+@needs_complex
+def test_complex_stand_ins_find_the_product_in_float32_then_run_in_one_launch(kdev, monkeypatch):
+    """Qwen-Image's function, Z-Image's nested one and the generic one with ``use_real=False``: the first bfloat16 call
+    finds the fused products on x in float32 (where a 16-bit result would hide them), checks that choice on bfloat16,
+    and later calls run one launch each, equal to stock; other calls stay stock."""
+    calls = generic_counted(monkeypatch)
+    x, freqs = complex_inputs(kdev, torch.bfloat16)
+    batched = freqs[None].expand(2, -1, -1)  # (B, S, D/2), as Lumina and Z-Image have it
+    cases = ((rotary.CheckedQwenRotary(qwen_stock), lambda f, x: f(x, freqs, use_real=False)),
+             (rotary.CheckedNestedComplexRotary(zimage_stock), lambda f, x: f(x, batched)),
+             (generic, lambda f, x: f(x, batched, False)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for checked, call in cases:
+            stock = checked.stock
+            twin_checks.MATCHED.clear()
+            del calls[:]
+            outs = [call(checked, x) for _ in range(3)]
+            assert all(torch.equal(o, call(stock, x)) for o in outs) and not torch.equal(outs[0], x)
+            probe, bf16 = (next(v for k, v in twin_checks.MATCHED.items() if k[3] is dt)
+                           for dt in (torch.float32, torch.bfloat16))
+            assert probe is not None and bf16 == 0
+            # the probe tried the choices in order up to the one found, then one check on bfloat16 and two calls
+            assert calls == [rope.COMPLEX] * (probe + 1 + 1 + 2)
+    del calls[:]
+    for args in ((x, freqs, True), (x, freqs.to(torch.complex128), False), (x.double(), freqs, False)):
+        try:
+            want = qwen_stock(*args)
+        except Exception as exc:  # noqa: BLE001 - the stand-in must raise what stock raises
+            with pytest.raises(type(exc)):
+                rotary.CheckedQwenRotary(qwen_stock)(*args)
+        else:
+            assert torch.equal(rotary.CheckedQwenRotary(qwen_stock)(*args), want)
+    assert calls == []
+
+
+@needs_complex
+def test_a_complex_product_no_choice_reproduces_runs_stock_with_one_warning(kdev, monkeypatch):
+    real = rope.rotate_pairs_unchecked
+    monkeypatch.setattr(rotary, "rotate_pairs_unchecked", lambda *a: real(*a).neg_())
+    checked = rotary.CheckedQwenRotary(qwen_stock)
+    x, freqs = complex_inputs(kdev, torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="did not reproduce"):
+        got = checked(x, freqs, use_real=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = checked(x, freqs, use_real=False)
+    want = qwen_stock(x, freqs, use_real=False)
+    assert torch.equal(got, want) and torch.equal(again, want)
+
+
+@needs_complex
+def test_processors_get_the_complex_stand_ins():
+    from diffusers.models.transformers import transformer_nucleusmoe_image, transformer_qwenimage, transformer_z_image
+
+    for processor, name in ((transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0, "apply_rotary_emb_qwen"),
+                            (transformer_nucleusmoe_image.NucleusMoEAttnProcessor2_0, "_apply_rotary_emb_nucleus")):
+        fn = processor.__call__
+        _, names = rotary.with_fast_rotary(fn.__code__, fn.__globals__)
+        assert list(names) == [name] and isinstance(names[name], rotary.CheckedQwenRotary)
+    fn = transformer_z_image.ZSingleStreamAttnProcessor.__call__
+    code, names = rotary.with_fast_rotary(fn.__code__, fn.__globals__)
+    (name, stand_in), = names.items()
+    assert isinstance(stand_in, rotary.CheckedNestedComplexRotary) and stand_in.stock.__code__ in fn.__code__.co_consts
+    stub = next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == "apply_rotary_emb")
+    assert stub.co_varnames[:2] == ("x_in", "freqs_cis") and name in stub.co_names
+
+
+@needs_complex
+@pytest.mark.parametrize("family, rotations", [
+    ("QwenImageTransformer2DModel", 8), ("LuminaNextDiT2DModel", 6), ("ZImageTransformer2DModel", 6),
+    ("NucleusMoEImageTransformer2DModel", 6)])
+def test_models_run_the_complex_rotary_in_one_launch_and_compute_what_they_did(kdev, monkeypatch, family, rotations):
+    """Tiny Qwen-Image and NucleusMoE (Qwen-Image's function, image and text streams), Lumina-Next (the generic function,
+    use_real=False) and Z-Image (its nested function), INT8 on the Triton backend: their routed copies rotate through
+    ``rotate_pairs``'s complex form and give what routed copies without stand-ins give, bit for bit."""
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
+    model, x = model_on(kdev, family)
+    calls = generic_counted(monkeypatch)
+    with_stand_ins, stock = with_and_without_stand_ins(model, x)
+    (key, probe), = ((k, v) for k, v in twin_checks.MATCHED.items() if k[1] == rope.COMPLEX and k[3] is torch.float32)
+    assert probe is not None
+    others = [v for k, v in twin_checks.MATCHED.items() if k[1] == rope.COMPLEX and k != key]
+    assert others == ([] if kdev == "cpu" else [0])  # on the GPU, in bfloat16: the choice found, checked there
+    # Q and K of every rotary call, two forwards, each one launch; before them the probe's choices that did not match
+    # and, in bfloat16, the check of the one that did
+    assert calls == [rope.COMPLEX] * (2 * rotations + probe + len(others))
+    flat = [[t for o in outs for t in (o if isinstance(o, list) else [o])] for outs in (with_stand_ins, stock)]
+    assert all(torch.equal(a, b) for a, b in zip(*flat)) and len(flat[0]) == len(flat[1]) >= 2  # Z-Image: lists

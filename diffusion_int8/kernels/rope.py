@@ -12,6 +12,10 @@ multiply-adds, so the result is the stock function's, bit for bit. The forms (``
 - ``INTERLEAVED``: ``embeddings.apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=-1)``: pairs (2j, 2j+1), each
   channel rotated by its own table entries, in float32 (the stock function upcasts ``x``).
 - ``HALVES``: the same with ``use_real_unbind_dim=-2``: pairs (j, j + D/2).
+- ``COMPLEX``: ``apply_rotary_emb(x, freqs_cis, use_real=False)`` and its copies (Lumina, Qwen-Image, Z-Image): pairs
+  (2j, 2j+1) as complex numbers times a complex table, given as its float32 (re, im) pairs (``torch.view_as_real``)
+  in both table arguments, in float32: (a + bi)(c + di) = (a·c - b·d) + (a·d + b·c)i. Which product of each sum the
+  compiler of a PyTorch build fused into a multiply-add, if any, is its choice: ``fused`` names it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .config import triton_unavailable
 from .launch import plan_or_run
 
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the dtypes taken, and the kernel's constexpr
-WAN, INTERLEAVED, HALVES = 0, 1, 2  # the forms: see the module docstring
+WAN, INTERLEAVED, HALVES, COMPLEX = 0, 1, 2, 3  # the forms: see the module docstring
 
 
 @triton.jit
@@ -48,11 +52,24 @@ def _rotated(x1, x2, c1, c2, s1, s2, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _fused_difference(a, c, b, d, FUSED: tl.constexpr):
+    """a·c - b·d in float32: FUSED 0 each product rounded, 1 the first fused into the sum (fma(a, c, -b·d)), 2 the
+    second (fma(-b, d, a·c))."""
+    if FUSED == 1:
+        return tl.fma(a, c, -(b * d))
+    elif FUSED == 2:
+        return tl.fma(-b, d, a * c)
+    else:
+        return a * c - b * d
+
+
+@triton.jit
 def _rotate_pairs_kernel(
     X, COS, SIN, OUT, R, S, H, D,
     stride_xb, stride_xs, stride_xh, stride_xd, stride_cb, stride_cs, stride_ch, stride_cd,
     stride_sb, stride_ss, stride_sh, stride_sd, stride_ob, stride_os, stride_oh, stride_od,
-    ROWS: tl.constexpr, DP: tl.constexpr, ROUND: tl.constexpr, FORM: tl.constexpr,
+    ROWS: tl.constexpr, DP: tl.constexpr, ROUND: tl.constexpr, FORM: tl.constexpr, RE_FUSED: tl.constexpr,
+    IM_FUSED: tl.constexpr,
 ):
     # ROWS rows (b, s, h) of X. Adjacent pairs (WAN, INTERLEAVED): each row loaded whole (DP columns) and split into
     # (x[2j], x[2j+1]), then joined and stored whole, so loads and stores run at full width. HALVES: the row's two
@@ -89,6 +106,9 @@ def _rotate_pairs_kernel(
         s1, s2 = tl.split(tl.reshape(sn.to(tl.float32), [ROWS, DP // 2, 2]))
         if FORM == 0:  # Wan's: both channels by cos[2j] and sin[2j+1]
             out_even, out_odd = _rotated(x1, x2, c1, c1, s2, s2, ROUND)
+        elif FORM == 3:  # (x1 + x2 i)(re + im i), the table's (re, im) pairs in both: re = cos[2j], im = sin[2j+1]
+            out_even = _fused_difference(x1, c1, x2, s2, RE_FUSED)
+            out_odd = _fused_difference(x1, s2, -x2, c1, IM_FUSED)  # x1·im + x2·re
         else:
             out_even, out_odd = _rotated(x1, x2, c1, c2, s1, s2, ROUND)
         out = tl.reshape(tl.join(out_even, out_odd), [ROWS, DP])
@@ -124,11 +144,14 @@ def _refusal(x, freqs_cos, freqs_sin) -> str | None:
 
 
 def rotate_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                 out: torch.Tensor | None = None, form: int = WAN) -> torch.Tensor:
+                 out: torch.Tensor | None = None, form: int = WAN, fused: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """A stock rotary embedding in one launch, equal to it bit for bit: with ``form`` ``WAN`` diffusers' Wan
     ``apply_rotary_emb(x, freqs_cos, freqs_sin)`` (channel pairs (2j, 2j+1) rotated by ``freqs_cos[..., 2j]`` and
     ``freqs_sin[..., 2j+1]``), with ``INTERLEAVED`` and ``HALVES`` ``diffusers.models.embeddings.apply_rotary_emb`` on
-    real tables, ``use_real_unbind_dim`` -1 and -2, given tables already shaped to broadcast (the module docstring).
+    real tables, ``use_real_unbind_dim`` -1 and -2, given tables already shaped to broadcast; with ``COMPLEX`` that
+    function on a complex table (``use_real=False``), given as ``torch.view_as_real(table).flatten(-2)`` in both
+    table arguments, float32, and ``fused`` the multiply-adds it was compiled with: for the real part a·c - b·d and
+    the imaginary a·d + b·c, 0 if each product is rounded, 1 if the first is fused into the sum, 2 if the second.
 
     x: (B, S, H, D) float16/bfloat16/float32, any strides, D even (any 4-D layout: the dims are only named so).
     freqs_cos, freqs_sin: (..., D) of one dtype, broadcastable to ``x`` (Wan's: (1, S, 1, D)).
@@ -138,22 +161,29 @@ def rotate_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tens
     reason = _refusal(x, freqs_cos, freqs_sin)
     if reason is not None:
         raise ValueError(f"rotate_pairs does not run these inputs: {reason}")
-    if form not in (WAN, INTERLEAVED, HALVES):
-        raise ValueError(f"form must be rope.WAN, rope.INTERLEAVED or rope.HALVES, got {form!r}")
+    if form not in (WAN, INTERLEAVED, HALVES, COMPLEX):
+        raise ValueError(f"form must be rope.WAN, rope.INTERLEAVED, rope.HALVES or rope.COMPLEX, got {form!r}")
+    if (not isinstance(fused, tuple) or len(fused) != 2 or any(f not in (0, 1, 2) for f in fused)
+            or (fused != (0, 0) and form != COMPLEX)):
+        raise ValueError(f"fused must be a pair of 0, 1 or 2, and (0, 0) but with rope.COMPLEX; got {fused!r} with "
+                         f"form {form}")
+    if form == COMPLEX and freqs_cos.dtype != torch.float32:
+        raise ValueError(f"rope.COMPLEX takes a complex64 table's float32 (re, im) pairs, got {freqs_cos.dtype}")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype}")
-    return rotate_pairs_unchecked(x, freqs_cos, freqs_sin, out, form)
+    return rotate_pairs_unchecked(x, freqs_cos, freqs_sin, out, form, fused)
 
 
 def rotate_pairs_unchecked(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                           out: torch.Tensor | None = None, form: int = WAN) -> torch.Tensor:
+                           out: torch.Tensor | None = None, form: int = WAN,
+                           fused: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """``rotate_pairs`` for inputs ``rotate_pairs_takes`` has accepted, without checking them again."""
-    key = ("rope", form, *map(signature, (x, freqs_cos, freqs_sin, out)))
+    key = ("rope", form, *fused, *map(signature, (x, freqs_cos, freqs_sin, out)))
     if out is None:
         out = torch.empty_like(x)
     if x.is_cuda and torch.cuda.current_device() != x.device.index:
         with torch.cuda.device(x.device):  # Triton launches on the current device
-            return rotate_pairs_unchecked(x, freqs_cos, freqs_sin, out, form)
+            return rotate_pairs_unchecked(x, freqs_cos, freqs_sin, out, form, fused)
 
     def record(runner):
         B, S, H, D = x.shape
@@ -165,7 +195,7 @@ def rotate_pairs_unchecked(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: 
         compute = torch.promote_types(x.dtype if form == WAN else torch.float32, freqs_cos.dtype)
         runner.launch(_rotate_pairs_kernel, (triton.cdiv(rows, block_rows),), (
             x, cos, sin, out, rows, S, H, D, *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
-            block_rows, dp, _ROUND[compute], form), dict(enable_fp_fusion=False))
+            block_rows, dp, _ROUND[compute], form, *fused), dict(enable_fp_fusion=False))
 
     plan_or_run(key, [x, freqs_cos, freqs_sin, out], record)  # later calls of the signature replay the launch
     return out

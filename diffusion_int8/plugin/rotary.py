@@ -13,7 +13,10 @@ launch:
   stand-in, and its builtins' ``__import__`` hands that ``from ..embeddings import apply_rotary_emb`` the stand-in,
   where the installed function has the signature it is known by;
 - LTX-Video's module-level ``apply_rotary_emb(x, freqs)`` on (B, S, C) tokens, and its copies (LTX-2's
-  ``apply_interleaved_rotary_emb``): the copy's globals map each to a stand-in.
+  ``apply_interleaved_rotary_emb``): the copy's globals map each to a stand-in;
+- complex tables (``use_real=False``): the generic function's (Lumina), Qwen-Image's module-level
+  ``apply_rotary_emb_qwen`` and its copies (QwenImage 2.1, NucleusMoE), and the ``apply_rotary_emb(x_in, freqs_cis)``
+  nested in Z-Image's processor, each as the stand-in of its kind above.
 
 Each stand-in calls a ``Checked`` rotary: the one launch once it has reproduced the stock function bit for bit on a
 real call's inputs, else the stock function (also where the launch fails). A compiled model runs the stock function,
@@ -25,21 +28,74 @@ from __future__ import annotations
 import builtins
 import dis
 import functools
+import importlib
 import inspect
 import types
 
+from typing import Callable, Sequence
+
 import torch
 
-from ..kernels.rope import HALVES, INTERLEAVED, WAN, rotate_pairs_takes, rotate_pairs_unchecked
+from ..kernels.rope import COMPLEX, HALVES, INTERLEAVED, WAN, rotate_pairs_takes, rotate_pairs_unchecked
+from . import checked
 from .checked import first_equal
 
 _NAME = "apply_rotary_emb"
-_ARGS = ("hidden_states", "freqs_cos", "freqs_sin")
 # the generic function's parameters and defaults, as diffusers 0.42 defines it: a function of others is left alone
 _GENERIC_SIGNATURE = (("x", inspect.Parameter.empty), ("freqs_cis", inspect.Parameter.empty), ("use_real", True),
                       ("use_real_unbind_dim", -1), ("sequence_dim", 2))
 def _detail(x: torch.Tensor, table: torch.Tensor) -> str:
     return f"{x.dtype} inputs, {table.dtype} tables"
+
+
+# the choices of fused multiply-adds in (a + bi)(c + di), (real, imaginary) as ``rope.rotate_pairs`` takes them: the
+# likely ones first, since each that does not match costs the check a compilation
+_FUSED_ORDER = ((1, 1), (2, 2), (0, 0), (1, 2), (2, 1), (1, 0), (0, 1), (2, 0), (0, 2))
+
+
+def _complex_product(stock_fn: types.FunctionType, x, freqs_cis, dim: int,
+                     stock: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``stock_fn``'s complex-table branch, ``view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) *
+    freqs_cis.unsqueeze(dim)).flatten(3).type_as(x)`` (``stock(x)`` computes it), through ``rotate_pairs``'s
+    ``COMPLEX`` form once checked (``checked.first_equal``): x (B, S, H, D), a complex64 table that broadcasts to it.
+    Any other call, and every call torch.compile traces, runs ``stock(x)``.
+
+    The check first finds which choice of fused multiply-adds PyTorch's complex product was compiled with, on x in
+    float32 (per function, dim and device): a 16-bit x's result rounds most of the differences away. Then that choice
+    alone is checked on x's own dtype."""
+    if (not isinstance(x, torch.Tensor) or x.dim() != 4 or not isinstance(freqs_cis, torch.Tensor)
+            or freqs_cis.dtype != torch.complex64 or torch.compiler.is_compiling()):
+        return stock(x)
+    table = torch.view_as_real(freqs_cis.unsqueeze(dim)).flatten(-2)  # (re, im) pairs: re = cos[2j], im = sin[2j+1]
+    if not rotate_pairs_takes(x, table, table):
+        return stock(x)
+
+    key = (stock_fn.__code__, COMPLEX, dim, torch.float32, x.device)
+    what, detail = stock_fn.__qualname__, _detail(x, freqs_cis)
+    if x.dtype == torch.float32:
+        return first_equal(key, x, _ComplexTwins(x, table, _FUSED_ORDER), lambda: stock(x), what, detail)
+    if checked.MATCHED.get(key, -1) == -1:  # not yet found: found now, on x in float32
+        x32 = x.float()
+        first_equal(key, x32, _ComplexTwins(x32, table, _FUSED_ORDER), lambda: stock(x32), what, detail)
+    found = checked.MATCHED.get(key)
+    if found is None:
+        return stock(x)
+    return first_equal((*key[:3], x.dtype, x.device), x, _ComplexTwins(x, table, _FUSED_ORDER[found:found + 1]),
+                       lambda: stock(x), what, detail)
+
+
+class _ComplexTwins(Sequence):
+    """``rotate_pairs``'s ``COMPLEX`` form of x and a table, one for each choice of fused multiply-adds in ``fused``,
+    made when asked for (a call that runs the twin found makes one)."""
+
+    def __init__(self, x: torch.Tensor, table: torch.Tensor, fused: tuple[tuple[int, int], ...]):
+        self.x, self.table, self.fused = x, table, fused
+
+    def __len__(self) -> int:
+        return len(self.fused)
+
+    def __getitem__(self, i: int) -> Callable[[], torch.Tensor]:
+        return functools.partial(rotate_pairs_unchecked, self.x, self.table, self.table, None, COMPLEX, self.fused[i])
 
 
 class CheckedRotary:
@@ -62,8 +118,9 @@ class CheckedRotary:
 class CheckedApplyRotary:
     """diffusers' ``embeddings.apply_rotary_emb(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)`` and
     ``rotate_pairs``: real (cos, sin) tables of shape (S, D), unbind dim -1 or -2 and sequence dim 1 or 2 run in one
-    launch once checked (``checked.first_equal``, per form, sequence dim, dtypes and device); any other call, and
-    every call torch.compile traces, runs the stock function."""
+    launch once checked (``checked.first_equal``, per form, sequence dim, dtypes and device), and so does a complex64
+    table with ``use_real=False`` (``_complex_product``); any other call, and every call torch.compile traces, runs the
+    stock function."""
 
     def __init__(self, stock: types.FunctionType):
         self.stock = stock
@@ -72,6 +129,9 @@ class CheckedApplyRotary:
         def stock():
             return self.stock(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
 
+        if use_real is False:
+            return _complex_product(self.stock, x, freqs_cis, 2,
+                                    lambda x: self.stock(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim))
         # plain ints only: anything else (a 0-d tensor, a list) goes to stock, which raises what it raises for it
         form = None
         if use_real and type(use_real_unbind_dim) is int and type(sequence_dim) is int:
@@ -113,17 +173,65 @@ class CheckedTokenRotary:
                            lambda: self.stock(x, freqs), self.stock.__qualname__, _detail(x, cos))
 
 
+class CheckedQwenRotary:
+    """Qwen-Image's ``apply_rotary_emb_qwen(x, freqs_cis, use_real=True, use_real_unbind_dim=-1)`` (and its copies) and
+    ``rotate_pairs``: x (B, S, H, D) and a complex64 table (S, D/2) with ``use_real=False``, as Qwen-Image's processor
+    calls it, through ``_complex_product``; any other call runs the stock function."""
+
+    def __init__(self, stock: types.FunctionType):
+        self.stock = stock
+
+    def __call__(self, x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
+        def stock(x):
+            return self.stock(x, freqs_cis, use_real, use_real_unbind_dim)
+
+        return _complex_product(self.stock, x, freqs_cis, 1, stock) if use_real is False else stock(x)
+
+
+class CheckedNestedComplexRotary:
+    """Z-Image's ``apply_rotary_emb(x_in, freqs_cis)``, nested in its processor's ``__call__`` (complex64 tables,
+    unsqueezed at dim 2), and ``rotate_pairs``, through ``_complex_product``."""
+
+    def __init__(self, stock: types.FunctionType):
+        self.stock = stock
+
+    def __call__(self, x_in, freqs_cis):
+        return _complex_product(self.stock, x_in, freqs_cis, 2, lambda x: self.stock(x, freqs_cis))
+
+
+def _nested(processor: str, module: str) -> types.FunctionType | None:
+    """The ``apply_rotary_emb`` nested in the installed diffusers' ``processor.__call__`` (in ``module``), as a function
+    of its own; None without one."""
+    try:
+        fn = getattr(importlib.import_module(f"diffusers.models.transformers.{module}"), processor).__call__
+    except (ImportError, AttributeError):
+        return None
+    code = next((c for c in fn.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == _NAME), None)
+    return None if code is None else types.FunctionType(code, fn.__globals__, _NAME)
+
+
 @functools.lru_cache(maxsize=1)
 def stock_wan_rotary() -> types.FunctionType | None:
     """The installed diffusers' Wan rotary embedding, ``apply_rotary_emb(hidden_states, freqs_cos, freqs_sin)`` nested
     in ``WanAttnProcessor.__call__``, as a function of its own (what ``rotate_pairs`` reproduces); None without one."""
+    return _nested("WanAttnProcessor", "transformer_wan")
+
+
+@functools.lru_cache(maxsize=1)
+def stock_zimage_rotary() -> types.FunctionType | None:
+    """The installed diffusers' Z-Image rotary embedding, ``apply_rotary_emb(x_in, freqs_cis)`` nested in
+    ``ZSingleStreamAttnProcessor.__call__``, as a function of its own; None without one."""
+    return _nested("ZSingleStreamAttnProcessor", "transformer_z_image")
+
+
+@functools.lru_cache(maxsize=1)
+def stock_qwen_rotary() -> types.FunctionType | None:
+    """The installed diffusers' ``transformer_qwenimage.apply_rotary_emb_qwen``; None without one."""
     try:
-        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
     except ImportError:
         return None
-    fn = WanAttnProcessor.__call__
-    code = next((c for c in fn.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == _NAME), None)
-    return None if code is None else types.FunctionType(code, fn.__globals__, _NAME)
+    return apply_rotary_emb_qwen
 
 
 @functools.lru_cache(maxsize=1)
@@ -157,10 +265,14 @@ def _same_code(code: types.CodeType, reference: types.FunctionType | None) -> bo
             and all(getattr(code, f) == getattr(reference.__code__, f) for f in fields))
 
 
-def _is_wan_rotary(code: types.CodeType) -> bool:
-    """Whether nested ``code`` is Wan's rotary embedding, instruction for instruction (WanAttnProcessor's own, or a
-    processor's copy of it: SkyReels-V2, ChronoEdit, ...)."""
-    return code.co_name == _NAME and _same_code(code, stock_wan_rotary())
+def _nested_stand_in(code: types.CodeType) -> type | None:
+    """The stand-in class for nested ``code`` where it is a stock rotary embedding, instruction for instruction: Wan's
+    (WanAttnProcessor's own, or a processor's copy of it: SkyReels-V2, ChronoEdit, ...) or Z-Image's; else None."""
+    if code.co_name != _NAME:
+        return None
+    if _same_code(code, stock_wan_rotary()):
+        return CheckedRotary
+    return CheckedNestedComplexRotary if _same_code(code, stock_zimage_rotary()) else None
 
 
 class _ModuleView:
@@ -197,20 +309,22 @@ def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeTy
     """``code`` (a stock processor's ``__call__``) with its rotary embeddings in one launch, and the globals that takes
     (to add to the copy's globals, which the stand-ins are made with); ``code``, {} where there is none.
 
-    Each nested function that is Wan's rotary embedding is replaced by a stand-in that calls a ``CheckedRotary`` of it.
-    Where the code reads diffusers' generic ``apply_rotary_emb`` as a module global, the globals map it to
-    ``generic_rotary()``; where it imports it, the globals' builtins give the import that stand-in. A module global
-    that is LTX-Video's function, instruction for instruction, maps to a ``CheckedTokenRotary`` of it. Only ``code``'s
-    own instructions are read: a read or an import inside a function nested in it stays stock."""
+    Each nested function that is Wan's or Z-Image's rotary embedding is replaced by a stand-in that calls a
+    ``CheckedRotary`` or ``CheckedNestedComplexRotary`` of it. Where the code reads diffusers' generic
+    ``apply_rotary_emb`` as a module global, the globals map it to ``generic_rotary()``; where it imports it, the
+    globals' builtins give the import that stand-in. A module global that is LTX-Video's or Qwen-Image's function,
+    instruction for instruction, maps to a ``CheckedTokenRotary`` or ``CheckedQwenRotary`` of it. Only ``code``'s own
+    instructions are read: a read or an import inside a function nested in it stays stock."""
     consts, names = list(code.co_consts), {}
     for i, nested in enumerate(consts):
-        if not (isinstance(nested, types.CodeType) and _is_wan_rotary(nested)):
+        stand_in = _nested_stand_in(nested) if isinstance(nested, types.CodeType) else None
+        if stand_in is None:
             continue
         name = f"__diffusion_int8_rotary_{i}__"
-        names[name] = CheckedRotary(types.FunctionType(nested, globals_, _NAME))
+        names[name] = stand_in(types.FunctionType(nested, globals_, _NAME))
+        args = ", ".join(nested.co_varnames[:nested.co_argcount])
         # on one line, so that a traceback through the stand-in shows the stock function's first line
-        stub = compile(f"def {_NAME}({', '.join(_ARGS)}): return {name}({', '.join(_ARGS)})\n",
-                       nested.co_filename, "exec")
+        stub = compile(f"def {_NAME}({args}): return {name}({args})\n", nested.co_filename, "exec")
         stub = next(c for c in stub.co_consts if isinstance(c, types.CodeType))
         where = {"co_firstlineno": nested.co_firstlineno}
         if hasattr(nested, "co_qualname"):  # Python 3.11+: a nested function takes its qualified name from its code
@@ -223,10 +337,14 @@ def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeTy
             names[_NAME] = generic
         if ("IMPORT_FROM", _NAME) in reads:
             names["__builtins__"] = _builtins_importing(generic)
-    for op, name in reads:  # LTX-Video's function (or a copy of it, LTX-2's) read as a module global
+    for op, name in reads:  # LTX-Video's or Qwen-Image's function (or a copy: LTX-2's, NucleusMoE's) as a module global
         fn = globals_.get(name) if op == "LOAD_GLOBAL" and name not in names else None
-        if isinstance(fn, types.FunctionType) and _same_code(fn.__code__, stock_token_rotary()):
+        if not isinstance(fn, types.FunctionType):
+            continue
+        if _same_code(fn.__code__, stock_token_rotary()):
             names[name] = CheckedTokenRotary(fn)
+        elif _same_code(fn.__code__, stock_qwen_rotary()):
+            names[name] = CheckedQwenRotary(fn)
     if not names:
         return code, {}
     return code.replace(co_consts=tuple(consts)), names
