@@ -599,8 +599,8 @@ def test_complex_stand_ins_find_the_product_in_float32_then_run_in_one_launch(kd
             probe, bf16 = (next(v for k, v in twin_checks.MATCHED.items() if k[3] is dt)
                            for dt in (torch.float32, torch.bfloat16))
             assert probe is not None and bf16 == 0
-            # the probe tried the choices in order up to the one found, then one check on bfloat16 and two calls
-            assert calls == [rope.COMPLEX] * (probe + 1 + 1 + 2)
+            # the probe tried every choice, then one check on bfloat16 and two calls
+            assert calls == [rope.COMPLEX] * (len(rotary._FUSED_ORDER) + 1 + 2)
     del calls[:]
     for args in ((x, freqs, True), (x, freqs.to(torch.complex128), False), (x.double(), freqs, False)):
         try:
@@ -611,6 +611,94 @@ def test_complex_stand_ins_find_the_product_in_float32_then_run_in_one_launch(kd
         else:
             assert torch.equal(rotary.CheckedQwenRotary(qwen_stock)(*args), want)
     assert calls == []
+
+
+@needs_complex
+def test_complex_stand_in_keeps_a_choice_only_where_the_data_told_it_apart(kdev, monkeypatch):
+    """A first call whose data every choice reproduces (x all zeros) decides nothing: the next call checks again, and
+    keeps the one choice that alone gives stock's bits. The key is per head dim: another head dim checks anew."""
+    calls = generic_counted(monkeypatch)
+    checked = rotary.CheckedQwenRotary(qwen_stock)
+    x, freqs = complex_inputs(kdev, torch.float32)
+    zero = torch.zeros_like(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(checked(zero, freqs, use_real=False), qwen_stock(zero, freqs, use_real=False))
+        assert twin_checks.MATCHED == {} and len(calls) == len(rotary._FUSED_ORDER)  # every choice tried, none kept
+        for _ in range(2):
+            assert torch.equal(checked(x, freqs, use_real=False), qwen_stock(x, freqs, use_real=False))
+    (key, found), = twin_checks.MATCHED.items()
+    assert found is not None and key[-1] == 64
+    assert len(calls) == 2 * len(rotary._FUSED_ORDER) + 1  # the second call's check tried every choice too
+    x2, freqs2 = complex_inputs(kdev, torch.float32, D=32, seed=5)
+    assert torch.equal(checked(x2, freqs2, use_real=False), qwen_stock(x2, freqs2, use_real=False))
+    assert len(twin_checks.MATCHED) == 2
+
+
+@needs_complex
+def test_complex_stand_in_leaves_to_stock_what_stock_raises_or_what_the_table_view_refuses(kdev, monkeypatch):
+    """float32 x that stock's ``view_as_complex`` refuses (odd strides, channels not contiguous) raises as stock does;
+    a conjugated or negated table, which ``view_as_real`` refuses, gives stock's result."""
+    calls = generic_counted(monkeypatch)
+    checked = rotary.CheckedQwenRotary(qwen_stock)
+    x, freqs = complex_inputs(kdev, torch.float32)
+    checked(x, freqs, use_real=False)  # the check, done: later calls would run the twin if they reached it
+    n = len(calls)
+    for bad in (torch.randn(2, 37, 3, 65, device=kdev)[..., :64], torch.randn(2, 37, 64, 3, device=kdev).mT):
+        with pytest.raises(RuntimeError):
+            qwen_stock(bad, freqs, use_real=False)
+        with pytest.raises(RuntimeError):
+            checked(bad, freqs, use_real=False)
+    for table in (freqs.conj(), torch.neg(freqs.conj()).conj()):
+        assert torch.equal(checked(x, table, use_real=False), qwen_stock(x, table, use_real=False))
+    assert len(calls) == n
+
+
+@needs_complex
+def test_a_complex_product_with_one_table_replays_its_launch(kdev):
+    """The complex form passes its table as both tables: its plan takes it once (a plan refuses inputs that share
+    memory) and replays fresh inputs; two distinct tables of the same signature are another plan."""
+    from diffusion_int8.kernels import cache
+    from diffusion_int8.kernels.launch import Plan
+
+    cache.clear()
+    x, freqs = complex_inputs(kdev, torch.float32)
+    table = complex_table(freqs, 1)
+    outs = [rope.rotate_pairs(x * k, table, table, form=rope.COMPLEX) for k in (1, 2, 3)]
+    plans = [plan for key, plan in cache.ENTRIES.items() if key[0] == "rope"]
+    assert len(plans) == 1 and isinstance(plans[0], Plan)
+    want = [rope.rotate_pairs(x * k, table, table.clone(), form=rope.COMPLEX) for k in (1, 2, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(outs, want)) and not torch.equal(outs[1], outs[2])
+    assert sum(key[0] == "rope" for key in cache.ENTRIES) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_complex
+def test_no_complex_probe_runs_while_a_cuda_graph_is_captured(monkeypatch):
+    calls = generic_counted(monkeypatch)
+    checked = rotary.CheckedQwenRotary(qwen_stock)
+    x, freqs = complex_inputs("cuda", torch.bfloat16)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = checked(x, freqs, use_real=False)
+    assert calls == [] and twin_checks.MATCHED == {}  # stock, captured as it is, without the float32 probe
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, qwen_stock(x, freqs, use_real=False))
+
+
+@needs_complex
+def test_a_copy_of_qwens_function_with_other_defaults_is_left_alone():
+    g = {}
+    exec(compile("def call(x, f):\n    return rope_fn(x, f)\n", "<processor>", "exec"), g)
+    fn = types.FunctionType(qwen_stock.__code__, qwen_stock.__globals__, "rope_fn", (False, -1))
+    g["rope_fn"] = fn
+    code = g["call"].__code__
+    assert rotary.with_fast_rotary(code, g) == (code, {})
+    g["rope_fn"] = types.FunctionType(qwen_stock.__code__, qwen_stock.__globals__, "rope_fn", qwen_stock.__defaults__)
+    assert isinstance(rotary.with_fast_rotary(code, g)[1]["rope_fn"], rotary.CheckedQwenRotary)
 
 
 @needs_complex
@@ -661,8 +749,8 @@ def test_models_run_the_complex_rotary_in_one_launch_and_compute_what_they_did(k
     assert probe is not None
     others = [v for k, v in twin_checks.MATCHED.items() if k[1] == rope.COMPLEX and k != key]
     assert others == ([] if kdev == "cpu" else [0])  # on the GPU, in bfloat16: the choice found, checked there
-    # Q and K of every rotary call, two forwards, each one launch; before them the probe's choices that did not match
-    # and, in bfloat16, the check of the one that did
-    assert calls == [rope.COMPLEX] * (2 * rotations + probe + len(others))
+    # Q and K of every rotary call, two forwards, each one launch, the first call's as the probe's choices (every one)
+    # and, in bfloat16, the check of the one found
+    assert calls == [rope.COMPLEX] * (2 * rotations - 1 + len(rotary._FUSED_ORDER) + len(others))
     flat = [[t for o in outs for t in (o if isinstance(o, list) else [o])] for outs in (with_stand_ins, stock)]
     assert all(torch.equal(a, b) for a, b in zip(*flat)) and len(flat[0]) == len(flat[1]) >= 2  # Z-Image: lists

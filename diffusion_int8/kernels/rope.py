@@ -178,7 +178,8 @@ def rotate_pairs_unchecked(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: 
                            out: torch.Tensor | None = None, form: int = WAN,
                            fused: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """``rotate_pairs`` for inputs ``rotate_pairs_takes`` has accepted, without checking them again."""
-    key = ("rope", form, *fused, *map(signature, (x, freqs_cos, freqs_sin, out)))
+    shared = freqs_sin is freqs_cos  # the complex form's one table: a plan takes it once (inputs must not alias)
+    key = ("rope", form, *fused, shared, *map(signature, (x, freqs_cos, freqs_sin, out)))
     if out is None:
         out = torch.empty_like(x)
     if x.is_cuda and torch.cuda.current_device() != x.device.index:
@@ -197,5 +198,6 @@ def rotate_pairs_unchecked(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: 
             x, cos, sin, out, rows, S, H, D, *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
             block_rows, dp, _ROUND[compute], form, *fused), dict(enable_fp_fusion=False))
 
-    plan_or_run(key, [x, freqs_cos, freqs_sin, out], record)  # later calls of the signature replay the launch
+    # later calls of the signature replay the launch
+    plan_or_run(key, [x, freqs_cos, None if shared else freqs_sin, out], record)
     return out

@@ -18,11 +18,13 @@ MATCHED: dict[tuple, int | None] = {}
 
 
 def first_equal(key: tuple, x: torch.Tensor, twins: Sequence[Callable[[], torch.Tensor]],
-                stock: Callable[[], torch.Tensor], what: str, detail: str) -> torch.Tensor:
+                stock: Callable[[], torch.Tensor], what: str, detail: str, only_one: bool = False) -> torch.Tensor:
     """The first of ``twins`` (each computing the stock result of ``x``'s call its own way) that reproduced ``stock()``
     bit for bit for ``key``, else ``stock()``. The first call for a key checks them in turn (one host synchronization
     each, holding one more result-sized tensor; not while a CUDA graph is captured) and warns once (``what`` and
-    ``detail`` say of what) if none does or a launch fails."""
+    ``detail`` say of what) if none does or a launch fails. ``only_one``: the twins compute different things (choices
+    of which one stock is), so every one is checked and a twin is kept only where it alone reproduced stock; where
+    several did, the call's data could not tell them apart, and the next call checks again."""
     matched = MATCHED.get(key, -1)
     if matched is not None and matched >= 0:
         return twins[matched]()
@@ -31,6 +33,7 @@ def first_equal(key: tuple, x: torch.Tensor, twins: Sequence[Callable[[], torch.
         MATCHED[key] = None
         bits = {2: torch.int16, 4: torch.int32}[want.element_size()]
         nan = want.isnan()  # a NaN's payload may differ: where stock has one, the twin must have one too
+        matches = []
         for i, twin in enumerate(twins):
             try:
                 got = twin()
@@ -40,9 +43,14 @@ def first_equal(key: tuple, x: torch.Tensor, twins: Sequence[Callable[[], torch.
                 return want
             if (got.shape == want.shape and got.dtype == want.dtype and torch.equal(got.isnan(), nan)
                     and torch.equal(got.view(bits).masked_fill(nan, 0), want.view(bits).masked_fill(nan, 0))):
-                MATCHED[key] = i
-                return want
-        warnings.warn(f"diffusion_int8: the one-launch twin of {what} did not reproduce it ({detail}); {what} runs "
-                      f"as it is",
-                      RuntimeWarning, stacklevel=3)
+                matches.append(i)
+                if not only_one:
+                    break
+        if len(matches) == 1 or (matches and not only_one):
+            MATCHED[key] = matches[0]
+        elif matches:  # several, on data that cannot tell them apart: the next call checks again
+            del MATCHED[key]
+        else:
+            warnings.warn(f"diffusion_int8: the one-launch twin of {what} did not reproduce it ({detail}); {what} runs "
+                          f"as it is", RuntimeWarning, stacklevel=3)
     return want

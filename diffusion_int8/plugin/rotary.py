@@ -61,27 +61,38 @@ def _complex_product(stock_fn: types.FunctionType, x, freqs_cis, dim: int,
     Any other call, and every call torch.compile traces, runs ``stock(x)``.
 
     The check first finds which choice of fused multiply-adds PyTorch's complex product was compiled with, on x in
-    float32 (per function, dim and device): a 16-bit x's result rounds most of the differences away. Then that choice
-    alone is checked on x's own dtype."""
+    float32 (per function, dim, head dim and device): every choice is tried, and one is kept only where it alone gives
+    stock's bits (a 16-bit x's result rounds most of their differences away). Then that choice alone is checked on x's
+    own dtype."""
     if (not isinstance(x, torch.Tensor) or x.dim() != 4 or not isinstance(freqs_cis, torch.Tensor)
-            or freqs_cis.dtype != torch.complex64 or torch.compiler.is_compiling()):
+            or freqs_cis.dtype != torch.complex64 or freqs_cis.is_conj() or freqs_cis.is_neg()
+            or torch.compiler.is_compiling()):
+        return stock(x)
+    if x.dtype == torch.float32 and not _complex_view_ok(x):  # stock's view_as_complex raises: let it
         return stock(x)
     table = torch.view_as_real(freqs_cis.unsqueeze(dim)).flatten(-2)  # (re, im) pairs: re = cos[2j], im = sin[2j+1]
     if not rotate_pairs_takes(x, table, table):
         return stock(x)
-
-    key = (stock_fn.__code__, COMPLEX, dim, torch.float32, x.device)
+    key = (stock_fn.__code__, COMPLEX, dim, torch.float32, x.device, x.shape[-1])
     what, detail = stock_fn.__qualname__, _detail(x, freqs_cis)
     if x.dtype == torch.float32:
-        return first_equal(key, x, _ComplexTwins(x, table, _FUSED_ORDER), lambda: stock(x), what, detail)
-    if checked.MATCHED.get(key, -1) == -1:  # not yet found: found now, on x in float32
+        return first_equal(key, x, _ComplexTwins(x, table, _FUSED_ORDER), lambda: stock(x), what, detail, True)
+    if checked.MATCHED.get(key, -1) == -1:  # not yet found: found now, on x in float32 (not while a graph is captured)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return stock(x)
         x32 = x.float()
-        first_equal(key, x32, _ComplexTwins(x32, table, _FUSED_ORDER), lambda: stock(x32), what, detail)
-    found = checked.MATCHED.get(key)
-    if found is None:
+        first_equal(key, x32, _ComplexTwins(x32, table, _FUSED_ORDER), lambda: stock(x32), what, detail, True)
+    found = checked.MATCHED.get(key, -1)
+    if found is None or found < 0:
         return stock(x)
-    return first_equal((*key[:3], x.dtype, x.device), x, _ComplexTwins(x, table, _FUSED_ORDER[found:found + 1]),
+    return first_equal((*key[:3], x.dtype, *key[4:]), x, _ComplexTwins(x, table, _FUSED_ORDER[found:found + 1]),
                        lambda: stock(x), what, detail)
+
+
+def _complex_view_ok(x: torch.Tensor) -> bool:
+    """Whether ``torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))`` takes float32 ``x`` (``x.float()`` is ``x``
+    itself): unit channel stride, every other stride and the storage offset even."""
+    return x.stride(-1) == 1 and x.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in x.stride()[:-1])
 
 
 class _ComplexTwins(Sequence):
@@ -265,6 +276,13 @@ def _same_code(code: types.CodeType, reference: types.FunctionType | None) -> bo
             and all(getattr(code, f) == getattr(reference.__code__, f) for f in fields))
 
 
+def _same_function(fn: types.FunctionType, reference: types.FunctionType | None) -> bool:
+    """Whether ``fn`` is ``reference`` instruction for instruction (``_same_code``) with the same defaults: a stand-in
+    takes the reference's."""
+    return (_same_code(fn.__code__, reference) and fn.__defaults__ == reference.__defaults__
+            and fn.__kwdefaults__ == reference.__kwdefaults__)
+
+
 def _nested_stand_in(code: types.CodeType) -> type | None:
     """The stand-in class for nested ``code`` where it is a stock rotary embedding, instruction for instruction: Wan's
     (WanAttnProcessor's own, or a processor's copy of it: SkyReels-V2, ChronoEdit, ...) or Z-Image's; else None."""
@@ -341,9 +359,9 @@ def with_fast_rotary(code: types.CodeType, globals_: dict) -> tuple[types.CodeTy
         fn = globals_.get(name) if op == "LOAD_GLOBAL" and name not in names else None
         if not isinstance(fn, types.FunctionType):
             continue
-        if _same_code(fn.__code__, stock_token_rotary()):
+        if _same_function(fn, stock_token_rotary()):
             names[name] = CheckedTokenRotary(fn)
-        elif _same_code(fn.__code__, stock_qwen_rotary()):
+        elif _same_function(fn, stock_qwen_rotary()):
             names[name] = CheckedQwenRotary(fn)
     if not names:
         return code, {}
