@@ -466,9 +466,13 @@ def model_on(kdev: str, family: str):
     and its inputs in that dtype, the rotary tables (a tuple) kept in float32 as the pipelines make them."""
     model, x = build(family) if family == "flux" else build_case(family)
     dtype = torch.bfloat16 if kdev == "cuda" else torch.float32
-    x = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-         for k, v in to_device(x, kdev).items()}
-    return model.to(kdev, dtype), x
+
+    def cast(v):  # Z-Image's inputs are lists of tensors
+        if isinstance(v, (list, tuple)):
+            return type(v)(map(cast, v))
+        return v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+    return model.to(kdev, dtype), {k: cast(v) for k, v in to_device(x, kdev).items()}
 
 
 @needs_generic
@@ -555,10 +559,13 @@ def complex_table(freqs, dim):
 @needs_complex
 def test_rotate_pairs_is_a_complex_product_bit_for_bit_for_one_choice_of_fused_products(kdev):
     """One choice of fused multiply-adds (the compiler's, in the PyTorch build) gives Qwen-Image's product bit for bit
-    in float32, where the choices differ; the same choice then gives it for 16-bit x."""
+    in float32, where the choices differ, signed zeros included; the same choice then gives it for 16-bit x."""
     x, freqs = complex_inputs(kdev, torch.float32)
+    x[..., :8] = 0  # zero pairs, and position 0's table 1 + 0i: the products' zeros are signed, and so are the sums'
+    freqs[0] = 1
     table = complex_table(freqs, 1)
     want = qwen_stock(x, freqs, use_real=False)
+    assert (want.view(torch.int32) == torch.iinfo(torch.int32).min).any()  # some -0.0
     outs = {}
     for fused in rotary._FUSED_ORDER:
         out = torch.full_like(x, float("nan"))
@@ -615,15 +622,19 @@ def test_complex_stand_ins_find_the_product_in_float32_then_run_in_one_launch(kd
 
 @needs_complex
 def test_complex_stand_in_keeps_a_choice_only_where_the_data_told_it_apart(kdev, monkeypatch):
-    """A first call whose data every choice reproduces (x all zeros) decides nothing: the next call checks again, and
+    """A first call whose data every choice reproduces (exact products) decides nothing: the next call checks again, and
     keeps the one choice that alone gives stock's bits. The key is per head dim: another head dim checks anew."""
     calls = generic_counted(monkeypatch)
     checked = rotary.CheckedQwenRotary(qwen_stock)
     x, freqs = complex_inputs(kdev, torch.float32)
-    zero = torch.zeros_like(x)
+    # small integers times dyadic table entries, zeros among them: every product and sum exact, and every choice gives
+    # the same bits, signed zeros included
+    g = torch.Generator().manual_seed(7)
+    plain = torch.randint(-8, 8, x.shape, generator=g).float().to(kdev)
+    dyadic = torch.complex(*(torch.randint(-4, 4, freqs.shape, generator=g).float() / 4 for _ in range(2))).to(kdev)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert torch.equal(checked(zero, freqs, use_real=False), qwen_stock(zero, freqs, use_real=False))
+        assert torch.equal(checked(plain, dyadic, use_real=False), qwen_stock(plain, dyadic, use_real=False))
         assert twin_checks.MATCHED == {} and len(calls) == len(rotary._FUSED_ORDER)  # every choice tried, none kept
         for _ in range(2):
             assert torch.equal(checked(x, freqs, use_real=False), qwen_stock(x, freqs, use_real=False))
@@ -741,16 +752,23 @@ def test_models_run_the_complex_rotary_in_one_launch_and_compute_what_they_did(k
     """Tiny Qwen-Image and NucleusMoE (Qwen-Image's function, image and text streams), Lumina-Next (the generic function,
     use_real=False) and Z-Image (its nested function), INT8 on the Triton backend: their routed copies rotate through
     ``rotate_pairs``'s complex form and give what routed copies without stand-ins give, bit for bit."""
+    if kdev == "cuda" and family == "NucleusMoEImageTransformer2DModel":
+        pytest.skip("its stock forwards differ from run to run on the GPU (test_zoo): nothing to compare bit for bit")
     monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "triton")
     model, x = model_on(kdev, family)
     calls = generic_counted(monkeypatch)
     with_stand_ins, stock = with_and_without_stand_ins(model, x)
-    (key, probe), = ((k, v) for k, v in twin_checks.MATCHED.items() if k[1] == rope.COMPLEX and k[3] is torch.float32)
-    assert probe is not None
-    others = [v for k, v in twin_checks.MATCHED.items() if k[1] == rope.COMPLEX and k != key]
-    assert others == ([] if kdev == "cpu" else [0])  # on the GPU, in bfloat16: the choice found, checked there
-    # Q and K of every rotary call, two forwards, each one launch, the first call's as the probe's choices (every one)
-    # and, in bfloat16, the check of the one found
-    assert calls == [rope.COMPLEX] * (2 * rotations - 1 + len(rotary._FUSED_ORDER) + len(others))
+    assert set(calls) == {rope.COMPLEX} and len(calls) > 2 * rotations  # the checks' launches on top
+    found = {k: v for k, v in twin_checks.MATCHED.items() if k[1] == rope.COMPLEX}
+    assert found and None not in found.values()
+    # checked: a third forward runs Q and K of every rotary call in one launch each, and nothing more
+    del calls[:]
+    handle = diffusion_int8.enable(model, "int8", speed_gate=False)
+    with torch.no_grad():
+        third = model(**x, return_dict=False)[0]
+    handle.disable()
+    assert calls == [rope.COMPLEX] * rotations
+    with_stand_ins.append(third)
+    stock.append(stock[-1])
     flat = [[t for o in outs for t in (o if isinstance(o, list) else [o])] for outs in (with_stand_ins, stock)]
     assert all(torch.equal(a, b) for a, b in zip(*flat)) and len(flat[0]) == len(flat[1]) >= 2  # Z-Image: lists

@@ -52,15 +52,15 @@ def _rotated(x1, x2, c1, c2, s1, s2, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _fused_difference(a, c, b, d, FUSED: tl.constexpr):
-    """a·c - b·d in float32: FUSED 0 each product rounded, 1 the first fused into the sum (fma(a, c, -b·d)), 2 the
-    second (fma(-b, d, a·c))."""
+def _fused_sum(p, q, r, s, FUSED: tl.constexpr):
+    """p·q + r·s in float32: FUSED 0 each product rounded, 1 the first fused into the sum (fma(p, q, r·s)), 2 the
+    second (fma(r, s, p·q))."""
     if FUSED == 1:
-        return tl.fma(a, c, -(b * d))
+        return tl.fma(p, q, r * s)
     elif FUSED == 2:
-        return tl.fma(-b, d, a * c)
+        return tl.fma(r, s, p * q)
     else:
-        return a * c - b * d
+        return p * q + r * s
 
 
 @triton.jit
@@ -107,8 +107,9 @@ def _rotate_pairs_kernel(
         if FORM == 0:  # Wan's: both channels by cos[2j] and sin[2j+1]
             out_even, out_odd = _rotated(x1, x2, c1, c1, s2, s2, ROUND)
         elif FORM == 3:  # (x1 + x2 i)(re + im i), the table's (re, im) pairs in both: re = cos[2j], im = sin[2j+1]
-            out_even = _fused_difference(x1, c1, x2, s2, RE_FUSED)
-            out_odd = _fused_difference(x1, s2, -x2, c1, IM_FUSED)  # x1·im + x2·re
+            # -x2 in Triton is 0 - x2, +0 where x2 is +0: times -1 is the sign flip, so zeros come out signed as stock's
+            out_even = _fused_sum(x1, c1, x2 * -1.0, s2, RE_FUSED)
+            out_odd = _fused_sum(x1, s2, x2, c1, IM_FUSED)
         else:
             out_even, out_odd = _rotated(x1, x2, c1, c2, s1, s2, ROUND)
         out = tl.reshape(tl.join(out_even, out_odd), [ROWS, DP])
