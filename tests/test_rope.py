@@ -666,6 +666,34 @@ def test_complex_stand_in_leaves_to_stock_what_stock_raises_or_what_the_table_vi
 
 
 @needs_complex
+def test_complex_stand_in_keeps_the_last_tables_view_for_the_calls_that_share_it(kdev, monkeypatch):
+    """Q and K, and every block of a forward, pass one table: the stand-in works out its (re, im) view and whether the
+    twin takes the call once, and again for another table or another x shape; the view follows the table's memory."""
+    takes = []
+    real_takes = rotary.rotate_pairs_takes
+    monkeypatch.setattr(rotary, "rotate_pairs_takes", lambda *a: takes.append(a[0].shape) or real_takes(*a))
+    checked = rotary.CheckedQwenRotary(qwen_stock)
+    x, freqs = complex_inputs(kdev, torch.bfloat16)
+    k = torch.randn_like(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in (x, k, x, k):
+            assert torch.equal(checked(t, freqs, use_real=False), qwen_stock(t, freqs, use_real=False))
+        assert len(takes) == 1
+        freqs.mul_(torch.polar(torch.ones(()), torch.tensor(0.5)).to(kdev))  # the same tensor, rotated in place
+        assert torch.equal(checked(x, freqs, use_real=False), qwen_stock(x, freqs, use_real=False))
+        other = freqs.clone()
+        x2 = x[:1]
+        for t, f in ((x, other), (x2, other), (x2, other)):
+            assert torch.equal(checked(t, f, use_real=False), qwen_stock(t, f, use_real=False))
+        assert len(takes) == 3
+        with torch.enable_grad():  # a gradient to keep, in a call like the last: stock
+            xg = x2.clone().requires_grad_()
+            got = checked(xg, other, use_real=False)
+            assert got.requires_grad and torch.equal(got, qwen_stock(xg, other, use_real=False))
+
+
+@needs_complex
 def test_a_complex_product_with_one_table_replays_its_launch(kdev):
     """The complex form passes its table as both tables: its plan takes it once (a plan refuses inputs that share
     memory) and replays fresh inputs; two distinct tables of the same signature are another plan."""

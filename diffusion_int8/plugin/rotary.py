@@ -53,40 +53,63 @@ def _detail(x: torch.Tensor, table: torch.Tensor) -> str:
 _FUSED_ORDER = ((1, 1), (2, 2), (0, 0), (1, 2), (2, 1), (1, 0), (0, 1), (2, 0), (0, 2))
 
 
-def _complex_product(stock_fn: types.FunctionType, x, freqs_cis, dim: int,
-                     stock: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+class ComplexProduct:
     """``stock_fn``'s complex-table branch, ``view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) *
-    freqs_cis.unsqueeze(dim)).flatten(3).type_as(x)`` (``stock(x)`` computes it), through ``rotate_pairs``'s
-    ``COMPLEX`` form once checked (``checked.first_equal``): x (B, S, H, D), a complex64 table that broadcasts to it.
-    Any other call, and every call torch.compile traces, runs ``stock(x)``.
+    freqs_cis.unsqueeze(dim)).flatten(3).type_as(x)``, through ``rotate_pairs``'s ``COMPLEX`` form once checked
+    (``checked.first_equal``): x (B, S, H, D), a complex64 table that broadcasts to it. Any other call, and every call
+    torch.compile traces, runs the stock computation (``stock(x)``, the caller's).
 
     The check first finds which choice of fused multiply-adds PyTorch's complex product was compiled with, on x in
     float32 (per function, dim, head dim and device): every choice is tried, and one is kept only where it alone gives
     stock's bits (a 16-bit x's result rounds most of their differences away). Then that choice alone is checked on x's
-    own dtype."""
-    if (not isinstance(x, torch.Tensor) or x.dim() != 4 or not isinstance(freqs_cis, torch.Tensor)
-            or freqs_cis.dtype != torch.complex64 or freqs_cis.is_conj() or freqs_cis.is_neg()
-            or torch.compiler.is_compiling()):
-        return stock(x)
-    if x.dtype == torch.float32 and not _complex_view_ok(x):  # stock's view_as_complex raises: let it
-        return stock(x)
-    table = torch.view_as_real(freqs_cis.unsqueeze(dim)).flatten(-2)  # (re, im) pairs: re = cos[2j], im = sin[2j+1]
-    if not rotate_pairs_takes(x, table, table):
-        return stock(x)
-    key = (stock_fn.__code__, COMPLEX, dim, torch.float32, x.device, x.shape[-1])
-    what, detail = stock_fn.__qualname__, _detail(x, freqs_cis)
-    if x.dtype == torch.float32:
-        return first_equal(key, x, _ComplexTwins(x, table, _FUSED_ORDER), lambda: stock(x), what, detail, True)
-    if checked.MATCHED.get(key, -1) == -1:  # not yet found: found now, on x in float32 (not while a graph is captured)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    own dtype. The table view and the checks of the last accepted call are kept with its table (``_last``): Q and K,
+    and every block of a forward, pass the same one."""
+
+    def __init__(self, stock_fn: types.FunctionType, dim: int):
+        self.stock_fn, self.dim = stock_fn, dim
+        self._last: tuple | None = None  # (freqs_cis, x's shape, dtype and device, the (re, im) table)
+
+    def __call__(self, x, freqs_cis, stock: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if not (isinstance(x, torch.Tensor) and isinstance(freqs_cis, torch.Tensor)) or torch.compiler.is_compiling():
             return stock(x)
-        x32 = x.float()
-        first_equal(key, x32, _ComplexTwins(x32, table, _FUSED_ORDER), lambda: stock(x32), what, detail, True)
-    found = checked.MATCHED.get(key, -1)
-    if found is None or found < 0:
-        return stock(x)
-    return first_equal((*key[:3], x.dtype, *key[4:]), x, _ComplexTwins(x, table, _FUSED_ORDER[found:found + 1]),
-                       lambda: stock(x), what, detail)
+        if x.dtype == torch.float32 and not _complex_view_ok(x):  # stock's view_as_complex raises: let it
+            return stock(x)
+        table = self._table(x, freqs_cis)
+        if table is None:
+            return stock(x)
+        key = (self.stock_fn.__code__, COMPLEX, self.dim, torch.float32, x.device, x.shape[-1])
+        what, detail = self.stock_fn.__qualname__, _detail(x, freqs_cis)
+        if x.dtype == torch.float32:
+            return first_equal(key, x, _ComplexTwins(x, table, _FUSED_ORDER), lambda: stock(x), what, detail, True)
+        if checked.MATCHED.get(key, -1) == -1:  # not yet found: found now, on x in float32 (not in a graph's capture)
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return stock(x)
+            x32 = x.float()
+            first_equal(key, x32, _ComplexTwins(x32, table, _FUSED_ORDER), lambda: stock(x32), what, detail, True)
+        found = checked.MATCHED.get(key, -1)
+        if found is None or found < 0:
+            return stock(x)
+        return first_equal((*key[:3], x.dtype, *key[4:]), x, _ComplexTwins(x, table, _FUSED_ORDER[found:found + 1]),
+                           lambda: stock(x), what, detail)
+
+    def _table(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor | None:
+        """The table's (re, im) pairs as ``rotate_pairs`` takes them (re = cos[2j], im = sin[2j+1]), or None where
+        the twin does not take this call: a table other than complex64, conjugated or negated (``view_as_real``
+        refuses those), or inputs ``rotate_pairs_takes`` refuses."""
+        last = self._last
+        grad = torch.is_grad_enabled() and (x.requires_grad or freqs_cis.requires_grad)
+        if last is not None and last[0] is freqs_cis and (last[1], last[2], last[3]) == (x.shape, x.dtype, x.device):
+            if not grad:
+                return last[4]
+        if x.dim() != 4 or freqs_cis.dtype != torch.complex64 or freqs_cis.is_conj() or freqs_cis.is_neg():
+            return None
+        table = torch.view_as_real(freqs_cis.unsqueeze(self.dim)).flatten(-2)
+        if not rotate_pairs_takes(x, table, table):
+            return None
+        # kept only where the table is a view of freqs_cis (flatten copies a table whose pairs are not adjacent)
+        shares = table.untyped_storage().data_ptr() == freqs_cis.untyped_storage().data_ptr()
+        self._last = (freqs_cis, x.shape, x.dtype, x.device, table) if shares else None
+        return table
 
 
 def _complex_view_ok(x: torch.Tensor) -> bool:
@@ -130,19 +153,20 @@ class CheckedApplyRotary:
     """diffusers' ``embeddings.apply_rotary_emb(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)`` and
     ``rotate_pairs``: real (cos, sin) tables of shape (S, D), unbind dim -1 or -2 and sequence dim 1 or 2 run in one
     launch once checked (``checked.first_equal``, per form, sequence dim, dtypes and device), and so does a complex64
-    table with ``use_real=False`` (``_complex_product``); any other call, and every call torch.compile traces, runs the
+    table with ``use_real=False`` (``ComplexProduct``); any other call, and every call torch.compile traces, runs the
     stock function."""
 
     def __init__(self, stock: types.FunctionType):
         self.stock = stock
+        self._complex = ComplexProduct(stock, 2)
 
     def __call__(self, x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
         def stock():
             return self.stock(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
 
         if use_real is False:
-            return _complex_product(self.stock, x, freqs_cis, 2,
-                                    lambda x: self.stock(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim))
+            return self._complex(x, freqs_cis,
+                                 lambda x: self.stock(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim))
         # plain ints only: anything else (a 0-d tensor, a list) goes to stock, which raises what it raises for it
         form = None
         if use_real and type(use_real_unbind_dim) is int and type(sequence_dim) is int:
@@ -187,27 +211,29 @@ class CheckedTokenRotary:
 class CheckedQwenRotary:
     """Qwen-Image's ``apply_rotary_emb_qwen(x, freqs_cis, use_real=True, use_real_unbind_dim=-1)`` (and its copies) and
     ``rotate_pairs``: x (B, S, H, D) and a complex64 table (S, D/2) with ``use_real=False``, as Qwen-Image's processor
-    calls it, through ``_complex_product``; any other call runs the stock function."""
+    calls it, through ``ComplexProduct``; any other call runs the stock function."""
 
     def __init__(self, stock: types.FunctionType):
         self.stock = stock
+        self._complex = ComplexProduct(stock, 1)
 
     def __call__(self, x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
         def stock(x):
             return self.stock(x, freqs_cis, use_real, use_real_unbind_dim)
 
-        return _complex_product(self.stock, x, freqs_cis, 1, stock) if use_real is False else stock(x)
+        return self._complex(x, freqs_cis, stock) if use_real is False else stock(x)
 
 
 class CheckedNestedComplexRotary:
     """Z-Image's ``apply_rotary_emb(x_in, freqs_cis)``, nested in its processor's ``__call__`` (complex64 tables,
-    unsqueezed at dim 2), and ``rotate_pairs``, through ``_complex_product``."""
+    unsqueezed at dim 2), and ``rotate_pairs``, through ``ComplexProduct``."""
 
     def __init__(self, stock: types.FunctionType):
         self.stock = stock
+        self._complex = ComplexProduct(stock, 2)
 
     def __call__(self, x_in, freqs_cis):
-        return _complex_product(self.stock, x_in, freqs_cis, 2, lambda x: self.stock(x, freqs_cis))
+        return self._complex(x_in, freqs_cis, lambda x: self.stock(x, freqs_cis))
 
 
 def _nested(processor: str, module: str) -> types.FunctionType | None:
