@@ -107,7 +107,7 @@ def _rotate_pairs_kernel(
         if FORM == 0:  # Wan's: both channels by cos[2j] and sin[2j+1]
             out_even, out_odd = _rotated(x1, x2, c1, c1, s2, s2, ROUND)
         elif FORM == 3:  # (x1 + x2 i)(re + im i), the table's (re, im) pairs in both: re = cos[2j], im = sin[2j+1]
-            # -x2 in Triton is 0 - x2, +0 where x2 is +0: times -1 is the sign flip, so zeros come out signed as stock's
+            # Triton 3.6 computes -x2 as 0 - x2, +0 where x2 is +0: times -1 flips the sign, so zeros are signed as stock's
             out_even = _fused_sum(x1, c1, x2 * -1.0, s2, RE_FUSED)
             out_odd = _fused_sum(x1, s2, x2, c1, IM_FUSED)
         else:
