@@ -44,13 +44,13 @@ _NAME = "apply_rotary_emb"
 # the generic function's parameters and defaults, as diffusers 0.42 defines it: a function of others is left alone
 _GENERIC_SIGNATURE = (("x", inspect.Parameter.empty), ("freqs_cis", inspect.Parameter.empty), ("use_real", True),
                       ("use_real_unbind_dim", -1), ("sequence_dim", 2))
+# the choices of fused multiply-adds in (a + bi)(c + di), (real, imaginary) as ``rope.rotate_pairs`` takes them; the
+# check tries every one (a compilation each, the first time a process meets the form)
+_FUSED_ORDER = ((1, 1), (2, 2), (0, 0), (1, 2), (2, 1), (1, 0), (0, 1), (2, 0), (0, 2))
+
+
 def _detail(x: torch.Tensor, table: torch.Tensor) -> str:
     return f"{x.dtype} inputs, {table.dtype} tables"
-
-
-# the choices of fused multiply-adds in (a + bi)(c + di), (real, imaginary) as ``rope.rotate_pairs`` takes them: the
-# likely ones first, since each that does not match costs the check a compilation
-_FUSED_ORDER = ((1, 1), (2, 2), (0, 0), (1, 2), (2, 1), (1, 0), (0, 1), (2, 0), (0, 2))
 
 
 class ComplexProduct:
