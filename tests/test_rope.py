@@ -668,7 +668,8 @@ def test_complex_stand_in_leaves_to_stock_what_stock_raises_or_what_the_table_vi
 @needs_complex
 def test_complex_stand_in_keeps_the_last_tables_view_for_the_calls_that_share_it(kdev, monkeypatch):
     """Q and K, and every block of a forward, pass one table: the stand-in works out its (re, im) view and whether the
-    twin takes the call once, and again for another table or another x shape; the view follows the table's memory."""
+    twin takes the call once, and again for another table, another x shape, or the same table object given other
+    memory; the view follows the table's values; the gradient mode and the backend setting are asked every call."""
     takes = []
     real_takes = rotary.rotate_pairs_takes
     monkeypatch.setattr(rotary, "rotate_pairs_takes", lambda *a: takes.append(a[0].shape) or real_takes(*a))
@@ -691,6 +692,21 @@ def test_complex_stand_in_keeps_the_last_tables_view_for_the_calls_that_share_it
             xg = x2.clone().requires_grad_()
             got = checked(xg, other, use_real=False)
             assert got.requires_grad and torch.equal(got, qwen_stock(xg, other, use_real=False))
+        # the same tensor object given other memory: of its shape (other values), then of another (stock raises)
+        other.set_(torch.polar(torch.ones(37, 32), torch.rand(37, 32) * 9).to(kdev))
+        assert torch.equal(checked(x2, other, use_real=False), qwen_stock(x2, other, use_real=False))
+        n = len(takes)
+        other.set_(other[:5].clone())
+        with pytest.raises(RuntimeError):
+            qwen_stock(x2, other, use_real=False)
+        with pytest.raises(RuntimeError):
+            checked(x2, other, use_real=False)
+        assert len(takes) == n + 1  # asked again, and refused
+    # the backend set to the emulation between calls like the last: the kernels stay off
+    calls = generic_counted(monkeypatch)
+    assert torch.equal(checked(x, freqs, use_real=False), qwen_stock(x, freqs, use_real=False)) and len(calls) == 1
+    monkeypatch.setenv("DIFFUSION_INT8_BACKEND", "emulation")
+    assert torch.equal(checked(x, freqs, use_real=False), qwen_stock(x, freqs, use_real=False)) and len(calls) == 1
 
 
 @needs_complex

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..kernels.config import triton_unavailable
 from ..kernels.rope import COMPLEX, HALVES, INTERLEAVED, WAN, rotate_pairs_takes, rotate_pairs_unchecked
 from . import checked
 from .checked import first_equal
@@ -63,11 +64,12 @@ class ComplexProduct:
     float32 (per function, dim, head dim and device): every choice is tried, and one is kept only where it alone gives
     stock's bits (a 16-bit x's result rounds most of their differences away). Then that choice alone is checked on x's
     own dtype. The table view and the checks of the last accepted call are kept with its table (``_last``): Q and K,
-    and every block of a forward, pass the same one."""
+    and every block of a forward, pass the same one. A later call with that table, its memory and x's shape, dtype and
+    device as then, asks again only what can change: the gradient mode and the backend setting."""
 
     def __init__(self, stock_fn: types.FunctionType, dim: int):
         self.stock_fn, self.dim = stock_fn, dim
-        self._last: tuple | None = None  # (freqs_cis, x's shape, dtype and device, the (re, im) table)
+        self._last: tuple | None = None  # (freqs_cis, its memory and x's shape, dtype and device, the (re, im) table)
 
     def __call__(self, x, freqs_cis, stock: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if not (isinstance(x, torch.Tensor) and isinstance(freqs_cis, torch.Tensor)) or torch.compiler.is_compiling():
@@ -96,19 +98,23 @@ class ComplexProduct:
         """The table's (re, im) pairs as ``rotate_pairs`` takes them (re = cos[2j], im = sin[2j+1]), or None where
         the twin does not take this call: a table other than complex64, conjugated or negated (``view_as_real``
         refuses those), or inputs ``rotate_pairs_takes`` refuses."""
+        if freqs_cis.dtype != torch.complex64 or freqs_cis.is_conj() or freqs_cis.is_neg():
+            return None
+        # what the refusal read and the view depends on; the same tensor object may have been given other memory
+        # (set_, .data =) and the backend setting may have changed since
+        seen = (freqs_cis.data_ptr(), freqs_cis.device, freqs_cis.shape, freqs_cis.stride(), x.shape, x.dtype, x.device)
         last = self._last
-        grad = torch.is_grad_enabled() and (x.requires_grad or freqs_cis.requires_grad)
-        if last is not None and last[0] is freqs_cis and (last[1], last[2], last[3]) == (x.shape, x.dtype, x.device):
-            if not grad:
-                return last[4]
-        if x.dim() != 4 or freqs_cis.dtype != torch.complex64 or freqs_cis.is_conj() or freqs_cis.is_neg():
+        if last is not None and last[0] is freqs_cis and last[1] == seen:
+            if not (torch.is_grad_enabled() and (x.requires_grad or freqs_cis.requires_grad)):
+                return last[2] if triton_unavailable(x.device) is None else None
+        if x.dim() != 4:
             return None
         table = torch.view_as_real(freqs_cis.unsqueeze(self.dim)).flatten(-2)
         if not rotate_pairs_takes(x, table, table):
             return None
         # kept only where the table is a view of freqs_cis (flatten copies a table whose pairs are not adjacent)
         shares = table.untyped_storage().data_ptr() == freqs_cis.untyped_storage().data_ptr()
-        self._last = (freqs_cis, x.shape, x.dtype, x.device, table) if shares else None
+        self._last = (freqs_cis, seen, table) if shares else None
         return table
 
 
