@@ -14,9 +14,10 @@ launch:
   where the installed function has the signature it is known by;
 - LTX-Video's module-level ``apply_rotary_emb(x, freqs)`` on (B, S, C) tokens, and its copies (LTX-2's
   ``apply_interleaved_rotary_emb``): the copy's globals map each to a stand-in;
-- complex tables (``use_real=False``): the generic function's (Lumina), Qwen-Image's module-level
-  ``apply_rotary_emb_qwen`` and its copies (QwenImage 2.1, NucleusMoE), and the ``apply_rotary_emb(x_in, freqs_cis)``
-  nested in Z-Image's processor, each as the stand-in of its kind above.
+- complex tables (``use_real=False``): the generic function's (Lumina-Next), Qwen-Image's module-level
+  ``apply_rotary_emb_qwen`` and NucleusMoE's copy of it, and the ``apply_rotary_emb(x_in, freqs_cis)`` nested in
+  Z-Image's processor, each as the stand-in of its kind above. QwenImage 2.1 calls its copy from a helper outside
+  ``__call__``, which stays stock.
 
 Each stand-in calls a ``Checked`` rotary: the one launch once it has reproduced the stock function bit for bit on a
 real call's inputs, else the stock function (also where the launch fails). A compiled model runs the stock function,
