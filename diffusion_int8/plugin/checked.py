@@ -18,13 +18,15 @@ MATCHED: dict[tuple, int | None] = {}
 
 
 def first_equal(key: tuple, x: torch.Tensor, twins: Sequence[Callable[[], torch.Tensor]],
-                stock: Callable[[], torch.Tensor], what: str, detail: str, only_one: bool = False) -> torch.Tensor:
+                stock: Callable[[], torch.Tensor], what: str, detail: Callable[[], str],
+                only_one: bool = False) -> torch.Tensor:
     """The first of ``twins`` (each computing the stock result of ``x``'s call its own way) that reproduced ``stock()``
     bit for bit for ``key``, else ``stock()``. The first call for a key checks them in turn (one host synchronization
-    each, holding one more result-sized tensor; not while a CUDA graph is captured) and warns once (``what`` and
-    ``detail`` say of what) if none does or a launch fails. ``only_one``: the twins compute different things (choices
-    of which one stock is), so every one is checked and a twin is kept only where it alone reproduced stock; where
-    several did, the call's data could not tell them apart, and the next call checks again."""
+    each, holding one more result-sized tensor; not while a CUDA graph is captured) and warns once if none does or a
+    launch fails, saying of what with ``what`` and ``detail()`` (called only then: every call passes it).
+    ``only_one``: the twins compute different things (choices of which one stock is), so every one is checked and a
+    twin is kept only where it alone reproduced stock; where several did, the call's data could not tell them apart,
+    and the next call checks again."""
     matched = MATCHED.get(key, -1)
     if matched is not None and matched >= 0:
         return twins[matched]()
@@ -51,6 +53,6 @@ def first_equal(key: tuple, x: torch.Tensor, twins: Sequence[Callable[[], torch.
         elif matches:  # several, on data that cannot tell them apart: the next call checks again
             del MATCHED[key]
         else:
-            warnings.warn(f"diffusion_int8: the one-launch twin of {what} did not reproduce it ({detail}); {what} runs "
-                          f"as it is", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"diffusion_int8: the one-launch twin of {what} did not reproduce it ({detail()}); "
+                          f"{what} runs as it is", RuntimeWarning, stacklevel=3)
     return want

@@ -110,7 +110,7 @@ class CheckedRMSNorm:
                x.is_contiguous())
         return first_equal(key, x, (lambda: rms_norm_unchecked(x, w, m.eps, *order),), lambda: m(x),
                            f"{type(m).__name__} (query/key norm)",
-                           f"{x.dtype} input, {None if w is None else w.dtype} weight, D={d}")
+                           lambda: f"{x.dtype} input, {None if w is None else w.dtype} weight, D={d}")
 
     def __getattr__(self, name):
         return getattr(self.module, name)

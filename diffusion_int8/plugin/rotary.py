@@ -81,7 +81,7 @@ class ComplexProduct:
         if table is None:
             return stock(x)
         key = (self.stock_fn.__code__, COMPLEX, self.dim, torch.float32, x.device, x.shape[-1])
-        what, detail = self.stock_fn.__qualname__, _detail(x, freqs_cis)
+        what, detail = self.stock_fn.__qualname__, functools.partial(_detail, x, freqs_cis)
         if x.dtype == torch.float32:
             return first_equal(key, x, _ComplexTwins(x, table, _FUSED_ORDER), lambda: stock(x), what, detail, True)
         if checked.MATCHED.get(key, -1) == -1:  # not yet found: found now, on x in float32 (not in a graph's capture)
@@ -153,7 +153,7 @@ class CheckedRotary:
         key = (self.stock.__code__, WAN, hidden_states.dtype, freqs_cos.dtype, hidden_states.device)
         return first_equal(key, hidden_states, (lambda: rotate_pairs_unchecked(hidden_states, freqs_cos, freqs_sin),),
                            lambda: self.stock(hidden_states, freqs_cos, freqs_sin), self.stock.__qualname__,
-                           _detail(hidden_states, freqs_cos))
+                           functools.partial(_detail, hidden_states, freqs_cos))
 
 
 class CheckedApplyRotary:
@@ -190,7 +190,7 @@ class CheckedApplyRotary:
             return stock()
         key = (self.stock.__code__, form, sequence_dim, x.dtype, cos.dtype, x.device)
         return first_equal(key, x, (lambda: rotate_pairs_unchecked(x, cos, sin, None, form),), stock,
-                           self.stock.__qualname__, _detail(x, cos))
+                           self.stock.__qualname__, functools.partial(_detail, x, cos))
 
 
 class CheckedTokenRotary:
@@ -212,7 +212,8 @@ class CheckedTokenRotary:
             return self.stock(x, freqs)
         key = (self.stock.__code__, INTERLEAVED, x.dtype, cos.dtype, x.device)
         return first_equal(key, x, (lambda: rotate_pairs_unchecked(x4, cos, sin, None, INTERLEAVED).squeeze(2),),
-                           lambda: self.stock(x, freqs), self.stock.__qualname__, _detail(x, cos))
+                           lambda: self.stock(x, freqs), self.stock.__qualname__,
+                           functools.partial(_detail, x, cos))
 
 
 class CheckedQwenRotary:
