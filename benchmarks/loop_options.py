@@ -1,14 +1,17 @@
 """Launch options of the portable kernel's head-dim-64 FP8 loops, timed against the shipped ones: the register caps
-(``attention.launch_options``) and how K and V tiles arrive (``attention.tma_tiles``: TMA or cp.async).
+(``attention.launch_options``), how K and V tiles arrive (``attention.tma_tiles``: TMA or cp.async) and the
+pipeline's stages (``config.tile_config``'s ``num_stages``).
 
     python benchmarks/loop_options.py [--shape 1,24,17550,64] [--skip 0.8] [--rounds 9] [--out bench_out/loops.json]
+    python benchmarks/loop_options.py --tiles shipped --caps shipped --stages 2,3,4
 
 The attention launch alone (``attention.attend``, on inputs quantized beforehand) in each of its loops: dense,
 block-listed (a block mask skipping ``--skip`` of the key blocks) and the refresh (the split lists of
 ``return_skipped``), each compiled with tiles by TMA and by cp.async, and for each uncapped, at 128 and at 168
-registers a thread and as shipped. Every variant is replayed from a CUDA graph, all taking turns
+registers a thread and as shipped (``--tiles``, ``--caps``: a subset); with ``--stages``, each loop as shipped at
+those stage counts too. Every variant is replayed from a CUDA graph, all taking turns
 (``timing.interleaved_rounds``), and given as its time over the shipped variant's of the same loop within each round
-(median and range over rounds). Neither option changes the arithmetic: every variant's output is checked bit for bit
+(median and range over rounds). No option changes the arithmetic: every variant's output is checked bit for bit
 against the shipped one's first.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 
 import torch
 import triton
@@ -38,10 +42,23 @@ def main():
     ap.add_argument("--skip", type=float, default=0.8, help="fraction of key blocks the block mask skips")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--reps", type=int, default=20, help="graph replays a round")
+    ap.add_argument("--tiles", default=",".join(TILES), help=f"tile sources to time, a subset of {list(TILES)}")
+    ap.add_argument("--caps", default=",".join(CAPS), help=f"register caps to time, a subset of {list(CAPS)}")
+    ap.add_argument("--stages", default="", help="also these pipeline stage counts, with the shipped tiles and caps")
     ap.add_argument("--out", default="bench_out/loops.json")
     args = ap.parse_args()
+    tiles_timed, caps_timed = args.tiles.split(","), args.caps.split(",")
+    for name, chosen, known in (("--tiles", tiles_timed, TILES), ("--caps", caps_timed, CAPS)):
+        if unknown := [c for c in chosen if c not in known]:
+            ap.error(f"{name}: unknown {unknown}; accepted: {', '.join(known)}")
+    try:
+        stages = [int(n) for n in args.stages.split(",") if n]
+    except ValueError:
+        ap.error(f"--stages takes comma-separated integers >= 1, got {args.stages!r}")
+    if any(n < 1 for n in stages):
+        ap.error(f"--stages takes comma-separated integers >= 1, got {args.stages!r}")
     B, H, N, D = map(int, args.shape.split(","))
-    if not is_sm90(torch.device("cuda")):
+    if not torch.cuda.is_available() or not is_sm90(torch.device("cuda")):
         raise SystemExit("these options apply on sm_90 GPUs only (attention.launch_options, tma_tiles)")
 
     q, k, v = realistic_qkv(B, H, N, N, D, device="cuda", seed=0)
@@ -50,25 +67,31 @@ def main():
     skipped = (torch.empty_like(q), torch.empty(B, H, N, device="cuda"))
     mask, _ = fixed_mask(B, H, N, N, args.skip, "cuda")
     lists = {"block-listed": kattn.block_lists(mask, B, H, N, N), "refresh": kattn.block_lists(mask, B, H, N, N, split=True)}
-    shipped_caps, shipped_tiles = kattn.launch_options, kattn.tma_tiles
+    shipped_caps, shipped_tiles, shipped_config = kattn.launch_options, kattn.tma_tiles, kattn.tile_config
 
-    def variant(loop, tiles, cap):
-        def run():  # both read at launch, so a graph captures the variant
+    def variant(loop, tiles, cap, n_stages=None):
+        def run():  # all read at launch, so a graph captures the variant
             if tiles != "shipped":
                 kattn.tma_tiles = lambda *_: tiles
             if cap != "shipped":
                 kattn.launch_options = lambda *_: {} if cap is None else dict(maxnreg=cap)
+            if n_stages is not None:  # the key tile and K groups, which quantize_qkv used, stay as shipped
+                kattn.tile_config = lambda *a: replace(shipped_config(*a), num_stages=n_stages)
             try:
                 kattn.attend(quantized, v, out, pv=PV.FP8, blocks=lists.get(loop),
                              skipped=skipped if loop == "refresh" else None)
             finally:
-                kattn.launch_options, kattn.tma_tiles = shipped_caps, shipped_tiles
+                kattn.launch_options, kattn.tma_tiles, kattn.tile_config = shipped_caps, shipped_tiles, shipped_config
             return out
         return run
 
-    names = [(tiles, cap) for tiles in TILES for cap in CAPS if tiles != "shipped" or cap == "shipped"]
-    fns = {(loop, f"{tiles}, {cap}" if tiles != "shipped" else "shipped"): variant(loop, TILES[tiles], CAPS[cap])
-           for loop in ("dense", "block-listed", "refresh") for tiles, cap in names}
+    names = [("shipped", "shipped")] + [(t, c) for t in tiles_timed if t != "shipped" for c in caps_timed]
+    fns = {}
+    for loop in ("dense", "block-listed", "refresh"):
+        for tiles, cap in names:
+            fns[loop, f"{tiles}, {cap}" if tiles != "shipped" else "shipped"] = variant(loop, TILES[tiles], CAPS[cap])
+        for n in stages:
+            fns[loop, f"{n} stages"] = variant(loop, "shipped", "shipped", n)
     for (loop, name), fn in fns.items():  # the outputs poisoned, then compared bit for bit (the refresh's both)
         for t in (out, *skipped):
             t.fill_(float("nan"))
