@@ -51,12 +51,10 @@ def main():
     for name, chosen, known in (("--tiles", tiles_timed, TILES), ("--caps", caps_timed, CAPS)):
         if unknown := [c for c in chosen if c not in known]:
             ap.error(f"{name}: unknown {unknown}; accepted: {', '.join(known)}")
-    try:
-        stages = [int(n) for n in args.stages.split(",") if n]
-    except ValueError:
+    stages = [n for n in args.stages.split(",") if n]
+    if not all(n.isdigit() and int(n) >= 1 for n in stages):
         ap.error(f"--stages takes comma-separated integers >= 1, got {args.stages!r}")
-    if any(n < 1 for n in stages):
-        ap.error(f"--stages takes comma-separated integers >= 1, got {args.stages!r}")
+    stages = [int(n) for n in stages]
     B, H, N, D = map(int, args.shape.split(","))
     if not torch.cuda.is_available() or not is_sm90(torch.device("cuda")):
         raise SystemExit("these options apply on sm_90 GPUs only (attention.launch_options, tma_tiles)")
