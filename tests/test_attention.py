@@ -333,7 +333,8 @@ def key_masks(B: int, H: int, Sk: int, n_text: int, device) -> dict[str, torch.T
     """Key masks as diffusers models pass them (the same for every query): a padded text segment at the end
     (HunyuanVideo, LTX's cross-attention), in the middle of the sequence (Qwen-Image: text first, then image),
     per head (diffusers' (B, H, 1, Sk) additive -10000), finfo.min, a batch whose every key is masked (its rows
-    give 0), and a mask that masks whole 128-key blocks (never loaded)."""
+    give 0), a mask that masks whole 128-key blocks (never loaded), and masks of size 1 along the keys, which
+    broadcast over them as SDPA broadcasts them."""
     text = torch.arange(Sk, device=device) >= Sk - n_text
     pad = torch.zeros(B, Sk, dtype=torch.bool, device=device)
     for b in range(B):
@@ -347,8 +348,11 @@ def key_masks(B: int, H: int, Sk: int, n_text: int, device) -> dict[str, torch.T
     fmin = torch.where(suffix, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
     empty = suffix.clone()
     empty[1] = False  # every key of batch 1 masked
+    # size 1 along the keys too, which broadcasts over them as in SDPA: batch 1 keeps nothing; one bias for all
+    one_key = torch.tensor([True, False] + [True] * (B - 2), device=device).view(B, 1, 1, 1)
+    one_bias = torch.full((1, 1, 1, 1), -3.0, dtype=torch.float16, device=device)
     return {"suffix": suffix, "middle": middle, "per-head": per_head, "finfo-min": fmin, "empty-batch": empty,
-            "shared": text.logical_not()[None, None, None, :]}
+            "shared": text.logical_not()[None, None, None, :], "one-key": one_key, "one-bias": one_bias}
 
 
 @pytest.mark.parametrize("pv", list(PV))
@@ -363,7 +367,7 @@ def test_key_masks_against_emulation(kdev, pv):
     B, H, Sq, Sk = (2, 3, 300, 611) if kdev == "cpu" else (2, 4, 1000, 4387)
     q, k, v = realistic_qkv(B, H, Sq, Sk, D, device=kdev)
     for name, mask in key_masks(B, H, Sk, 256 if kdev == "cuda" else 160, kdev).items():
-        assert as_key_mask(mask, B, H) is not None, name
+        assert as_key_mask(mask, B, H, Sk) is not None, name
         q_, k_, v_ = (t.to(torch.bfloat16) for t in (q, k, v)) if mask.dtype == torch.bfloat16 else (q, k, v)
         kw = dict(layout="BHSD", pv=pv, attn_mask=mask)
         ref = R.attention_ref(q_, k_, v_, attn_mask=mask)
@@ -375,7 +379,7 @@ def test_key_masks_against_emulation(kdev, pv):
         for extra in kernels:
             out = run_kernel(q_, k_, v_, **kw, **extra)
             check(out, emu, ref, pv, q_.dtype, call=(q_, k_, v_, kw))
-            if name == "empty-batch":
+            if name in ("empty-batch", "one-key"):
                 assert torch.all(out[1] == 0), (name, extra)
         if len(kernels) == 2:
             assert hopper.compile_failure is None, hopper.compile_failure  # the Gluon kernel ran, not the fallback
@@ -389,7 +393,7 @@ def test_key_mask_lists_match_the_reference(kdev):
 
     B, H, Sk = 2, 3, 1000
     for name, mask in key_masks(B, H, Sk, 300, kdev).items():
-        key = as_key_mask(mask, B, H)
+        key = as_key_mask(mask, B, H, Sk)
         for block_n in (64, 128):
             plan = key_mask_plan(key, Sk, block_n)
             bias, kinds = plan_reference(key, Sk, block_n)

@@ -219,6 +219,32 @@ def test_public_op_and_mode_fp16():
           call=(q, k, v, dict(layout="BSHD", pv=PV.FP8, block_mask=mask)))
 
 
+def test_block_masks_broadcast_as_documented(kdev):
+    """A block mask with size-1 dims (broadcastable to (B, H, nQB, nKB)) gives what its expanded form gives: bit for
+    bit in the kernels and the emulation, and within the output's rounding in mode fp16."""
+    n = 1 if kdev == "cpu" else 8
+    B, H, Sq, Sk = 1, 2, 300 * n, 280 * n
+    q, k, v = realistic_qkv(B, H, Sq, Sk, 64, device=kdev)
+    nq, nk = _blocks(Sq), _blocks(Sk)
+    g = torch.Generator().manual_seed(3)
+    keys, queries = torch.rand(nk, generator=g) < 0.6, torch.rand(nq, 1, generator=g) < 0.6
+    keys[0] = queries[0] = keys[-1] = True
+    queries[1] = False  # a query block that keeps nothing: its rows give 0
+    masks = {"(nKB,)": keys, "(nQB, 1)": queries, "(1, 1, 1, 1)": torch.ones(1, 1, 1, 1, dtype=torch.bool),
+             "(B, H, 1, nKB)": keys.view(1, 1, 1, nk).expand(B, H, 1, nk)}
+    for name, mask in masks.items():
+        mask = mask.to(kdev)
+        full = mask.expand(B, H, nq, nk).contiguous()
+        for pv in PV:
+            kw = dict(layout="BHSD", pv=pv)
+            out = run_kernel(q, k, v, block_mask=mask, **kw)
+            assert torch.equal(out, run_kernel(q, k, v, block_mask=full, **kw)), (name, pv)
+            assert torch.equal(R.emulate_attention(q, k, v, block_mask=mask, **kw),
+                               R.emulate_attention(q, k, v, block_mask=full, **kw)), (name, pv)
+        exact = int8_attention(q, k, v, mode="fp16", block_mask=mask)
+        torch.testing.assert_close(exact.double(), _sparse_ref(q, k, v, full), atol=2e-3, rtol=2**-11, msg=name)
+
+
 def test_bad_block_masks_are_refused_before_any_work():
     q, k, v = realistic_qkv(1, 2, 300, 260, 64)
     good = torch.ones(1, 2, 3, 3, dtype=torch.bool)

@@ -445,9 +445,18 @@ def _check_sparsity(q, k, layout, attn_mask, block_mask, sparsity, keep_kv_block
         check_keep(keep_kv_blocks, q, full)
 
 
+def full_block_mask(block_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
+    """A block mask broadcastable to (..., ceil(sq / 128), ceil(sk / 128)) as a view of at least 2 dims with those
+    last two sizes (size-1 dims there expanded, stride 0)."""
+    m = block_mask.reshape((1,) * (2 - block_mask.dim()) + tuple(block_mask.shape)) if block_mask.dim() < 2 \
+        else block_mask
+    return m.expand(*m.shape[:-2], -(-sq // SPARSE_BLOCK), -(-sk // SPARSE_BLOCK))
+
+
 def expand_block_mask(block_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
-    """A block mask (..., ceil(sq / 128), ceil(sk / 128)) as the element mask (..., sq, sk) it stands for."""
-    rows = block_mask.repeat_interleave(SPARSE_BLOCK, dim=-2)[..., :sq, :]
+    """A block mask broadcastable to (..., ceil(sq / 128), ceil(sk / 128)) as the element mask (..., sq, sk) it
+    stands for."""
+    rows = full_block_mask(block_mask, sq, sk).repeat_interleave(SPARSE_BLOCK, dim=-2)[..., :sq, :]
     return rows.repeat_interleave(SPARSE_BLOCK, dim=-1)[..., :sk]
 
 
@@ -462,7 +471,8 @@ def _sdpa_block_sparse(qb, kb, vb, attn_mask, block_mask, call: _Call, layout: s
     else:
         mask = attn_mask.masked_fill(~keep, float("-inf"))
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=call.scale, enable_gqa=call.gqa)
-    row_empty = ~block_mask.any(-1, keepdim=True).repeat_interleave(SPARSE_BLOCK, dim=-2)[..., :Sq, :]
+    row_empty = ~full_block_mask(block_mask, Sq, Sk).any(-1, keepdim=True).repeat_interleave(SPARSE_BLOCK, dim=-2)
+    row_empty = row_empty[..., :Sq, :]
     out = out.masked_fill(row_empty, 0.0)
     return out if layout == "BHSD" else out.transpose(1, 2)
 

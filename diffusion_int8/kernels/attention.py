@@ -639,7 +639,7 @@ def attend(
     cfg = tile_config(D, pv)
     if pv is PV.FP16:
         vk, vs = vb, qs  # V read in place; vs unused
-    key = as_key_mask(attn_mask, B, H) if blocks is None else None
+    key = as_key_mask(attn_mask, B, H, Sk) if blocks is None else None
     keys = None if key is None else key_mask_plan(key, Sk, cfg.block_n, runner)
     if skipped is not None and (blocks is None or skipped[0].stride() != ob.stride()):
         raise ValueError("skipped needs split block lists and an output with ob's strides")

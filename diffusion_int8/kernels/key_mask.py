@@ -33,12 +33,13 @@ def is_key_mask(shape: torch.Size | tuple[int, ...], B: int, H: int) -> bool:
     return full[2] == 1 and full[0] in (1, B) and full[1] in (1, H)
 
 
-def as_key_mask(attn_mask: torch.Tensor | None, B: int, H: int) -> torch.Tensor | None:
-    """The mask as (B or 1, H or 1, Sk) where it is a key mask (``is_key_mask``), else None. No copy."""
+def as_key_mask(attn_mask: torch.Tensor | None, B: int, H: int, Sk: int) -> torch.Tensor | None:
+    """The mask as (B or 1, H or 1, Sk) where it is a key mask (``is_key_mask``), else None. No copy: a mask of
+    size 1 along the keys is expanded to ``Sk`` (stride 0)."""
     if attn_mask is None or not is_key_mask(attn_mask.shape, B, H):
         return None
     m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() < 4 else attn_mask
-    return m[:, :, 0, :]
+    return m[:, :, 0, :].expand(-1, -1, Sk)
 
 
 def valid_prefix(attn_mask: torch.Tensor, B: int, H: int, Sk: int) -> int | None:
@@ -46,8 +47,8 @@ def valid_prefix(attn_mask: torch.Tensor, B: int, H: int, Sk: int) -> int | None
     the end of the keys: text padding after the text), so attention over the first ``n`` keys without the mask is
     the same computation; None for any other mask (not a key mask, a float mask other than 0 and -inf, or kept
     keys that differ between rows or do not start at 0). It reads the mask: one host synchronization on a GPU."""
-    key = as_key_mask(attn_mask, B, H)
-    if key is None or key.shape[-1] != Sk:
+    key = as_key_mask(attn_mask, B, H, Sk)
+    if key is None:
         return None
     if key.dtype == torch.bool:
         kept = key

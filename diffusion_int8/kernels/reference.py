@@ -352,7 +352,7 @@ def emulate_attention(
     qf = q8[:, :, :Sq].float()
     qs = qs[:, :, :Sq]
     mask = key_bias = None
-    key = as_key_mask(attn_mask, B, H) if block_mask is None else None
+    key = as_key_mask(attn_mask, B, H, Sk) if block_mask is None else None
     if key is not None:  # the kernels' key-mask path: clean tiles, then partial ones (``key_mask``)
         key_bias, kinds = plan_reference(key, Sk, block_n)
         key_bias = key_bias[:, :, None, :].expand(B, H, 1, -1)
@@ -367,7 +367,8 @@ def emulate_attention(
     if block_mask is not None:  # per query row, which SPARSE_BLOCK-key blocks it attends to
         if SPARSE_BLOCK % block_n:
             raise ValueError(f"a block mask needs key tiles that divide {SPARSE_BLOCK}, got block_n={block_n}")
-        keep = block_mask.expand(B, H, -(-Sq // SPARSE_BLOCK), -1).repeat_interleave(SPARSE_BLOCK, dim=2)[:, :, :Sq]
+        keep = block_mask.expand(B, H, -(-Sq // SPARSE_BLOCK), -(-Sk // SPARSE_BLOCK))
+        keep = keep.repeat_interleave(SPARSE_BLOCK, dim=2)[:, :, :Sq]
     p_shift = FP8_P_SHIFT if pv is PV.FP8 else 0.0  # FP8: P·2^8 through the exponent, cancels in acc / l
     m_i = torch.full((B, H, Sq), -math.inf, dtype=torch.float32, device=q.device)
     l_i = torch.zeros((B, H, Sq), dtype=torch.float32, device=q.device)
