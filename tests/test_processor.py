@@ -1225,3 +1225,25 @@ def test_a_warning_inside_the_forward_points_at_the_users_line(compiled):
         run(torch.randn(1, 40, 64, dtype=torch.half))
     assert [(w.filename, w.lineno) for w in seen] == [(__file__, line)], [(str(w.message)[:80], w.filename)
                                                                           for w in seen]
+
+
+def test_calls_the_kernel_does_not_cover_are_stocks_own():
+    """SDPA broadcasts a K/V batch of 1 and refuses fewer K/V heads without ``enable_gqa``; the kernel does
+    neither, so such calls run SDPA: stock's result, or stock's error. GQA asked for runs INT8."""
+    from diffusion_int8.plugin.routing import int8_sdpa, kernel_takes
+    from diffusion_int8.inputs import realistic_qkv
+
+    q, k, v = realistic_qkv(2, 4, 129, 77, 64)
+    assert not kernel_takes(q, k[:1])
+    assert torch.equal(int8_sdpa("int8", q, k[:1], v[:1]), F.scaled_dot_product_attention(q, k[:1], v[:1]))
+    kg, vg = k[:, :2], v[:, :2]
+    with pytest.raises(RuntimeError) as stock:
+        F.scaled_dot_product_attention(q, kg, vg)
+    with pytest.raises(RuntimeError) as ours:
+        int8_sdpa("int8", q, kg, vg)
+    assert str(ours.value) == str(stock.value)
+    assert kernel_takes(q, kg, enable_gqa=True) and not kernel_takes(q, k[:, :3], enable_gqa=True)
+    exact = F.scaled_dot_product_attention(q, kg, vg, enable_gqa=True)
+    out = int8_sdpa("int8", q, kg, vg, enable_gqa=True)
+    assert not torch.equal(out, exact)  # INT8 ran
+    assert F.cosine_similarity(out.double().flatten(), exact.double().flatten(), 0) > 0.999

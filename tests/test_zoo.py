@@ -106,9 +106,10 @@ class SDPACalls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            given = {**dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), args)), **kwargs}
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            given = {**dict(zip(names, args)), **kwargs}
             taken = kernel_takes(given["query"], given["key"], given.get("attn_mask"), given.get("dropout_p", 0.0),
-                                 given.get("is_causal", False))
+                                 given.get("is_causal", False), given.get("enable_gqa", False))
             self.calls.append((taken, tuple(self.stack)))
         return func(*args, **kwargs)
 

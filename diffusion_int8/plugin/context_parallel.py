@@ -126,7 +126,7 @@ class DispatcherCalls:
         elif split == "ring":
             # diffusers' native backend has no ring attention of its own: calls that do not run INT8 run SDPA
             # with its log-sum-exp here
-            mode = self._ring_mode(query.transpose(1, 2), key.transpose(1, 2), dropout_p, is_causal)
+            mode = self._ring_mode(query.transpose(1, 2), key.transpose(1, 2), dropout_p, is_causal, enable_gqa)
             forward = functools.partial(self._ring_block, mode)
         else:
             out = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
@@ -136,12 +136,12 @@ class DispatcherCalls:
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False, forward_op=forward,
             backward_op=dispatch._native_attention_backward_op, _parallel_config=parallel_config)
 
-    def _ring_mode(self, query, key, dropout_p, is_causal) -> Mode:
+    def _ring_mode(self, query, key, dropout_p, is_causal, enable_gqa) -> Mode:
         """The mode an unmasked ring-split call (BHSD: this device's queries, one K/V block) runs: the schedule's
         INT8 mode where the kernel takes the call and the gate lets it, else ``fp16``; counted as ``_attention``
         counts."""
         mode = self.current_mode()
-        if mode is Mode.FP16 or not kernel_takes(query, key, None, dropout_p, is_causal):
+        if mode is Mode.FP16 or not kernel_takes(query, key, None, dropout_p, is_causal, enable_gqa):
             return Mode.FP16
         counting = not torch.compiler.is_compiling()
         if self.gate is not None and not (self.gate.pays(mode, query, key) and (

@@ -356,7 +356,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
         # compiled graph would recompile it at every call
         counting = not torch.compiler.is_compiling()
         blocks = counting and self.state.trace is not None
-        if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal):
+        if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal, enable_gqa):
             if blocks:
                 pairs = block_pairs(query, key)
                 self.state.count_blocks(pairs, pairs)

@@ -121,7 +121,7 @@ def int8_sdpa(mode, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     takes them (a block mask applies to INT8 calls only; calls that go to SDPA are dense).
     """
     mode = Mode.parse(mode)
-    if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal):
+    if mode is Mode.FP16 or not kernel_takes(query, key, attn_mask, dropout_p, is_causal, enable_gqa):
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
@@ -159,10 +159,15 @@ def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_
     return tuple(out)
 
 
-def kernel_takes(query, key, attn_mask=None, dropout_p=0.0, is_causal=False) -> bool:
+def kernel_takes(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False) -> bool:
     """Whether an SDPA call (BHSD) is one the INT8 kernel covers: 4-D, no dropout, not causal, head dim
-    <= 256, a mask that broadcasts to (B, H, Sq, Sk). Other calls stay on SDPA."""
-    if is_causal or dropout_p > 0 or query.dim() != 4 or query.shape[-1] > MAX_HEAD_DIM:
+    <= 256, Q's batch in K and V (SDPA broadcasts a batch of 1; the kernel does not), as many K/V heads as query
+    heads or, with ``enable_gqa``, a divisor of them (without it SDPA refuses the call, and so does its stock
+    error here), a mask that broadcasts to (B, H, Sq, Sk). Other calls stay on SDPA."""
+    if is_causal or dropout_p > 0 or query.dim() != 4 or key.dim() != 4 or query.shape[-1] > MAX_HEAD_DIM:
+        return False
+    hq, hk = query.shape[1], key.shape[1]
+    if key.shape[0] != query.shape[0] or not (hk == hq or (enable_gqa and hk > 0 and hq % hk == 0)):
         return False
     return attn_mask is None or (attn_mask.dim() <= 4 and _broadcasts(attn_mask, query, key))
 
