@@ -446,11 +446,12 @@ def _check_sparsity(q, k, layout, attn_mask, block_mask, sparsity, keep_kv_block
 
 
 def full_block_mask(block_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
-    """A block mask broadcastable to (..., ceil(sq / 128), ceil(sk / 128)) as a view of at least 2 dims with those
-    last two sizes (size-1 dims there expanded, stride 0)."""
+    """A block mask broadcastable to (..., ceil(sq / 128), ceil(sk / 128)) as a view of at least 2 dims whose last
+    two, where of size 1, are expanded to those sizes (stride 0); longer ones are left for the caller to cut."""
     m = block_mask.reshape((1,) * (2 - block_mask.dim()) + tuple(block_mask.shape)) if block_mask.dim() < 2 \
         else block_mask
-    return m.expand(*m.shape[:-2], -(-sq // SPARSE_BLOCK), -(-sk // SPARSE_BLOCK))
+    nq, nk = m.shape[-2:]
+    return m.expand(*m.shape[:-2], -(-sq // SPARSE_BLOCK) if nq == 1 else nq, -(-sk // SPARSE_BLOCK) if nk == 1 else nk)
 
 
 def expand_block_mask(block_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
