@@ -384,6 +384,37 @@ def test_a_pipeline_carries_its_skipped_blocks_and_counts_them():
     assert psnr(carried, dense).item() > psnr(dropped, dense).item()
 
 
+def test_a_run_that_starts_where_the_last_one_stopped_is_a_new_generation():
+    """After a one-step warm-up, or a run interrupted at its first step, the next run starts at the same timestep:
+    its scheduler's timesteps set anew tell it apart, so it gives what a first run gives, with its own steps."""
+    from test_embedded_long import tiny_long_pipeline
+
+    pipe = tiny_long_pipeline()
+
+    def generate(steps, stop=None):
+        def interrupt(p, i, t, kw):
+            p._interrupt = i == stop
+            return kw
+        return pipe(["red circle"], num_inference_steps=steps, generator=torch.Generator().manual_seed(0),
+                    output_type="pt", callback_on_step_end=interrupt).images
+
+    runs = {}
+    for before in (None, 1, "interrupted"):
+        handle = enable(pipe, "int8", sparsity=0.3, refresh_every=3, speed_gate=False, record=True)
+        try:
+            if before == 1:
+                generate(1)
+            elif before is not None:
+                generate(5, stop=0)
+            handle.state.trace.clear()
+            runs[before] = generate(5)
+            assert handle.state.steps == 5, before
+            assert sorted({step for step, *_ in handle.state.trace}) == [0, 1, 2, 3, 4], before
+        finally:
+            handle.disable()
+    assert torch.equal(runs[None], runs[1]) and torch.equal(runs[None], runs["interrupted"])
+
+
 @torch._dynamo.config.patch(recompile_limit=64)
 def test_a_compiled_carried_denoiser_does_not_recompile_as_the_timestep_moves(monkeypatch):
     # the carry reads the timestep (its noise level) outside the graph: traced, every step's timestep would be a

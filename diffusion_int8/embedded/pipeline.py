@@ -40,6 +40,11 @@ class ShapesPipeline(DiffusionPipeline):
         """Class indices of ``class_labels`` (``shapes.label_ids``)."""
         return label_ids(class_labels)
 
+    @property
+    def interrupt(self) -> bool:
+        """Whether a step-end callback stopped this run (``pipe._interrupt = True``), as in diffusers."""
+        return getattr(self, "_interrupt", False)
+
     @torch.no_grad()
     def __call__(
         self,
@@ -68,6 +73,7 @@ class ShapesPipeline(DiffusionPipeline):
                 ``callback_on_step_end(pipe, step, timestep, callback_kwargs)``; ``callback_kwargs`` holds the
                 tensors named in ``callback_on_step_end_tensor_inputs`` (``"latents"``: the current sample, in
                 [-1, 1] pixel space), and a ``"latents"`` entry of the dict it returns replaces the sample.
+                Setting ``pipe._interrupt = True`` there skips the steps left, as in diffusers' pipelines.
         """
         if (class_labels is None) == (prompt is None):
             raise ValueError("give the labels either as class_labels or as prompt (class names or prompts naming "
@@ -87,7 +93,10 @@ class ShapesPipeline(DiffusionPipeline):
         if cfg:
             labels = torch.cat([torch.full_like(labels, NUM_CLASSES), labels])
         self.scheduler.set_timesteps(num_inference_steps, device=device)
+        self._interrupt = False
         for i, t in enumerate(self.progress_bar(self.scheduler.timesteps)):
+            if self.interrupt:
+                continue
             model_in = torch.cat([x, x]) if cfg else x
             v = self.transformer(model_in.to(dtype), timestep=t.expand(model_in.shape[0]), class_labels=labels).sample
             v = v.float()

@@ -20,9 +20,11 @@ block the pooled scores misjudge is forecast, not lost. It stays fixed, so that 
 computed the same complement. Each call site (an attention module's n-th call in a denoising step) keeps the
 complement's output (in the query's dtype) and log-sum-exp at two refreshes: at Wan2.1 1.3B's 32,760 tokens,
 200 MB per attention module (cross-attention over more than one block of text included) and batch, until the
-next generation starts or ``disable()`` removes the processors. A new generation is told by its noise level
-rising, as ``Int8State`` tells it: a run that starts below the level the last one stopped at (one interrupted,
-then an img2img run of low strength) is taken for its continuation.
+next generation starts or ``disable()`` removes the processors. A new generation is told as ``Int8State`` tells
+it: by its noise level rising, or, where ``enable`` was given the pipeline, by its scheduler's timesteps being set
+anew (a run that starts at or below the level the last one stopped at: after a one-step warm-up, an interrupted
+run, an img2img run of low strength). Given the model alone, a run that starts below the level the last one
+stopped at is taken for its continuation.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class _Generation(threading.local):
     def __init__(self):
         self.sites: dict[int, _Site] = {}
         self.noise: float | None = None  # the denoising step's noise level
+        self.generation: int | None = None  # ``Int8State.generation`` when it began
         self.step = 0  # denoising steps since the generation began
         self.calls = 0  # calls in this denoising step: the index of the next call site
 
@@ -91,17 +94,18 @@ class BlockCarry:
     def __setstate__(self, state):
         self.__init__(state["every"])
 
-    def _advance(self, noise: float) -> tuple[_Generation, int]:
+    def _advance(self, noise: float, generation: int | None) -> tuple[_Generation, int]:
         """This thread's generation and the call site of this call; a new noise level starts a denoising step, a
-        higher one a generation."""
+        higher one or a new ``generation`` (the state's count) a generation."""
         gen = self._gen
-        if noise != gen.noise or gen.calls == MAX_CALLS_PER_STEP:
-            if gen.noise is None or noise >= gen.noise:
+        new = generation != gen.generation
+        if new or noise != gen.noise or gen.calls == MAX_CALLS_PER_STEP:
+            if new or gen.noise is None or noise >= gen.noise:
                 gen.sites.clear()
                 gen.step = 0
             else:
                 gen.step += 1
-            gen.noise, gen.calls = noise, 0
+            gen.noise, gen.calls, gen.generation = noise, 0, generation
         gen.calls += 1
         return gen, gen.calls - 1
 
@@ -114,8 +118,8 @@ class BlockCarry:
 
     @torch.compiler.disable  # Python state across calls: runs eagerly inside a compiled denoiser
     def __call__(self, run, query: torch.Tensor, key: torch.Tensor, *, tau: float, scale: float | None, noise: float,
-                 keep_kv_blocks: torch.Tensor | None = None,
-                 steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | int]:
+                 keep_kv_blocks: torch.Tensor | None = None, steps: int | None = None,
+                 generation: int | None = None) -> tuple[torch.Tensor, torch.Tensor | int]:
         """One attention call.
 
         Args:
@@ -128,12 +132,13 @@ class BlockCarry:
             noise: the denoising step's noise level in [0, 1] (``schedule.noise_level``).
             keep_kv_blocks: key blocks always kept (joint text attention).
             steps: the generation's denoising steps (``Int8State.steps``), or None where not known.
+            generation: ``Int8State.generation``; where it changes, a generation starts whatever the noise level.
 
         Returns:
             The output in ``query``'s dtype, and the (query block, key block) pairs computed: all of them at a
             refresh, the mask's (a 0-d device tensor: no host synchronization) between.
         """
-        gen, index = self._advance(noise)
+        gen, index = self._advance(noise, generation)
         shape = (query.shape, key.shape, query.dtype, query.device)
         site = gen.sites.get(index)
         if site is None or site.shape != shape:

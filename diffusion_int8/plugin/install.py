@@ -357,9 +357,12 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], steps: St
         # 0) give each token its level; the step's is the highest of the first sample's
         t = t.reshape(t.shape[0], -1)[0].amax() if t.dim() > 1 else t.reshape(-1)[0]
     t = float(t)
-    if state.timestep is None or t > state.timestep:
-        # a new generation: denoising starts at its highest noise level, which also tells the scale
+    if state.timestep is None or t > state.timestep or (steps is not None and steps.restarted()):
+        # a new generation: denoising starts at its highest noise level, which also tells the scale; a pipeline's
+        # run also sets its scheduler's timesteps anew, which tells a run that starts where the last one stopped
+        # (a one-step warm-up, an interrupted run)
         state.step, state.timestep_scale = -1, 1000.0 if t > 1.0 else 1.0
+        state.generation += 1
         state.steps = None if steps is None else steps(noise_level(t, None, state.timestep_scale))
     elif t == state.timestep and state._caller not in (None, id(module)):
         return None  # this denoising step again, in another of the pipeline's models (a ControlNet, then its UNet)
@@ -389,10 +392,21 @@ class StepCount:
         except TypeError:  # an object without weak references, standing for a pipeline
             self._pipe = lambda: pipe
         self._levels = (None, None)  # (the timesteps read, their distinct levels in [0, 1])
+        self._started = None  # the scheduler's timesteps when the last generation started
+
+    def _timesteps(self):
+        return getattr(getattr(self._pipe(), self._scheduler, None), "timesteps", None)
+
+    def restarted(self) -> bool:
+        """Whether the scheduler's timesteps are another object than when the last generation started: a pipeline
+        sets them at the start of every run (``set_timesteps``), so a run that starts at the level the last one
+        stopped at is still told apart. False where the scheduler holds none."""
+        timesteps = self._timesteps()
+        return isinstance(timesteps, torch.Tensor) and timesteps is not self._started
 
     def __call__(self, noise: float) -> int | None:
         """The step count of a generation whose first noise level (``schedule.noise_level``) is ``noise``."""
-        timesteps = getattr(getattr(self._pipe(), self._scheduler, None), "timesteps", None)
+        timesteps = self._started = self._timesteps()
         if not isinstance(timesteps, torch.Tensor) or timesteps.numel() == 0:
             return None
         read, levels = self._levels

@@ -471,7 +471,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
         return self.carry(run, query, key, tau=tau, scale=scale,
                           keep_kv_blocks=self._text_blocks(query, key, full_keys),
                           noise=noise_level(self.state.timestep, None, self.state.timestep_scale),
-                          steps=self.state.steps)
+                          steps=self.state.steps, generation=self.state.generation)
 
     def _carry_ready(self) -> bool:
         """Whether the skipped blocks can be carried: the denoising step is known (else, one warning, and they

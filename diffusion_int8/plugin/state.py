@@ -34,6 +34,7 @@ class Int8State:
     trace: list | None = None
     timestep_scale: float | None = None  # 1000 or 1: what the timesteps of this generation are out of
     steps: int | None = None
+    generation: int = 0  # generations started (and resets): a carry starts over when it changes
     int8_calls: int = 0  # attention calls that ran an INT8 mode
     gated_calls: int = 0  # calls the schedule gave an INT8 mode and the speed gate sent to SDPA
     # step -> [pairs computed (a device tensor where a mask was predicted: no host sync per call), all pairs]
@@ -48,6 +49,7 @@ class Int8State:
 
     def reset(self) -> None:
         self.timestep, self.step, self.timestep_scale, self.steps, self._caller = None, -1, None, None, None
+        self.generation += 1
         self.int8_calls = self.gated_calls = 0
         self.block_counts.clear()
         self._prefix = (None, None, None)
