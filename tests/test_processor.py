@@ -68,9 +68,9 @@ def test_set_attn_processor_the_diffusers_way(family):
     model.set_attn_processor(Int8DiffusionProcessor(mode="int8"))  # one shared instance, stock inferred per module
     assert torch.equal(run(model, x), want)
     model.set_attn_processor(Int8DiffusionProcessor(mode="fp16"))
-    handle = enable(model, "fp16")  # wraps the shared instance: still exact
     assert torch.equal(run(model, x), run(*build(family)))
-    handle.disable()
+    with pytest.raises(RuntimeError, match="already runs Int8DiffusionProcessor"):  # it would wrap them
+        enable(model, "fp16")
 
 
 def test_a_schedule_without_the_timestep_runs_exact_with_one_warning():
@@ -139,6 +139,38 @@ def test_enable_refuses_twice_and_compiled():
         enable(object(), "int8")
     with pytest.raises(ValueError, match="mode must be one of"):
         enable(model, "int4")
+    # a schedule callable: its signature and what it returns are checked at enable, not at the first step
+    with pytest.raises(ValueError, match=r"returns a mode, one of .* returned 'int4' for the timestep 1000.0"):
+        enable(model, schedule=lambda t: "int4")
+    with pytest.raises(TypeError, match="takes one argument, the denoiser's timestep"):
+        enable(model, schedule=lambda: "int8")
+    with pytest.raises(ValueError, match="returned 1000 for the timestep"):
+        enable(model, schedule=int)
+    enable(model, schedule=lambda t: {981.0: "int8"}[t]).disable()  # raises at 1000.0: it may take only its own
+    assert "_diffusion_int8_handle" not in model.__dict__
+
+
+def test_enable_refuses_int8_processors_set_by_hand(tmp_path):
+    """``set_attn_processor(Int8DiffusionProcessor(...))`` then ``enable()`` would nest two INT8 processors (and an
+    ``fp16`` enable would not be stock): refused, and so is ``evaluate``, whose baseline runs stock, before any
+    image."""
+    from diffusion_int8.embedded import load_pipeline
+    from diffusion_int8.eval import evaluate
+
+    model, _ = build("unet")
+    model.set_attn_processor(Int8DiffusionProcessor(mode="int8", speed_gate=False))
+    with pytest.raises(RuntimeError, match=r"already runs Int8DiffusionProcessor on .* \(set with set_attn_processor"):
+        enable(model, "fp16")
+    assert all(isinstance(m.processor, Int8DiffusionProcessor) and m.processor.inner is None
+               for m in attention_modules(model).values())  # left as they were
+    pipe = load_pipeline(device="cpu")
+    for module in attention_modules(pipe.transformer).values():  # a DiT has no set_attn_processor
+        module.set_processor(Int8DiffusionProcessor(mode="int8"))
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(RuntimeError, match="already runs Int8DiffusionProcessor"):
+        evaluate(pipe, class_labels=["red circle"], steps=2)
+    assert calls == []
 
 
 def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
@@ -454,6 +486,8 @@ def test_per_token_timesteps_are_read_at_their_highest_level():
     model, x = build("wan")
     seen = []
     handle = enable(model, "int8", schedule=lambda t: (seen.append(t), "fp16")[1])
+    assert seen == [1000.0]  # the config's check of what it returns
+    seen.clear()
     tokens = 2 * 4 * 4  # frames x (8 / 2) x (8 / 2) patches
     timestep = torch.full((1, tokens), 700.0)
     timestep[:, :16] = 0

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from .. import pipelines
 from ..calibration import Calibration
 from ..plugin.config import Int8Config
-from ..plugin.install import enable
+from ..plugin.install import check_enableable, enable
 from ..kernels import Mode, kernel_info
 from ..plugin.state import skipped_fractions
 from ..schedule import PrecisionSchedule
@@ -259,6 +259,8 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
         ValueError: class labels the pipeline does not know, a mode that is not one, steps, batch size, seed or
             guidance scale out of range, a calibration of another model, or an invalid schedule or calibration
             file (``FileNotFoundError`` where it, or a weights file given, is missing); all before any image.
+        RuntimeError: a pipeline ``enable`` would refuse (already enabled, compiled, or with
+            ``Int8DiffusionProcessor`` set by hand: its baseline would not be stock); before any image.
     """
     pipelines.check_run(steps, batch_size, seed, guidance_scale)
     modes = check_modes(modes)
@@ -266,6 +268,7 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"{what}: no file at {path} (leave it out to report the metric unavailable)")
     items = pipelines.resolve_items(pipe, prompts, class_labels)
+    check_enableable(pipe)  # the baseline runs stock: not on a pipeline whose attention is already INT8
     if schedule is not None and not isinstance(schedule, PrecisionSchedule):
         schedule = PrecisionSchedule.load(schedule)
     if calibration is not None and not isinstance(calibration, Calibration):

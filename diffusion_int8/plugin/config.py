@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ class Int8Config:
         schedule: a ``PrecisionSchedule`` (per noise level and layer), a preset name or schedule file
             (``PrecisionSchedule.load``; kept loaded), or any callable ``timestep -> mode``; evaluated at every
             call from the timestep ``enable`` reads. Until a timestep is known, ``fp16`` runs (one warning says so).
+            A callable is checked here: its signature, and what it returns for 1000.0 (one call).
         calibration: a ``Calibration`` or its file or directory (``diffusion-int8 calibrate``; kept loaded): its
             fitted per-head ranges at the current noise level and K means become the kernel's static ranges and
             smoothing vector (no statistics pass over K and V). Needs the timestep.
@@ -82,6 +84,8 @@ class Int8Config:
         if schedule is not None and not callable(schedule):
             raise TypeError(f"schedule must be a PrecisionSchedule, a preset name, a file or a callable, "
                             f"got {type(schedule).__name__}")
+        if schedule is not None and not isinstance(schedule, PrecisionSchedule):
+            _check_schedule_callable(schedule)
         put("schedule", schedule)
         calibration = self.calibration
         if isinstance(calibration, (str, Path)):
@@ -119,6 +123,26 @@ class Int8Config:
         if self._refresh_from_schedule and "refresh_every" not in changes:
             changes["refresh_every"] = None  # the schedule's interval: taken again from the schedule the copy has
         return dataclasses.replace(self, **changes)
+
+
+def _check_schedule_callable(schedule: Callable) -> None:
+    """A callable schedule takes the denoiser's timestep (a float) and returns a mode. Its signature is checked, and
+    the result of one call at 1000.0 must be a mode; a call that raises is let through, since a schedule may take
+    only its scheduler's timesteps."""
+    try:
+        inspect.signature(schedule).bind(1000.0)
+    except TypeError as e:
+        raise TypeError(f"a schedule callable takes one argument, the denoiser's timestep (a float), and returns a "
+                        f"mode; {schedule!r} cannot be called with one ({e})") from None
+    except ValueError:  # no signature to read (some builtins): the call below tells
+        pass
+    try:
+        got = schedule(1000.0)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return
+    if not isinstance(got, (str, Mode)) or got not in {m.value for m in Mode}:
+        raise ValueError(f"a schedule callable returns a mode, one of {[m.value for m in Mode]}; "
+                         f"{schedule!r} returned {got!r} for the timestep 1000.0")
 
 
 def _gate(speed_gate) -> SpeedGate | None:

@@ -264,6 +264,25 @@ def _check_enableable(model: torch.nn.Module, what: str) -> None:
     if _compiled(model):
         raise RuntimeError(f"{what} ({type(model).__name__}) is already compiled: call diffusion_int8.enable() "
                            f"before torch.compile")
+    by_hand = [name for name, m in attention_modules(model).items() if isinstance(m.processor, Int8DiffusionProcessor)]
+    if by_hand:
+        shown = ", ".join(by_hand[:3]) + (f" and {len(by_hand) - 3} more" if len(by_hand) > 3 else "")
+        raise RuntimeError(f"{what} ({type(model).__name__}) already runs Int8DiffusionProcessor on {shown} (set with "
+                           f"set_attn_processor): enable() would put a second one around it, and a stock run would "
+                           f"not be stock. Put the stock processors back first (set_default_attn_processor(), or "
+                           f"the ones you replaced), or keep yours and leave out enable()")
+
+
+def check_enableable(pipe_or_model) -> None:
+    """Raise where ``enable`` would refuse ``pipe_or_model``'s denoiser or another of its denoising models: already
+    enabled, compiled, or running ``Int8DiffusionProcessor`` set by hand. For work that runs stock first (``eval``'s
+    baseline), so that it stops before any."""
+    model = denoiser(pipe_or_model)
+    _check_enableable(model, "the model" if isinstance(pipe_or_model, torch.nn.Module) else "the denoiser")
+    if not isinstance(pipe_or_model, torch.nn.Module):
+        for name, m in other_denoisers(pipe_or_model, model):
+            if not _compiled(m):
+                _check_enableable(m, name)
 
 
 def _compiled(model: torch.nn.Module) -> bool:
