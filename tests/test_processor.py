@@ -1114,7 +1114,8 @@ def test_sparse_processors_compile_without_graph_breaks(kernel_calls, dynamo_war
 
 def test_set_attention_backend_reaches_the_wrapped_processor():
     # diffusers' set_attention_backend sets the backend on whatever processor a module holds: after enable() it
-    # reaches the stock processor wrapped, whose calls then go to that backend (stock); back on native, INT8 runs
+    # reaches the stock processor wrapped, whose calls then go to that backend (stock), and one warning says so;
+    # back on native, INT8 runs
     model, x = build("wan")
     with torch.no_grad():
         model.set_attention_backend("_native_math")
@@ -1122,7 +1123,12 @@ def test_set_attention_backend_reaches_the_wrapped_processor():
         model.set_attention_backend("native")
         handle = enable(model, "int8")
         model.set_attention_backend("_native_math")
-        assert torch.equal(model(**x, return_dict=False)[0], stock_math) and handle.state.int8_calls == 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            assert torch.equal(model(**x, return_dict=False)[0], stock_math) and handle.state.int8_calls == 0
+            model(**x, return_dict=False)
+        said = [str(w.message) for w in caught if "attention backend" in str(w.message)]
+        assert len(said) == 1 and "'_native_math'" in said[0] and "set_attention_backend('native')" in said[0]
         model.set_attention_backend("native")
         out = model(**x, return_dict=False)[0]
     assert handle.state.int8_calls == 2 and not torch.equal(out, stock_math)

@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from ..caller import warn_user
 from ..kernels import Mode, StaticRanges
 from ..kernels.api import sdpa_with_lse
 from .routing import attention_dispatch, int8_core, keeps_stock, kernel_takes
@@ -110,10 +111,14 @@ class DispatcherCalls:
         if split is not None and self.observer is not None:
             raise ValueError("diffusion_int8: an observer (calibration) sees one device's share of a context-parallel "
                              "model; calibrate on one device, with batches sharded by accelerate launch")
-        if (attention_kwargs or keeps_stock(backend, None) or (parallel_config is not None and split is None)
+        other = keeps_stock(backend, None)
+        if (attention_kwargs or other or (parallel_config is not None and split is None)
                 or (split == "ring" and attn_mask is not None)):
             if not torch.compiler.is_compiling():
                 self._outcomes[2] += 1
+                if other and not self._warned_backend:
+                    self._warned_backend = True
+                    _warn_other_backend(backend)
             return dispatch.dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                                   attention_kwargs, backend=backend, parallel_config=parallel_config)
         if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
@@ -176,3 +181,13 @@ class DispatcherCalls:
             out, lse = int8_core(mode, q, k, v, None, scale, ranges, qk_balance=self.balance.for_call(q, k, ranges),
                                  qk_rotate=self.qk_rotate, return_lse=True)
         return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _warn_other_backend(backend) -> None:
+    """Said once per processor; the same words from every module, so Python shows them once at the user's line."""
+    name = getattr(backend, "value", backend) or getattr(
+        attention_dispatch()._AttentionBackendRegistry.get_active_backend()[0], "value", "another")
+    warn_user(f"diffusion_int8: diffusers' attention backend is {name!r} (set_attention_backend or the "
+              f"attention_backend context), so the attention calls routed to INT8 run that backend instead: INT8 "
+              f"takes the calls diffusers sends to its native backend. model.set_attention_backend('native') gives "
+              f"them back to INT8 (reset_attention_backend leaves diffusers' active backend as it was)")

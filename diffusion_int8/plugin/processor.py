@@ -87,7 +87,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
         self.sparsity, self.qk_balance, self.qk_rotate = config.sparsity, config.qk_balance, config.qk_rotate
         self.carry = None if config.refresh_every is None else BlockCarry(config.refresh_every)
         attention_dispatch()  # imported now, not while torch.compile traces a call
-        self._warned_carry = self._warned_schedule = False
+        self._warned_carry = self._warned_schedule = self._warned_backend = False
         self.inner = inner
         self.state = state if state is not None else Int8State()
         self.name = name
