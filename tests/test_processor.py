@@ -232,6 +232,23 @@ def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
     assert handle.state.step == 2 and {s for s, *_ in handle.state.trace} == {0, 1, 2}
     handle.disable()
 
+    # with the pipeline's scheduler: a model joining a run partway continues it (Wan 2.2's second expert, a UNet
+    # after its ControlNet), and a run that starts at the level the last one stopped at, its timesteps set anew,
+    # is a new generation
+    scheduler = SimpleNamespace(timesteps=torch.tensor([10.0, 9.0, 8.0, 7.0]))
+    handle = enable(SimpleNamespace(transformer=first, transformer_2=second, scheduler=scheduler), "fp16", record=True)
+    seen = []
+    for model, t in ((first, 10), (first, 10), (first, 9), (second, 8), (second, 8), (second, 7)):  # CFG: two calls
+        run(model, dict(x, timestep=torch.tensor([t])))
+        seen.append((handle.state.step, handle.state.generation, handle.state.steps))
+    assert seen == [(step, 1, 4) for step in range(6)]
+    scheduler.timesteps = torch.tensor([7.0, 6.0])  # set_timesteps at the next run
+    for model in (second, first):
+        run(model, dict(x, timestep=torch.tensor([7])))
+        seen.append((handle.state.step, handle.state.generation, handle.state.steps))
+    assert seen[-2:] == [(0, 2, 2), (0, 2, 2)]
+    handle.disable()
+
     # a model compiled before enable() stays stock, named in a warning
     compiled = SimpleNamespace(transformer=first, transformer_2=torch.compile(second))
     with pytest.warns(RuntimeWarning, match="left transformer_2 on stock attention: compiled before enable"):
@@ -1133,6 +1150,17 @@ def test_set_attention_backend_reaches_the_wrapped_processor():
         out = model(**x, return_dict=False)[0]
     assert handle.state.int8_calls == 2 and not torch.equal(out, stock_math)
     handle.disable()
+    model, x = build("wan")  # compiled, the same warning (from outside the graph)
+    handle = enable(model, "int8")
+    model.set_attention_backend("_native_math")
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("default")
+            torch.compile(model, backend="eager")(**x, return_dict=False)
+        assert len([w for w in caught if "attention backend is '_native_math'" in str(w.message)]) == 1
+    finally:
+        model.set_attention_backend("native")
+        handle.disable()
 
 
 @pytest.mark.parametrize("mode", ["fp16", "int8"])

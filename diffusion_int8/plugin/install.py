@@ -274,9 +274,9 @@ def _check_enableable(model: torch.nn.Module, what: str) -> None:
 
 
 def check_enableable(pipe_or_model) -> None:
-    """Raise where ``enable`` would refuse ``pipe_or_model``'s denoiser or another of its denoising models: already
-    enabled, compiled, or running ``Int8DiffusionProcessor`` set by hand. For work that runs stock first (``eval``'s
-    baseline), so that it stops before any."""
+    """Raise where ``pipe_or_model``'s denoiser, or another of its denoising models not compiled, is already
+    enabled, compiled (the denoiser) or runs ``Int8DiffusionProcessor`` set by hand, as ``enable`` refuses them. For
+    work that runs stock first (``eval``'s baseline), so that it stops before any."""
     model = denoiser(pipe_or_model)
     _check_enableable(model, "the model" if isinstance(pipe_or_model, torch.nn.Module) else "the denoiser")
     if not isinstance(pipe_or_model, torch.nn.Module):
@@ -376,14 +376,24 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], steps: St
         # 0) give each token its level; the step's is the highest of the first sample's
         t = t.reshape(t.shape[0], -1)[0].amax() if t.dim() > 1 else t.reshape(-1)[0]
     t = float(t)
-    if state.timestep is None or t > state.timestep or (steps is not None and steps.restarted()):
-        # a new generation: denoising starts at its highest noise level, which also tells the scale; a pipeline's
-        # run also sets its scheduler's timesteps anew, which tells a run that starts where the last one stopped
-        # (a one-step warm-up, an interrupted run)
+    # a pipeline's run sets its scheduler's timesteps anew: a run that starts at the level the last one stopped at
+    # (a one-step warm-up, a run interrupted at its first step) is told apart by them; judged against the
+    # timesteps of the state's generation, so that another model of the pipeline joining the run partway (Wan
+    # 2.2's second transformer, the UNet after its ControlNet) continues it
+    timesteps = None if steps is None else steps.timesteps()
+    if not isinstance(timesteps, torch.Tensor):
+        timesteps = None
+    seen = None if timesteps is None else state._timesteps.get(steps.scheduler)
+    new = state.timestep is None or t > state.timestep or (seen is not None and seen is not timesteps)
+    if new:
+        # a new generation: denoising starts at its highest noise level, which also tells the scale
         state.step, state.timestep_scale = -1, 1000.0 if t > 1.0 else 1.0
         state.generation += 1
+        state._timesteps = {}
         state.steps = None if steps is None else steps(noise_level(t, None, state.timestep_scale))
-    elif t == state.timestep and state._caller not in (None, id(module)):
+    if timesteps is not None:
+        state._timesteps.setdefault(steps.scheduler, timesteps)
+    if not new and t == state.timestep and state._caller not in (None, id(module)):
         return None  # this denoising step again, in another of the pipeline's models (a ControlNet, then its UNet)
     state.timestep, state._caller = t, id(module)
     state.step += 1
@@ -402,7 +412,7 @@ class StepCount:
     against."""
 
     def __init__(self, pipe, schedule: PrecisionSchedule | None = None, scheduler: str = "scheduler"):
-        self._scheduler = scheduler
+        self.scheduler = scheduler
         self._calibrated = None
         if schedule is not None and schedule.refresh_every is not None and schedule.calibrated_steps is not None:
             self._calibrated = schedule  # its refresh interval was chosen at calibrated_steps: warned once otherwise
@@ -411,21 +421,14 @@ class StepCount:
         except TypeError:  # an object without weak references, standing for a pipeline
             self._pipe = lambda: pipe
         self._levels = (None, None)  # (the timesteps read, their distinct levels in [0, 1])
-        self._started = None  # the scheduler's timesteps when the last generation started
 
-    def _timesteps(self):
-        return getattr(getattr(self._pipe(), self._scheduler, None), "timesteps", None)
-
-    def restarted(self) -> bool:
-        """Whether the scheduler's timesteps are another object than when the last generation started: a pipeline
-        sets them at the start of every run (``set_timesteps``), so a run that starts at the level the last one
-        stopped at is still told apart. False where the scheduler holds none."""
-        timesteps = self._timesteps()
-        return isinstance(timesteps, torch.Tensor) and timesteps is not self._started
+    def timesteps(self):
+        """The pipeline's scheduler's ``timesteps`` now (a pipeline sets a new tensor at every run), or None."""
+        return getattr(getattr(self._pipe(), self.scheduler, None), "timesteps", None)
 
     def __call__(self, noise: float) -> int | None:
         """The step count of a generation whose first noise level (``schedule.noise_level``) is ``noise``."""
-        timesteps = self._started = self._timesteps()
+        timesteps = self.timesteps()
         if not isinstance(timesteps, torch.Tensor) or timesteps.numel() == 0:
             return None
         read, levels = self._levels

@@ -43,6 +43,9 @@ class Int8State:
     # reaches every attention module of a denoiser call, so it is read once per call of the denoiser
     _prefix: tuple = field(default=(None, None, None), repr=False, compare=False)
     _caller: int | None = field(default=None, repr=False, compare=False)  # id of the model that set ``timestep``
+    # scheduler attribute -> its timesteps (the tensor) in this generation, whichever model read them first: a
+    # pipeline sets them anew at every run, which tells a run that starts at the level the last one stopped at
+    _timesteps: dict = field(default_factory=dict, repr=False, compare=False)
     # the eager calls whose INT8 run ahead of CUDA-graph capture was made, by shape (``Int8DiffusionProcessor``'s
     # ``_settle_for_capture``): the compiled kernels and launch plans it leaves are this process's, not a copy's
     settled: set = field(default_factory=set, repr=False, compare=False)
@@ -50,17 +53,19 @@ class Int8State:
     def reset(self) -> None:
         self.timestep, self.step, self.timestep_scale, self.steps, self._caller = None, -1, None, None, None
         self.generation += 1
+        self._timesteps = {}
         self.int8_calls = self.gated_calls = 0
         self.block_counts.clear()
         self._prefix = (None, None, None)
         if self.trace is not None:
             self.trace.clear()
 
-    def __getstate__(self):  # the cached mask read is a weak reference, the settled calls this process's: not copied
-        return {k: v for k, v in self.__dict__.items() if k not in ("_prefix", "settled")}
+    def __getstate__(self):  # the cached mask read is a weak reference, the settled calls this process's, the
+        # schedulers' timesteps a pipeline's: not copied
+        return {k: v for k, v in self.__dict__.items() if k not in ("_prefix", "settled", "_timesteps")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _prefix=(None, None, None), settled=set())
+        self.__dict__.update(state, _prefix=(None, None, None), settled=set(), _timesteps={})
 
     def valid_prefix(self, attn_mask: torch.Tensor, B: int, H: int, Sk: int) -> int | None:
         """``kernels.key_mask.valid_prefix`` of ``attn_mask``, read once per mask (a view of the mask, such as the
