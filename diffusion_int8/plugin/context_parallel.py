@@ -118,7 +118,7 @@ class DispatcherCalls:
                 self._outcomes[2] += 1
                 if other and not self._warned_backend:
                     self._warned_backend = True
-                    _warn_other_backend(backend)
+                    warn_other_backend(backend)
             return dispatch.dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                                   attention_kwargs, backend=backend, parallel_config=parallel_config)
         if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
@@ -183,7 +183,7 @@ class DispatcherCalls:
         return out.transpose(1, 2), lse.transpose(1, 2)
 
 
-def _warn_other_backend(backend) -> None:
+def warn_other_backend(backend) -> None:
     """Said once per processor; the same words from every module, so Python shows them once at the user's line."""
     name = getattr(backend, "value", backend) or getattr(
         attention_dispatch()._AttentionBackendRegistry.get_active_backend()[0], "value", "another")

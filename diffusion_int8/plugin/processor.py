@@ -29,7 +29,7 @@ from ..schedule import PrecisionSchedule, noise_level
 from .balance import BalanceChoice
 from .carry import BlockCarry
 from .config import Int8Config
-from .context_parallel import DispatcherCalls, context_split, heads_share, ulysses_share
+from .context_parallel import DispatcherCalls, context_split, heads_share, ulysses_share, warn_other_backend
 from .models import (any_stock_signature, call_params, declaring_subclass, skip_metadata_as, skip_metadata_inferred,
                      stock_processor_for, stock_signature, text_position)
 from .norms import with_fast_norms
@@ -188,6 +188,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
         self.__dict__.update(state, _lock=threading.RLock(), _inferred=weakref.WeakKeyDictionary(),
                              _stock_shapes=weakref.WeakKeyDictionary(), _routed_calls={}, _stock_calls={})
         self.__dict__.setdefault("_undecided", 0)
+        self.__dict__.setdefault("_warned_backend", False)
 
     def __reduce__(self):
         # the declaring subclass is made at run time, per signature: a pickle names the base and makes it again
@@ -220,6 +221,8 @@ class Int8DiffusionProcessor(DispatcherCalls):
             # the native one has none).
             share = ulysses_share(inner)
             if other_backend(inner) and share is None:
+                if not self._warned_backend:  # a break in the first graph only: the flag it sets is guarded on
+                    self._warn_backend(inner)
                 return inner(attn, hidden_states, *args, **kwargs)
             sdpa = self._attention if share is None else functools.partial(self._attention, share=share)
             with RouteToInt8(sdpa):
@@ -286,6 +289,11 @@ class Int8DiffusionProcessor(DispatcherCalls):
                       f"dispatch_attention_fn or torch's SDPA in its first {MAX_UNDECIDED + 1} calls (its own "
                       f"kernel, or none): it runs as stock")
         return out
+
+    @torch.compiler.disable
+    def _warn_backend(self, inner) -> None:
+        self._warned_backend = True
+        warn_other_backend(getattr(inner, "_attention_backend", None))
 
     def _infer_stock(self, attn: torch.nn.Module, args: tuple, kwargs: dict):
         """The stock processor for a module this processor (made without ``inner``) meets for the first time, as
