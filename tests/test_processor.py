@@ -217,6 +217,9 @@ def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
     from diffusion_int8 import PrecisionSchedule, Rule
 
     per_layer = PrecisionSchedule(rules=(Rule("int8", layers="blocks.0.attn1"),), default="fp16")
+    typo = PrecisionSchedule(rules=(Rule("int8", layers="block.0.attn1"), Rule("int8", layers="*")), default="fp16")
+    with pytest.warns(RuntimeWarning, match=r"pattern\(s\) 'block.0.attn1' match none of its attention modules"):
+        enable(first, "int8", schedule=typo).disable()
     for options in (dict(observer=lambda call: None), dict(schedule=per_layer)):
         with pytest.warns(RuntimeWarning, match="left transformer_2 on stock attention"):
             handle = enable(pipe, "int8", **options)

@@ -3,6 +3,7 @@ that takes it off again."""
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import inspect
 import warnings
@@ -232,6 +233,7 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
         raise ValueError(f"diffusion_int8: {type(model).__name__} has no attention module to route (it looks for "
                          f"modules with an attention processor: diffusers' Attention, AttentionModuleMixin modules and "
                          f"model-specific ones){found}; pass a diffusers pipeline or its transformer/unet")
+    _warn_unmatched_rules(model, config.schedule, modules)
     check_diffusers_version()
     state = Int8State(trace=[] if record else None)
     # a schedule's refresh interval chosen at its calibrated_steps, where enable() was not given another
@@ -255,6 +257,20 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
             handle.others[name] = _install(m, mods, attention_outside_processors(m), config, state, None, record,
                                            StepCount(pipe, None, scheduler_of(pipe, m)))
     return handle
+
+
+def _warn_unmatched_rules(model: torch.nn.Module, schedule, modules: dict) -> None:
+    """One warning naming a schedule's layer patterns that match none of ``model``'s attention modules (a typo, or
+    a schedule made for another model): their rules would never apply, with nothing said."""
+    if not isinstance(schedule, PrecisionSchedule):
+        return
+    unmatched = sorted({rule.layers for rule in schedule.rules if rule.layers != "*"
+                        and not any(fnmatch.fnmatchcase(name, rule.layers) for name in modules)})
+    if unmatched:
+        names = ", ".join(list(modules)[:2])
+        warnings.warn(f"diffusion_int8: {type(model).__name__}: the schedule's layer pattern(s) "
+                      f"{', '.join(map(repr, unmatched))} match none of its attention modules (named as {names}, "
+                      f"...): their rules never apply", RuntimeWarning, stacklevel=3)
 
 
 def _check_enableable(model: torch.nn.Module, what: str) -> None:
