@@ -140,9 +140,11 @@ def _check_schedule_callable(schedule: Callable) -> None:
         got = schedule(1000.0)
     except Exception:  # noqa: BLE001 - see the docstring
         return
-    if not isinstance(got, (str, Mode)) or got not in {m.value for m in Mode}:
+    try:
+        Mode.parse(got)
+    except ValueError:
         raise ValueError(f"a schedule callable returns a mode, one of {[m.value for m in Mode]}; "
-                         f"{schedule!r} returned {got!r} for the timestep 1000.0")
+                         f"{schedule!r} returned {got!r} for the timestep 1000.0") from None
 
 
 def _gate(speed_gate) -> SpeedGate | None:
