@@ -1,13 +1,13 @@
 """diffusion-int8: fused INT8 attention for diffusers pipelines."""
 
 from .kernels import Mode, int8_attention, kernel_info
-from .plugin import AttentionCall, Int8Config, Int8DiffusionProcessor, Int8Handle, Int8State, enable
+from .plugin import AttentionCall, Int8Config, Int8DiffusionProcessor, Int8Handle, Int8State, disable, enable
 from .schedule import PRESETS, PrecisionSchedule, Rule
 from .calibration.run import calibrate
 
 __version__ = "0.1.0"
 
-__all__ = ["int8_attention", "kernel_info", "Mode", "AttentionCall", "Int8Config", "Int8DiffusionProcessor", "Int8Handle", "Int8State", "enable", "PrecisionSchedule", "Rule", "PRESETS",
+__all__ = ["int8_attention", "kernel_info", "Mode", "AttentionCall", "Int8Config", "Int8DiffusionProcessor", "Int8Handle", "Int8State", "enable", "disable", "PrecisionSchedule", "Rule", "PRESETS",
            "calibrate", "evaluate", "write_report", "__version__"]
 
 

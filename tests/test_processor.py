@@ -131,6 +131,17 @@ def test_enable_refuses_twice_and_compiled():
     handle = enable(model, "int8")
     with pytest.raises(RuntimeError, match="already enabled"):
         enable(model, "int8")
+    # a copy of an enabled model carries its own handle, out of its user's reach: disable() takes the model
+    import copy
+
+    stock = {n: type(p) for n, p in handle.originals.items()}
+    copied = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match=r"call handle.disable\(\), or diffusion_int8.disable\(\) on it, first"):
+        enable(copied, "int8")
+    assert diffusion_int8.disable(copied) and not diffusion_int8.disable(copied)
+    assert {n: type(m.processor) for n, m in attention_modules(copied).items()} == stock
+    assert all(isinstance(m.processor, Int8DiffusionProcessor) for m in attention_modules(model).values())
+    enable(copied, "int8").disable()
     handle.disable()
     enable(model, "int8").disable()  # fine again after disable
     with pytest.raises(RuntimeError, match="before torch.compile"):
@@ -210,7 +221,10 @@ def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
     calls = handle.state.int8_calls
     run(second, x)
     assert 0 < calls < handle.state.int8_calls  # the second expert runs INT8 too, counted in the one state
-    handle.disable()
+    assert diffusion_int8.disable(pipe)  # without the handle: every denoising model of the pipeline
+    assert processors() == before and not diffusion_int8.disable(pipe)
+    handle.disable()  # the handle, disabled that way, does nothing
+    assert processors() == before
 
     # a calibration, an observer or a schedule with per-layer rules describes one model: the others stay stock, and
     # a warning names them

@@ -276,7 +276,8 @@ def _warn_unmatched_rules(model: torch.nn.Module, schedule, modules: dict) -> No
 def _check_enableable(model: torch.nn.Module, what: str) -> None:
     if "_diffusion_int8_handle" in model.__dict__:
         raise RuntimeError(f"diffusion_int8 is already enabled on {what} ({type(model).__name__}); call "
-                           f"handle.disable() first (enable(pipe) routes every denoising model of a pipeline)")
+                           f"handle.disable(), or diffusion_int8.disable() on it, first (enable(pipe) routes every "
+                           f"denoising model of a pipeline)")
     if _compiled(model):
         raise RuntimeError(f"{what} ({type(model).__name__}) is already compiled: call diffusion_int8.enable() "
                            f"before torch.compile")
@@ -287,6 +288,23 @@ def _check_enableable(model: torch.nn.Module, what: str) -> None:
                            f"set_attn_processor): enable() would put a second one around it, and a stock run would "
                            f"not be stock. Put the stock processors back first (set_default_attn_processor(), or "
                            f"the ones you replaced), or keep yours and leave out enable()")
+
+
+def disable(pipe_or_model) -> bool:
+    """Undo ``enable`` on ``pipe_or_model`` (a diffusers pipeline or one model) as its handle's ``disable()`` does,
+    for where that handle is out of reach: ``enable`` called in code that dropped it, or a model copied
+    (``copy.deepcopy``) or unpickled while enabled, which carries a handle of its own. Given a pipeline, each of its
+    denoising models that is enabled is disabled. Returns whether anything was enabled."""
+    if isinstance(pipe_or_model, torch.nn.Module):
+        models = [pipe_or_model]
+    else:
+        main = denoiser(pipe_or_model)
+        models = [main, *(m for _, m in other_denoisers(pipe_or_model, main))]
+    handles = [m.__dict__.get("_diffusion_int8_handle") for m in models]
+    for handle in handles:
+        if handle is not None:
+            handle.disable(_stacklevel=3)
+    return any(h is not None for h in handles)
 
 
 def check_enableable(pipe_or_model) -> None:
