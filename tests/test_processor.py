@@ -143,6 +143,15 @@ def test_enable_refuses_twice_and_compiled():
     assert all(isinstance(m.processor, Int8DiffusionProcessor) for m in attention_modules(model).values())
     enable(copied, "int8").disable()
     handle.disable()
+    # enabled, then compiled (the order enable asks for), the handle dropped: disable() reaches through the wrapper
+    from types import SimpleNamespace
+
+    enable(model, "int8")
+    pipe = SimpleNamespace(transformer=torch.compile(model, backend="eager"))
+    with pytest.raises(RuntimeError, match=r"already enabled on the denoiser \(DiTTransformer2DModel\), compiled "):
+        enable(pipe, "fp16")
+    assert diffusion_int8.disable(pipe) and not diffusion_int8.disable(pipe.transformer)
+    assert {n: type(m.processor) for n, m in attention_modules(model).items()} == stock
     enable(model, "int8").disable()  # fine again after disable
     with pytest.raises(RuntimeError, match="before torch.compile"):
         enable(torch.compile(model), "int8")
@@ -221,6 +230,11 @@ def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
     calls = handle.state.int8_calls
     run(second, x)
     assert 0 < calls < handle.state.int8_calls  # the second expert runs INT8 too, counted in the one state
+    # a copy or pickle of one expert holds that expert alone (its handle, not the pipeline's others)
+    import copy
+
+    assert copy.deepcopy(first).__dict__["_diffusion_int8_handle"].others == {} and list(handle.others)
+    assert len(pickle.dumps(first)) < 1.2 * len(pickle.dumps(second))
     assert diffusion_int8.disable(pipe)  # without the handle: every denoising model of the pipeline
     assert processors() == before and not diffusion_int8.disable(pipe)
     handle.disable()  # the handle, disabled that way, does nothing
@@ -264,6 +278,38 @@ def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
         run(model, dict(x, timestep=torch.tensor([7])))
         seen.append((handle.state.step, handle.state.generation, handle.state.steps))
     assert seen[-2:] == [(0, 2, 2), (0, 2, 2)]
+    handle.disable()
+
+    # a pipeline made with from_pipe and a scheduler of its own runs the shared model: the scheduler enable() reads
+    # holds another run's timesteps, which is said once, and the step count is unknown rather than that run's
+    scheduler = SimpleNamespace(timesteps=torch.tensor([1000.0, 750.0, 500.0, 250.0]))  # the last run's
+    pipe = SimpleNamespace(transformer=first, scheduler=scheduler)
+    handle = enable(pipe, "fp16", record=True)
+
+    def generation(levels):
+        counts = []
+        for t in levels:
+            run(first, dict(x, timestep=torch.tensor([t])))
+            counts.append(handle.state.steps)
+        return counts
+
+    other_run = (1000, 833, 667, 500, 333, 167)
+    with pytest.warns(RuntimeWarning, match=r"timesteps are not those of the pipeline enable\(\) was given"):
+        assert generation(other_run) == [4] + [None] * 5  # its second level is not the scheduler's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert generation(other_run) == [None] * 6  # the timesteps a generation ago: not set anew for this one
+        scheduler.timesteps = torch.tensor([1000.0, 500.0])  # the pipeline's own run
+        assert generation((1000, 500)) == [2, 2] and handle.state.generation == 3
+    import copy
+
+    twin = copy.deepcopy(pipe)  # a copied pipeline: its model reads the copy's scheduler
+    twin.scheduler.timesteps = torch.tensor([1000.0, 750.0, 500.0])
+    run(twin.transformer, dict(x, timestep=torch.tensor([1000])))
+    assert twin.transformer.__dict__["_diffusion_int8_handle"].state.steps == 3
+    back = pickle.loads(pickle.dumps(first))  # a model pickled alone runs under no pipeline: no step count
+    run(back, dict(x, timestep=torch.tensor([1000])))
+    assert back.__dict__["_diffusion_int8_handle"].state.steps is None
     handle.disable()
 
     # a model compiled before enable() stays stock, named in a warning

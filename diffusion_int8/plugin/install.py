@@ -3,6 +3,7 @@ that takes it off again."""
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
 import inspect
@@ -43,6 +44,11 @@ class Int8Handle:
     others: dict[str, "Int8Handle"] = field(default_factory=dict)
     config: Int8Config | None = None
     _told_replaced: bool = field(default=False, repr=False)
+
+    def __getstate__(self):
+        # what a copy or pickle of one model carries: its own handle, not the pipeline's other models (a Wan 2.2
+        # expert copied alone would copy the other; diffusion_int8.disable() reaches each model's own)
+        return dict(self.__dict__, others={})
 
     def disable(self, *, _stacklevel: int = 2) -> None:
         """Put back the processors ``enable`` replaced where an INT8 one is installed; any other processor set since
@@ -278,6 +284,9 @@ def _check_enableable(model: torch.nn.Module, what: str) -> None:
         raise RuntimeError(f"diffusion_int8 is already enabled on {what} ({type(model).__name__}); call "
                            f"handle.disable(), or diffusion_int8.disable() on it, first (enable(pipe) routes every "
                            f"denoising model of a pipeline)")
+    if "_diffusion_int8_handle" in getattr(model, "_orig_mod", model).__dict__:
+        raise RuntimeError(f"diffusion_int8 is already enabled on {what} ({type(model._orig_mod).__name__}), "
+                           f"compiled since; call handle.disable(), or diffusion_int8.disable() on it, first")
     if _compiled(model):
         raise RuntimeError(f"{what} ({type(model).__name__}) is already compiled: call diffusion_int8.enable() "
                            f"before torch.compile")
@@ -300,7 +309,8 @@ def disable(pipe_or_model) -> bool:
     else:
         main = denoiser(pipe_or_model)
         models = [main, *(m for _, m in other_denoisers(pipe_or_model, main))]
-    handles = [m.__dict__.get("_diffusion_int8_handle") for m in models]
+    # a model compiled after enable (the order enable asks for) is wrapped: its handle is on the wrapped one
+    handles = [getattr(m, "_orig_mod", m).__dict__.get("_diffusion_int8_handle") for m in models]
     for handle in handles:
         if handle is not None:
             handle.disable(_stacklevel=3)
@@ -424,13 +434,36 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], steps: St
         state.step, state.timestep_scale = -1, 1000.0 if t > 1.0 else 1.0
         state.generation += 1
         state._timesteps = {}
-        state.steps = None if steps is None else steps(noise_level(t, None, state.timestep_scale))
+        stale = seen is not None and seen is timesteps  # the last generation's: another pipeline runs this one
+        if stale:
+            steps.stale()
+        state.steps = None if steps is None or stale else steps(noise_level(t, None, state.timestep_scale))
     if timesteps is not None:
         state._timesteps.setdefault(steps.scheduler, timesteps)
     if not new and t == state.timestep and state._caller not in (None, id(module)):
         return None  # this denoising step again, in another of the pipeline's models (a ControlNet, then its UNet)
+    if not new and state.steps is not None and steps is not None and not steps.holds(
+            noise_level(t, None, state.timestep_scale)):
+        steps.stale()  # a level the scheduler's timesteps lack: they are not this generation's
+        state.steps = None
     state.timestep, state._caller = t, id(module)
     state.step += 1
+    return None
+
+
+def _hold(pipe):
+    """A weak reference to ``pipe`` where it takes one, else a strong one (an object standing for a pipeline)."""
+    try:
+        return weakref.ref(pipe)
+    except TypeError:
+        return functools.partial(_same, pipe)
+
+
+def _same(x):
+    return x
+
+
+def _no_pipeline():
     return None
 
 
@@ -450,18 +483,24 @@ class StepCount:
         self._calibrated = None
         if schedule is not None and schedule.refresh_every is not None and schedule.calibrated_steps is not None:
             self._calibrated = schedule  # its refresh interval was chosen at calibrated_steps: warned once otherwise
-        try:
-            self._pipe = weakref.ref(pipe)
-        except TypeError:  # an object without weak references, standing for a pipeline
-            self._pipe = lambda: pipe
+        self._pipe = _hold(pipe)
         self._levels = (None, None)  # (the timesteps read, their distinct levels in [0, 1])
+        self._warned_stale = False
 
-    def timesteps(self):
-        """The pipeline's scheduler's ``timesteps`` now (a pipeline sets a new tensor at every run), or None."""
-        return getattr(getattr(self._pipe(), self.scheduler, None), "timesteps", None)
+    def __getstate__(self):  # a pickled model runs under no pipeline of this process: it has none
+        return dict(self.__dict__, _pipe=_no_pipeline, _levels=(None, None))
 
-    def __call__(self, noise: float) -> int | None:
-        """The step count of a generation whose first noise level (``schedule.noise_level``) is ``noise``."""
+    def __deepcopy__(self, memo):  # a copied pipeline's copy reads the copy's scheduler; a model copied alone, none
+        pipe = self._pipe()
+        copied = memo.get(id(pipe)) if pipe is not None else None
+        new = copy.copy(self)  # through __getstate__: no pipeline
+        new._calibrated = copy.deepcopy(self._calibrated, memo)
+        if copied is not None:
+            new._pipe = _hold(copied)
+        return new
+
+    def _read_levels(self) -> torch.Tensor | None:
+        """The distinct levels in [0, 1] of the scheduler's timesteps now (read once per ``set_timesteps``)."""
         timesteps = self.timesteps()
         if not isinstance(timesteps, torch.Tensor) or timesteps.numel() == 0:
             return None
@@ -471,6 +510,34 @@ class StepCount:
             levels = t[torch.cat([torch.ones(1, dtype=torch.bool), t[1:] != t[:-1]])]
             levels = levels / (1000.0 if float(levels[0]) > 1.0 else 1.0)  # as noise_level scales the timestep
             self._levels = (timesteps, levels)
+        return levels
+
+    def holds(self, noise: float) -> bool:
+        """Whether the scheduler's timesteps hold the level ``noise`` (within 0.005)."""
+        levels = self._read_levels()
+        return levels is not None and float((levels - noise).abs().min()) <= 0.005
+
+    def stale(self) -> None:
+        """Called where a generation's timesteps are not the scheduler's (not set anew at its start, or without the
+        level the denoiser received): say once that the step count is unknown there."""
+        if not self._warned_stale:
+            self._warned_stale = True
+            warn_user(f"diffusion_int8: this generation's timesteps are not those of the pipeline enable() was "
+                      f"given (its {self.scheduler} was not set anew for the run, or does not hold a timestep the "
+                      f"denoiser received): the denoiser runs under another pipeline or loop (one made with "
+                      f"from_pipe and a scheduler of its own?). Carried blocks run there without the generation's "
+                      f"step count, and a run that starts at the level the last one stopped at continues it. "
+                      f"enable() the pipeline that generates")
+
+    def timesteps(self):
+        """The pipeline's scheduler's ``timesteps`` now (a pipeline sets a new tensor at every run), or None."""
+        return getattr(getattr(self._pipe(), self.scheduler, None), "timesteps", None)
+
+    def __call__(self, noise: float) -> int | None:
+        """The step count of a generation whose first noise level (``schedule.noise_level``) is ``noise``."""
+        levels = self._read_levels()
+        if levels is None:
+            return None
         distance = (levels - noise).abs()
         first = int(distance.argmin())
         if float(distance[first]) > 0.005:
