@@ -76,7 +76,11 @@ def run() -> None:
     """The program: ``main``'s status as the exit status. After Ctrl-C or SIGTERM (130, 143: the command has cleaned
     up and said so) the process ends at once, without the interpreter's shutdown, where a Ctrl-C that landed in
     torch's compute threads could still end it by SIGINT instead of with the status."""
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before a command's own handler is in place (importing torch and diffusers)
+        print("diffusion-int8: interrupted before the command started; nothing was written", file=sys.stderr)
+        code = 130
     if code in (130, 143):
         sys.stdout.flush()
         sys.stderr.flush()

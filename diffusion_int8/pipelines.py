@@ -155,6 +155,12 @@ def check_model(model: str | Path) -> dict:
         raise ValueError(f"{index} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     if not (isinstance(data, dict) and isinstance(data.get("_class_name"), str)):
         raise ValueError(f"{index} is not a diffusers model index (a JSON object with _class_name)")
+    if data["_class_name"] != "ShapesPipeline":
+        import diffusers
+
+        if not hasattr(diffusers, data["_class_name"]):
+            raise ValueError(f"{index} names the pipeline class {data['_class_name']!r}, which diffusers "
+                             f"{diffusers.__version__} does not have (a newer release's, or a typo)")
     for name, entry in data.items():
         # a component: ["library", "Class"]; [null, null] marks an optional one that is absent
         if (not name.startswith("_") and isinstance(entry, list) and len(entry) == 2 and None not in entry
@@ -289,19 +295,20 @@ class Shards:
 
 MAX_STEPS = 10_000  # far more than any diffusion scheduler is run with
 MAX_BATCH_SIZE = 4096
+MAX_SEED = 2**63 - 1  # image i takes seed + i, which torch.Generator.manual_seed takes up to 2**64 - 1
 
 
 def check_run(steps, batch_size, seed, guidance_scale) -> None:
     """``ValueError`` (``TypeError`` for a wrong type) naming the argument unless these describe a run: integers
-    1..``MAX_STEPS`` steps and 1..``MAX_BATCH_SIZE`` images a batch, an integer seed >= 0, and a finite guidance
-    scale or None. Checked before any work (a typo's 10**9 steps would grow until the OOM killer stops it)."""
+    1..``MAX_STEPS`` steps and 1..``MAX_BATCH_SIZE`` images a batch, an integer seed 0..``MAX_SEED``, and a finite
+    guidance scale or None. Checked before any work (a typo's 10**9 steps would grow until the OOM killer stops it)."""
     for name, value, high in (("steps", steps, MAX_STEPS), ("batch_size", batch_size, MAX_BATCH_SIZE)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an integer, got {value!r}")
         if not 1 <= value <= high:
             raise ValueError(f"{name} must be from 1 to {high}, got {value}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an integer from 0 to {MAX_SEED} (2**63 - 1), got {seed!r}")
     if guidance_scale is not None and (isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float))
                                        or not math.isfinite(guidance_scale)):
         raise ValueError(f"guidance_scale must be a finite number or None, got {guidance_scale!r}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import numbers
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -229,6 +230,12 @@ class PrecisionSchedule:
         applies where the mode is an INT8 one. ``balance_layers`` are the calibration's ``balanced_layers()``
         (None for a file without per-channel maxima).
         """
+        if isinstance(calibration, (str, os.PathLike)):
+            raise TypeError(f"calibration must be a Calibration, got the path {str(calibration)!r}: "
+                            f"diffusion_int8.calibration.Calibration.load(path) reads it")
+        if not (_is_number(budget) and budget >= 0):
+            raise ValueError(f"budget must be a number >= 0 (an attention error, relative L1 or 1 - cosine), "
+                             f"got {budget!r}")
         if metric not in ("rel_l1", "cos"):
             raise ValueError(f"metric must be 'rel_l1' or 'cos', got {metric!r}")
         if not (carry_budget is None or (_is_number(carry_budget) and carry_budget > 0)):

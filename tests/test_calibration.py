@@ -1092,6 +1092,11 @@ def test_a_carried_level_is_chosen_where_it_computes_fewer_blocks():
         for sparsity_budget in (0.05, None):
             with pytest.raises(ValueError, match="carry_budget must be a number > 0 or None"):
                 PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=sparsity_budget, carry_budget=bad)
+    for bad in (-1, float("nan"), None, "0.02"):  # NaN or -1 would give an all-fp16 schedule with nothing said
+        with pytest.raises(ValueError, match=r"budget must be a number >= 0 \(an attention error"):
+            PrecisionSchedule.from_calibration(cal, budget=bad)
+    with pytest.raises(TypeError, match=r"calibration must be a Calibration, got the path 'calib/'.*Calibration.load"):
+        PrecisionSchedule.from_calibration("calib/")
     assert [s.tau_for(t * 1000) for t in noise] == [0.8] * 4 + [None]  # one level wherever INT8 runs
     assert PrecisionSchedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s
     config = Int8Config("int8", schedule=s)

@@ -153,6 +153,11 @@ def test_prompt_files_missing_empty_or_not_text(tmp_path, capsys, no_model):
         for command in ("calibrate", "eval"):
             code, err = cli([command, "--prompts", path, "--out", tmp_path / "out"], capsys)
             assert_usage_error(code, err, command, f"prompt file {path}", fragment)
+    long = tmp_path / "long.txt"  # a line naming no class is shown cut, not echoed whole
+    long.write_text("a" * 1_000_000 + "\n")
+    code, err = cli(["eval", "--prompts", long, "--out", tmp_path / "out"], capsys)
+    assert_usage_error(code, err, "eval", "... (1,000,000 characters) names no class")
+    assert len(err) < 1000
 
 
 def test_schedule_and_calibration_load_before_the_model(tmp_path, capsys, no_model):
@@ -448,7 +453,12 @@ def test_model_directory_that_is_not_a_pipeline(tmp_path, capsys):
     no_weights = tmp_path / "no_weights"
     shutil.copytree(shipped, no_weights)
     (no_weights / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
-    cases = [(malformed, "model_index.json: not valid JSON: Expecting value at line 1"),
+    unknown = tmp_path / "unknown"  # a pipeline class of a newer diffusers, or a typo
+    shutil.copytree(shipped, unknown)
+    index = unknown / "model_index.json"
+    index.write_text(index.read_text().replace("ShapesPipeline", "FluxKontextProPipeline"))
+    cases = [(unknown, "names the pipeline class 'FluxKontextProPipeline', which diffusers"),
+             (malformed, "model_index.json: not valid JSON: Expecting value at line 1"),
              (a_list, "model_index.json is not a diffusers model index (a JSON object with _class_name)"),
              (no_component, "has no transformer/ (model_index.json lists it)"),
              (no_weights, "cannot be loaded: Error no file named diffusion_pytorch_model")]
@@ -637,10 +647,26 @@ def test_unreadable_input_files_say_permission_denied(calibrated, tmp_path):
     (["demo", "--steps", "99999"], "argument --steps: must be an integer from 1 to 10000"),
     (["calibrate", "--batch-size", "1000000000", "--out", "x"], "argument --batch-size: must be an integer from 1 to 4096"),
     (["demo", "--batch-size", "5000"], "argument --batch-size: must be an integer from 1 to 4096"),
+    (["eval", "--seed", str(2**64), "--out", "x"], f"argument --seed: must be an integer from 0 to {2**63 - 1}"),
 ])
 def test_absurd_counts_are_refused_with_the_accepted_range(argv, fragment, capsys, no_model):
     code, err = cli(argv, capsys)
     assert_usage_error(code, err, argv[0], fragment)
+
+
+def test_ctrl_c_before_the_command_starts_is_one_line_and_130(capsys, monkeypatch):
+    import diffusion_int8.__main__ as entry
+
+    def interrupted_import(argv=None):  # Ctrl-C while torch and diffusers are imported
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(entry, "main", interrupted_import)
+    monkeypatch.setattr(entry.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit) as status:
+        entry.run()
+    assert status.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "diffusion-int8: interrupted before the command started; nothing was written"]
 
 
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

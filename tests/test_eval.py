@@ -615,3 +615,12 @@ def test_demo_on_a_cpu_runs_fewer_images_and_steps_unless_told(tmp_path, capsys,
     # on a GPU: what was given, else every class in GPU_STEPS steps, with no notice
     assert demo.sizes(args, cpu=False) == (args.class_labels, args.steps or demo.GPU_STEPS)
     assert "on a CPU" not in capsys.readouterr().out
+
+
+def test_variant_folder_names_are_one_short_safe_path_component():
+    from diffusion_int8.eval.run import _dirname
+
+    assert _dirname("schedule:balanced") == "schedule_balanced"
+    long = ["schedule:my schedule " + "x" * 300, "schedule:my schedule " + "x" * 299 + "y", "schedule:" + "é" * 200]
+    names = [_dirname(n) for n in long]
+    assert len(set(names)) == 3 and all(len(n.encode()) <= 80 and "/" not in n for n in names), names

@@ -248,6 +248,10 @@ def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
     typo = PrecisionSchedule(rules=(Rule("int8", layers="block.0.attn1"), Rule("int8", layers="*")), default="fp16")
     with pytest.warns(RuntimeWarning, match=r"pattern\(s\) 'block.0.attn1' match none of its attention modules"):
         enable(first, "int8", schedule=typo).disable()
+    foreign = PrecisionSchedule(rules=(Rule("int8"),), balance_layers=("single_transformer_blocks.3.attn",))
+    with pytest.warns(RuntimeWarning, match=r"balance_layers name 1 module\(s\) it does not have "
+                                            r"\('single_transformer_blocks.3.attn'; made for another model\?\)"):
+        enable(first, "int8", schedule=foreign).disable()
     for options in (dict(observer=lambda call: None), dict(schedule=per_layer)):
         with pytest.warns(RuntimeWarning, match="left transformer_2 on stock attention"):
             handle = enable(pipe, "int8", **options)

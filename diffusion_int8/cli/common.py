@@ -8,7 +8,7 @@ from pathlib import Path
 from .. import pipelines
 from ..embedded.variants import describe, shipped
 from .usage import (UsageError, check_input_file, check_readable, device_arg, int_at_least, nonnegative_float,
-                    nonnegative_int, user_errors)
+                    user_errors)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -34,7 +34,8 @@ def add_run_args(p: argparse.ArgumentParser, batch_size: int, steps: int | None 
                    help=f"denoising steps, at most {pipelines.MAX_STEPS} (default: {steps_default})")
     p.add_argument("--batch-size", type=int_at_least(1, pipelines.MAX_BATCH_SIZE), default=batch_size,
                    help=f"images per pipeline call, at most {pipelines.MAX_BATCH_SIZE} (default: %(default)s)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="image i is seeded with seed + i (default: %(default)s)")
+    p.add_argument("--seed", type=int_at_least(0, pipelines.MAX_SEED), default=0,
+                   help="image i is seeded with seed + i (default: %(default)s)")
 
 
 WEIGHTS = {"--lpips-weights": "torchvision's AlexNet weights file (alexnet-owt-7be5be79.pth)",

@@ -113,7 +113,6 @@ def int_at_least(low: int, high: int | None = None):
 
 
 positive_int = int_at_least(1)
-nonnegative_int = int_at_least(0)
 at_least_two = int_at_least(2)
 
 

@@ -41,7 +41,8 @@ def _class_named_in(text: str) -> str:
     named = [c for c in CLASSES if f" {c} " in f" {words} "]
     if len(named) != 1:
         why = "names no class" if not named else f"names several classes ({', '.join(named)})"
-        raise ValueError(f"{text!r} {why}; the classes are: {', '.join(CLASSES)}")
+        shown = repr(text) if len(text) <= 120 else f"{text[:100]!r}... ({len(text):,} characters)"
+        raise ValueError(f"{shown} {why}; the classes are: {', '.join(CLASSES)}")
     return named[0]
 
 

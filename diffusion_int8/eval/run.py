@@ -11,6 +11,7 @@ into ``--out`` as one set.
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import sys
 import time
@@ -387,7 +388,12 @@ def _summed_blocks(parts) -> dict:
 
 
 def _dirname(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_+." else "_" for c in name)
+    """A variant's name as one folder name: other characters than letters, digits and ``-_+.`` as ``_``; past 80
+    bytes (a schedule's name can be any length; file systems take 255) its first 64 and a hash of the whole."""
+    safe = "".join(c if c.isalnum() or c in "-_+." else "_" for c in name)
+    if len(safe.encode()) > 80:
+        safe = f"{safe.encode()[:64].decode(errors='ignore')}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+    return safe
 
 
 def _calibrated_errors(calibration: Calibration | None, steps: int) -> dict | None:

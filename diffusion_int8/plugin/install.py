@@ -267,7 +267,8 @@ def enable(pipe_or_model, mode: "Int8Config | str | Mode" = "int8", *, record: b
 
 def _warn_unmatched_rules(model: torch.nn.Module, schedule, modules: dict) -> None:
     """One warning naming a schedule's layer patterns that match none of ``model``'s attention modules (a typo, or
-    a schedule made for another model): their rules would never apply, with nothing said."""
+    a schedule made for another model): their rules would never apply, with nothing said; and one naming the
+    modules its ``balance_layers`` lists that the model does not have."""
     if not isinstance(schedule, PrecisionSchedule):
         return
     unmatched = sorted({rule.layers for rule in schedule.rules if rule.layers != "*"
@@ -277,6 +278,12 @@ def _warn_unmatched_rules(model: torch.nn.Module, schedule, modules: dict) -> No
         warnings.warn(f"diffusion_int8: {type(model).__name__}: the schedule's layer pattern(s) "
                       f"{', '.join(map(repr, unmatched))} match none of its attention modules (named as {names}, "
                       f"...): their rules never apply", RuntimeWarning, stacklevel=3)
+    unknown = sorted(set(schedule.balance_layers or ()) - set(modules))
+    if unknown:  # from_calibration's list of the modules that measure the Q·Kᵀ balance; the others never do
+        warnings.warn(f"diffusion_int8: {type(model).__name__}: the schedule's balance_layers name "
+                      f"{len(unknown)} module(s) it does not have ({', '.join(map(repr, unknown[:3]))}"
+                      f"{', ...' if len(unknown) > 3 else ''}; made for another model?): the modules it lists run "
+                      f"the Q·Kᵀ balance, and every other module runs without it", RuntimeWarning, stacklevel=3)
 
 
 def _check_enableable(model: torch.nn.Module, what: str) -> None:
