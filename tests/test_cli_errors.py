@@ -244,6 +244,19 @@ def fill(folder, names, text):
 NAMES = ("report.json", "report.md", "images")
 
 
+def test_a_killed_runs_temporary_directory_goes_at_the_next_run(tmp_path):
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(done.stdout)  # a process that has ended, as one killed outright
+    killed, live, replaced = (tmp_path / f".out.{k}-{p}" for k, p in (("tmp", dead), ("tmp", os.getppid()),
+                                                                      ("old", dead)))
+    for folder in (killed, live, replaced):
+        fill(folder, NAMES[:1], "a run's")
+    with pytest.warns(RuntimeWarning, match=r"\.out\.old-\d+ holds outputs a killed run was replacing"):
+        with outputs.output_set(tmp_path / "out", NAMES, overwrite=False) as tmp:
+            fill(tmp, NAMES, "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name, replaced.name])
+
+
 def test_output_set_failing_writer_leaves_nothing_or_the_previous_set(tmp_path):
     fresh = tmp_path / "a" / "b" / "out"
     with pytest.raises(RuntimeError, match="interrupted"):

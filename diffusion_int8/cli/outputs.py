@@ -5,7 +5,8 @@ reports and images) are written into a temporary directory beside ``--out`` (``.
 same parent, so the same file system, where renames are atomic) and moved into ``--out`` once complete.
 With ``--overwrite`` the previous outputs move aside to ``.<name>.old-<pid>`` until the new ones are in
 place, and move back if anything fails on the way. An interrupted run therefore leaves the previous
-outputs or none, never a mix, and no temporary directory. Files in ``--out`` that are not the command's
+outputs or none, never a mix, and no temporary directory (one killed outright leaves its temporary directory,
+which the next run into the same ``--out`` removes). Files in ``--out`` that are not the command's
 outputs are left where they are. ``command`` makes SIGTERM interrupt a command as Ctrl-C does, so that the
 same clean-up runs, and ends an interrupted command with one line. ``check_out_file`` checks a single output
 file (``check --json``, ``tune --out``) before any work.
@@ -14,12 +15,14 @@ file (``check --json``, ``tune --out``) before any work.
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import re
 import shutil
 import signal
 import sys
 import threading
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -151,6 +154,7 @@ def output_set(out: Path, names: Sequence[str], overwrite: bool) -> Iterator[Pat
     created = [p for p in (real.parent, *real.parent.parents) if not _present(p)]  # deepest first
     tmp = real.parent / f".{real.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # a killed earlier run of this pid's
+    _remove_killed_runs(real)
     try:
         with user_errors(OSError):  # e.g. permissions that os.access did not tell
             real.parent.mkdir(parents=True, exist_ok=True)
@@ -166,6 +170,31 @@ def output_set(out: Path, names: Sequence[str], overwrite: bool) -> Iterator[Pat
                     p.rmdir()
                 except OSError:
                     break
+
+
+def _remove_killed_runs(out: Path) -> None:
+    """Remove the temporary directories beside ``out`` of runs killed outright (SIGKILL, a power cut: no clean-up
+    ran), told by their process being gone from this machine; a live one's is left alone. A killed run's
+    ``.old-<pid>`` holds the outputs it was replacing: kept, and named in a warning."""
+    for path in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
+        kind, _, pid = path.name[len(out.name) + 2:].rpartition("-")
+        if kind not in ("tmp", "old") or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        if kind == "tmp":
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            warnings.warn(f"diffusion_int8: {path} holds outputs a killed run was replacing in {out}; "
+                          f"move back what you want of them and delete it", RuntimeWarning, stacklevel=2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 def _move(src: Path, dst: Path) -> None:
