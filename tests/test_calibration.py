@@ -178,6 +178,26 @@ def test_validation_against_models():
     with pytest.raises(ValueError, match="does not match"):
         enable(deeper, mode="int8", calibration=cal)
 
+    # the same layers with other weights (another checkpoint): one warning, however many times it is validated
+    import copy
+    import warnings
+
+    from diffusion_int8.calibration.file import weights_sample
+
+    cal.meta["weights_sample"] = weights_sample(model)
+    other = copy.deepcopy(model)
+    torch.nn.init.normal_(other.get_parameter(cal.meta["weights_sample"]["param"]), std=0.02)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cal.validate(model)
+        cal.validate(copy.deepcopy(model).to(torch.bfloat16))  # a cast moves each value by under 0.4%
+    with pytest.warns(RuntimeWarning, match=r"made with other weights than this DiTTransformer2DModel's \(\d+ of 64 "
+                                            r"values of transformer_blocks.0.attn1.to_q.weight differ by over 1%\)"):
+        cal.validate(other)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cal.validate(other)
+
 
 def test_fit_recovers_a_quadratic_and_ranges_follow_it():
     n = torch.linspace(0, 1, 7, dtype=torch.float64)
@@ -669,6 +689,8 @@ def test_checksum_covers_metadata_and_tensors_and_is_required_from_schema_3(save
     (lambda m, t: m.update(timestep_scale=9000), "metadata field timestep_scale must be null, 1 or 1000"),
     (lambda m, t: m.update(percentile=200), "metadata field percentile must be a number in (0, 100]"),
     (lambda m, t: m.update(model_class=7), "metadata field model_class must be a non-empty string"),
+    (lambda m, t: m.update(weights_sample={"param": "x", "values": [1.0]}),
+     "metadata field weights_sample must be an object with param (a string) and values (64 finite numbers)"),
     (lambda m, t: t.update({k: -t[k] - 0.1 for k in t if k.endswith("err.int8.rel_l1")}),
      "err.int8.rel_l1 holds -0.1"),
     (lambda m, t: t.update({k: t[k] + float("nan") for k in t if k.endswith("err.int8.cos")}),
@@ -799,6 +821,7 @@ def test_library_calibrate_gives_the_cli_file(tmp_path, monkeypatch):
     cal = calibrate(load_pipeline(device="cpu"), class_labels=["red circle"], steps=2, seed=3, progress=False)
     cli = Calibration.load(tmp_path / "cli")
     assert cal.meta == cli.meta and cal.meta["model"] == "embedded"
+    assert cal.meta["weights_sample"]["param"] == "transformer_blocks.0.attn1.to_q.weight"
     assert torch.equal(cal.timesteps, cli.timesteps) and cal.layers.keys() == cli.layers.keys()
     for name, stats in cli.layers.items():
         for key, t in stats.items():

@@ -2,7 +2,8 @@
 
 The file is safetensors (``calibration.safetensors``): tensors named ``{layer}::{stat}`` and the
 global ``timesteps`` and ``noise``, with JSON metadata under the key ``diffusion_int8`` (model,
-model class, diffusers version, scheduler, steps, prompt hash, schema version) and a sha256 under
+model class, diffusers version, scheduler, steps, prompt hash, schema version, and a sample of the calibrated
+weights that ``validate`` compares with the model's, in files written since it was added) and a sha256 under
 ``diffusion_int8.sha256``: of the metadata and the tensors since schema 5 (``file_sha256``), of the tensors
 alone in schemas 3 and 4 (``tensors_sha256``). Nothing is unpickled.
 
@@ -245,7 +246,8 @@ class Calibration:
 
     # ----------------------------------------------------------------------------------- applying
     def validate(self, model: torch.nn.Module) -> None:
-        """Raise ``ValueError`` unless ``model`` has exactly the calibrated attention layers, heads and head dims."""
+        """Raise ``ValueError`` unless ``model`` has exactly the calibrated attention layers, heads and head dims;
+        warn where its weights are not those calibrated (``weights_sample``; files from before it are not told)."""
         problems = []
         cls_name = type(model).__name__
         if self.meta.get("model_class") not in (None, cls_name):
@@ -265,6 +267,15 @@ class Calibration:
                                 f"the calibration {want['heads']} of dim {want['head_dim']}")
         if problems:
             raise ValueError(f"calibration of {self.meta.get('model', '?')} does not match this model: " + "; ".join(problems))
+        sample, told = self.meta.get("weights_sample"), self._memo.setdefault("told_weights", [])
+        differ = _sample_differs(model, sample) if sample is not None and id(model) not in told else None
+        if differ:
+            told.append(id(model))  # once, though eval and enable both validate
+            warnings.warn(f"diffusion_int8: the calibration of {self.meta.get('model', '?')} was made with other "
+                          f"weights than this {cls_name}'s ({differ} of {len(sample['values'])} values of "
+                          f"{sample['param']} differ by over 1%): a model of the same layers, such as another "
+                          f"checkpoint or a fine-tune, whose ranges and errors may not be these. Calibrate this "
+                          f"model, or compare the images (diffusion-int8 eval)", RuntimeWarning, stacklevel=3)
 
     def has_channel_ranges(self) -> bool:
         """Whether the file holds per-channel Q and K maxima (schema 4 on), which ``ranges(balance=True)`` needs."""
@@ -488,6 +499,46 @@ class Calibration:
 
 
 # ------------------------------------------------------------------------------------ reading
+SAMPLED_WEIGHTS = 64
+
+
+def weights_sample(model: torch.nn.Module) -> dict | None:
+    """``{"param": name, "values": [...]}``: ``SAMPLED_WEIGHTS`` values spread over the first matrix of ``model``'s
+    first attention module, which tell its weights from another checkpoint's of the same layers (``validate``);
+    None where they cannot be read (weights on the meta device under offloading, quantized tensor types)."""
+    for name, module in attention_modules(model).items():
+        for pname, p in module.named_parameters():
+            if p.dim() == 2:
+                values = _sampled(p)
+                return None if values is None else {"param": f"{name}.{pname}", "values": values}
+        return None
+    return None
+
+
+def _sampled(p: torch.Tensor) -> list[float] | None:
+    try:
+        flat = p.detach().reshape(-1)
+        idx = torch.linspace(0, flat.numel() - 1, SAMPLED_WEIGHTS, dtype=torch.float64).long().to(flat.device)
+        values = flat[idx].double().cpu().tolist()
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return None
+    return values if all(math.isfinite(v) for v in values) else None
+
+
+def _sample_differs(model: torch.nn.Module, sample: dict) -> int:
+    """How many of ``sample``'s values ``model``'s weights miss by more than 1% of the largest (a cast between 16-bit
+    formats moves each by under 0.4%); 0 where they cannot be read or most agree."""
+    try:
+        now = _sampled(model.get_parameter(sample["param"]))
+    except AttributeError:
+        return 0
+    if now is None or len(now) != len(sample["values"]):
+        return 0
+    scale = max(abs(v) for v in sample["values"]) or 1.0
+    differ = sum(abs(a - b) > 0.01 * scale for a, b in zip(now, sample["values"]))
+    return differ if differ > len(now) // 4 else 0
+
+
 def _holds_nonfinite(value) -> bool:
     if isinstance(value, dict):
         return any(_holds_nonfinite(v) for v in value.values())
@@ -564,6 +615,10 @@ _META_FIELDS = {
     "guidance_scale": ("null or a finite number", lambda v: v is None or _number(v)),
     "num_train_timesteps": ("null or a number > 0", lambda v: v is None or (_number(v) and v > 0)),
     "timestep_scale": ("null, 1 or 1000 (what the denoiser's timesteps are out of)", lambda v: v is None or v in (1, 1000)),
+    "weights_sample": (f"an object with param (a string) and values ({SAMPLED_WEIGHTS} finite numbers)",
+                       lambda v: isinstance(v, dict) and set(v) == {"param", "values"} and isinstance(v["param"], str)
+                       and isinstance(v["values"], list) and len(v["values"]) == SAMPLED_WEIGHTS
+                       and all(_number(x) for x in v["values"])),
 }
 
 

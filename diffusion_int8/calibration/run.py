@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .. import pipelines
 from ..plugin.install import enable
 from .collect import Collector, merge
-from .file import FILE_NAME, Calibration
+from .file import FILE_NAME, Calibration, weights_sample
 from .summary import write_all
 
 OUTPUTS = (FILE_NAME, "schedule.json", "summary.md", "summary.json", "ranges.png", "errors.png")
@@ -103,6 +103,9 @@ def calibrate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Seque
             "prompts_sha256": items.sha256(), "num_items": len(items.values), "items_kind": items.kind,
             "seed": seed, "guidance_scale": guidance_scale, "percentile": percentile,
             "dtype": str(denoiser.dtype), "processes": shards.world}
+    sample = weights_sample(denoiser)
+    if sample is not None:
+        meta["weights_sample"] = sample
     return Calibration.from_stats(meta, timesteps, stats)
 
 
