@@ -539,6 +539,17 @@ def test_sparse_schedule_reports_skipped_blocks_per_step(tmp_path, monkeypatch, 
     check_html_in_chromium(tmp_path / "report.html")
     out = capsys.readouterr().out
     assert f"{sparse['overall']:.1%} of attention blocks skipped" in out and f"blocks skipped per step {shown}" in out
+    # another report over this one: refused unless asked, and then none of this one's images stay beside it
+    (tmp_path / "notes.txt").write_text("the user's")
+    smaller = dict(report, images={n: imgs[:1] for n, imgs in report["images"].items()}, items=report["items"][:1])
+    with pytest.raises(FileExistsError, match=r"already holds report.json, report.md, report.html, images; pass "
+                                              r"overwrite=True"):
+        write_report(smaller, tmp_path)
+    assert len(list((tmp_path / "images" / "int8").iterdir())) == 2
+    write_report(smaller, tmp_path, overwrite=True)
+    assert {d.name: sorted(f.name for f in d.iterdir()) for d in (tmp_path / "images").iterdir()} == {
+        d: ["00000.png"] for d in ("fp16", "int8", "schedule_half")}
+    assert (tmp_path / "notes.txt").read_text() == "the user's"
 
 
 def test_demo_end_to_end(tmp_path):

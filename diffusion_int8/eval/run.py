@@ -12,6 +12,7 @@ into ``--out`` as one set.
 from __future__ import annotations
 
 import hashlib
+import json
 import statistics
 import sys
 import time
@@ -32,7 +33,7 @@ from ..schedule import PrecisionSchedule
 from ..plugin.speed_gate import SpeedGate
 from . import report as R
 from .energy import EnergyCounter
-from .score import Scorer, save_images
+from .score import IMAGE_FILE, Scorer, save_images
 
 BASELINE = "fp16"
 DEFAULT_MODES = ("int8", "int8_fp16v")
@@ -321,11 +322,19 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
     return report
 
 
-def write_report(report: dict, dest: str | Path) -> list[Path]:
-    """Write what ``evaluate`` returned into the directory ``dest`` (made if missing; files there replaced):
-    ``images/<variant>/00000.png``… and ``report.json``, plus ``report.md`` and ``report.html`` unless it was
-    made with ``generate_only`` (no quality metrics). Returns the report files written."""
+def write_report(report: dict, dest: str | Path, *, overwrite: bool = False) -> list[Path]:
+    """Write what ``evaluate`` returned into the directory ``dest`` (made if missing): ``images/<variant>/00000.png``…
+    and ``report.json``, plus ``report.md`` and ``report.html`` unless it was made with ``generate_only`` (no
+    quality metrics). Returns the report files written. ``FileExistsError`` where ``dest`` holds a report's outputs
+    (``OUTPUTS``), unless ``overwrite``: then the images the previous report lists go too, so that no image of it
+    stays beside the new ones."""
     dest = Path(dest)
+    existing = [n for n in OUTPUTS if (dest / n).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{dest} already holds {', '.join(existing)}; pass overwrite=True to replace that "
+                              f"report (its images go with it), or write to another directory")
+    if existing:
+        _remove_report_images(dest)
     dest.mkdir(parents=True, exist_ok=True)
     images = report["images"]
     head = {k: v for k, v in report.items() if k != "images"}
@@ -334,6 +343,25 @@ def write_report(report: dict, dest: str | Path) -> list[Path]:
     if not head["metrics_available"]:  # made with generate_only: timings, no scores
         return [R.write_json(head, dest)]
     return write_report_files(head, images, head["items"], dest)
+
+
+def _remove_report_images(dest: Path) -> None:
+    """The images (``save_images``' names) in the folders ``dest/report.json`` lists, and those folders once empty;
+    nothing where it cannot be read."""
+    try:
+        dirs = json.loads((dest / "report.json").read_text(encoding="utf-8")).get("image_dirs", {}).values()
+    except (OSError, ValueError, AttributeError):
+        return
+    root = (dest / "images").resolve()
+    for d in dirs:
+        folder = (dest / str(d)).resolve()
+        if folder.parent != root or not folder.is_dir():  # only images/<variant>, as write_report names them
+            continue
+        for f in folder.iterdir():
+            if IMAGE_FILE.fullmatch(f.name) and f.is_file():
+                f.unlink()
+        if not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def write_report_files(report: dict, images: dict, labels: list, dest: Path) -> list[Path]:
