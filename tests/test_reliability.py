@@ -279,7 +279,7 @@ def _processors(pipe):
     ({"steps": 0}, "steps must be from 1 to 10000, got 0"),
     ({"steps": 1_000_000_000}, "steps must be from 1 to 10000"),
     ({"percentile": 200}, "percentile must be a number in (0, 100], got 200"),
-    ({"seed": -1}, "seed must be an integer >= 0"),
+    ({"seed": -1}, "seed must be an integer from 0 to 9223372036854775807 (2**63 - 1), got -1"),
 ])
 def test_calibrate_refuses_bad_arguments_first_and_leaves_the_pipeline_as_it_was(shipped_pipe, kwargs, message):
     from diffusion_int8 import calibrate, enable
@@ -298,6 +298,8 @@ def test_calibrate_refuses_bad_arguments_first_and_leaves_the_pipeline_as_it_was
     ({"modes": ["int4"]}, "mode must be one of"),
     ({"modes": "int8"}, "modes must be a list of INT8 mode names (int8, int8_fp16v), got 'int8'"),
     ({"modes": ["int8", "fp16"]}, "modes lists 'fp16', the stock pipeline every report compares with"),
+    ({"modes": []}, "nothing to compare with fp16: give modes (int8, int8_fp16v), a schedule, a calibration or"),
+    ({"seed": 2**64}, "seed must be an integer from 0 to 9223372036854775807 (2**63 - 1), got"),
     ({"lpips_weights": "/nonexistent/lpips.pth"}, "lpips_weights: no file at /nonexistent/lpips.pth"),
 ])
 def test_evaluate_refuses_bad_arguments_before_any_image(shipped_pipe, kwargs, message, monkeypatch):

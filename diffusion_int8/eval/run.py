@@ -278,6 +278,9 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
     if calibration is not None:
         calibration.validate(pipelines.denoiser(pipe))
     plan = variants(modes, schedule, calibration, sparsity, refresh_every, speed_gate)
+    if not plan:
+        raise ValueError(f"nothing to compare with {BASELINE}: give modes ({', '.join(DEFAULT_MODES)}), a schedule, "
+                         f"a calibration or sparsity")
     shards = shards or pipelines.Shards(str(pipelines.denoiser(pipe).device))
     results, speeds, per_step, nonfinite = generate_all(
         pipe, items, plan, shards, batch_size=batch_size, steps=steps, seed=seed, guidance_scale=guidance_scale,
