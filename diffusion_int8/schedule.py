@@ -388,7 +388,12 @@ class PrecisionSchedule:
             raise bad("refresh_every" if "refresh_every" in str(e) else "num_train_timesteps", str(e)) from None
 
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        """Write the schedule as JSON to the file ``path`` (``FileExistsError`` where it exists, unless
+        ``overwrite``); ``load`` reads it back."""
         path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory; give the schedule's file name, e.g. "
+                                    f"{path / 'schedule.json'}")
         if path.exists() and not overwrite:
             raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
         jsonfile.write(path, self.to_dict(), indent=2)

@@ -39,6 +39,8 @@ def test_json_round_trip_and_no_silent_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match="overwrite=True"):
         s.save(path)
     s.save(path, overwrite=True)
+    with pytest.raises(IsADirectoryError, match=r"is a directory; give the schedule's file name, e.g. .*schedule.json"):
+        s.save(tmp_path, overwrite=True)
     path.write_text(json.dumps({"schema_version": 99, "kind": "rules"}))
     with pytest.raises(ValueError, match="schema"):
         PrecisionSchedule.load(path)
