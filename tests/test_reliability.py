@@ -313,3 +313,18 @@ def test_evaluate_refuses_bad_arguments_before_any_image(shipped_pipe, kwargs, m
     with pytest.raises((ValueError, FileNotFoundError)) as err:
         evaluate(shipped_pipe, class_labels=["red circle"], progress=False, **{"steps": 2, **kwargs})
     assert message in str(err.value), str(err.value)
+
+
+def test_evaluate_refuses_weights_for_a_metric_it_cannot_run_before_any_image(shipped_pipe, monkeypatch):
+    from diffusion_int8.eval import evaluate
+    from diffusion_int8.eval import run as eval_run
+    from diffusion_int8.eval.metrics import Unavailable
+
+    def no_images(*args, **kwargs):
+        raise AssertionError("generation started")
+
+    monkeypatch.setattr(eval_run, "generate_all", no_images)
+    monkeypatch.setattr(eval_run, "missing_package", lambda metric: Unavailable(f"{metric} is not installed"))
+    for what in ("lpips_weights", "fid_weights"):
+        with pytest.raises(ValueError, match=f"{what} was given, but {what[:-8]} is not installed"):
+            evaluate(shipped_pipe, class_labels=["red circle"], progress=False, steps=2, **{what: __file__})

@@ -109,15 +109,30 @@ def _weights(given: str | Path | None, file_name: str, what: str, flag: str) -> 
                        f"or place the file in {cached.parent}")
 
 
+def missing_package(metric: str) -> Unavailable | None:
+    """Why ``metric`` (``"lpips"``, or ``"fid"`` for FID and KID) cannot be computed whatever its weights: its
+    package does not import; None where it does."""
+    try:
+        if metric == "lpips":
+            import lpips  # noqa: F401
+            import torchvision  # noqa: F401
+        else:
+            from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means unavailable
+        needs = "LPIPS needs the `lpips` package" if metric == "lpips" else "FID/KID need torch-fidelity"
+        return Unavailable(f"{needs} and a torchvision matching your torch ({type(e).__name__}: {e}); install a "
+                           f"torchvision built for your torch, then pip install 'diffusion-int8[metrics]'")
+    return None
+
+
 def lpips_model(weights: str | Path | None = None, device: torch.device | str = "cpu"):
     """``lpips.LPIPS(net="alex")`` with AlexNet from ``weights`` or the TORCH_HOME cache, or ``Unavailable``."""
-    try:
-        import lpips
-        import torchvision
-    except Exception as e:  # noqa: BLE001 - any import failure means unavailable
-        return Unavailable(f"LPIPS needs the `lpips` package and a torchvision matching your torch "
-                           f"({type(e).__name__}: {e}); install a torchvision built for your torch, then "
-                           f"pip install 'diffusion-int8[metrics]'")
+    missing = missing_package("lpips")
+    if missing is not None:
+        return missing
+    import lpips
+    import torchvision
+
     path = _weights(weights, ALEXNET_FILE, "LPIPS needs torchvision's AlexNet weights", "--lpips-weights")
     if isinstance(path, Unavailable):
         return path
@@ -141,12 +156,11 @@ def lpips_distance(model, x: torch.Tensor, ref: torch.Tensor, batch: int = 32) -
 
 def inception_model(weights: str | Path | None = None, device: torch.device | str = "cpu"):
     """torch-fidelity's FID Inception (2048-d pool features) from ``weights`` or the cache, or ``Unavailable``."""
-    try:
-        from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-    except Exception as e:  # noqa: BLE001
-        return Unavailable(f"FID/KID need torch-fidelity and a torchvision matching your torch "
-                           f"({type(e).__name__}: {e}); install a torchvision built for your torch, then "
-                           f"pip install 'diffusion-int8[metrics]'")
+    missing = missing_package("fid")
+    if missing is not None:
+        return missing
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
     path = _weights(weights, INCEPTION_FILE, "FID/KID need torch-fidelity's Inception weights", "--fid-weights")
     if isinstance(path, Unavailable):
         return path

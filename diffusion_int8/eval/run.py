@@ -33,6 +33,7 @@ from ..schedule import PrecisionSchedule
 from ..plugin.speed_gate import SpeedGate
 from . import report as R
 from .energy import EnergyCounter
+from .metrics import missing_package
 from .score import IMAGE_FILE, Scorer, save_images
 
 BASELINE = "fp16"
@@ -266,9 +267,12 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
     """
     pipelines.check_run(steps, batch_size, seed, guidance_scale)
     modes = check_modes(modes)
-    for what, path in (("lpips_weights", lpips_weights), ("fid_weights", fid_weights)):
+    for what, path, metric in (("lpips_weights", lpips_weights, "lpips"), ("fid_weights", fid_weights, "fid")):
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"{what}: no file at {path} (leave it out to report the metric unavailable)")
+        missing = None if path is None or generate_only else missing_package(metric)
+        if missing is not None:  # weights given for a metric that cannot run: said now, not after every image
+            raise ValueError(f"{what} was given, but {missing.reason}")
     items = pipelines.resolve_items(pipe, prompts, class_labels)
     check_enableable(pipe)  # the baseline runs stock: not on a pipeline whose attention is already INT8
     if schedule is not None and not isinstance(schedule, PrecisionSchedule):
