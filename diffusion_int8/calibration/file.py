@@ -663,6 +663,17 @@ def _check_structure(path: Path, meta: dict, tensors: dict[str, torch.Tensor], l
         raise ValueError(f"{path}: tensors 'timesteps' and 'noise' and metadata field steps disagree on the number of "
                          f"steps: {tensors['timesteps'].numel()}, {T}, {meta.get('steps')}")
     _check_meta_fields(path, meta)
+    noise = tensors["noise"].double()
+    if ((noise < 0) | (noise > 1 + 1e-6)).any():
+        raise ValueError(f"{path}: tensor 'noise' holds {float(noise[(noise < 0) | (noise > 1 + 1e-6)][0])}; "
+                         f"noise levels are in [0, 1]")
+    if "timestep_scale" in meta:  # the fields noise_level read when the file was written (since timestep_scale)
+        ntt, scale = meta.get("num_train_timesteps"), meta["timestep_scale"]
+        derived = torch.tensor([noise_level(t, ntt, scale) for t in tensors["timesteps"].tolist()], dtype=torch.float64)
+        if not torch.allclose(derived, noise, rtol=1e-5, atol=1e-6):
+            raise ValueError(f"{path}: tensor 'noise' does not follow from tensor 'timesteps' and metadata fields "
+                             f"num_train_timesteps ({ntt}) and timestep_scale ({scale}), as static ranges are read at "
+                             f"a step's noise level; the file was edited or damaged")
     declared = meta.get("layers")
     if not isinstance(declared, dict):
         raise ValueError(f"{path}: metadata field layers must map layer names to heads and head_dim, "
