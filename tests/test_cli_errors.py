@@ -314,6 +314,14 @@ def test_overwrite_refuses_to_delete_files_of_the_users_in_an_output_folder(tmp_
     with outputs.output_set(out, NAMES, overwrite=True) as tmp:  # the commands' own files alone: replaced
         fill(tmp, NAMES, "new")
     assert snapshot(out)["files"]["images/a/00000.png"] == b"new"
+    # a folder of numbered images the report beside it does not list is the user's
+    (out / "report.json").write_text(json.dumps({"image_dirs": {"fp16": "images/a"}}))
+    (out / "images" / "mine").mkdir()
+    (out / "images" / "mine" / "00000.png").write_text("the user's")
+    with pytest.raises(UsageError, match=r"holds files no diffusion-int8 command writes there: images/mine/00000.png"):
+        with outputs.output_set(out, NAMES, overwrite=True) as tmp:
+            fill(tmp, NAMES, "new")
+    assert (out / "images" / "mine" / "00000.png").read_text() == "the user's"
 
 
 def test_output_set_replaces_the_whole_set_and_keeps_other_files(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
 import re
 import shutil
@@ -79,8 +80,20 @@ def _not_made(path: Path, name: str) -> list[str]:
     made = _MADE_IN.get(name)
     if made is None or path.is_symlink() or not path.is_dir():
         return []
+    # images/: only the variant folders the report beside it lists, where it can be read
+    folders = _report_folders(path.parent) if name == "images" else None
     return sorted(rel for rel in (p.relative_to(path).as_posix() for p in path.rglob("*")
-                                  if p.is_symlink() or not p.is_dir()) if not made.fullmatch(rel))
+                                  if p.is_symlink() or not p.is_dir())
+                  if not made.fullmatch(rel) or (folders is not None and rel.split("/")[0] not in folders))
+
+
+def _report_folders(out: Path) -> set[str] | None:
+    """The image folders ``out/report.json`` lists (``images/<variant>``), or None where it cannot be read."""
+    try:
+        dirs = json.loads((out / "report.json").read_text(encoding="utf-8"))["image_dirs"].values()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return {str(d).removeprefix("images/") for d in dirs}
 
 
 def check_out_file(path: Path, flag: str, overwrite: bool, make_parents: bool = False) -> None:
