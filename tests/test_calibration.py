@@ -191,8 +191,12 @@ def test_validation_against_models():
         warnings.simplefilter("error")
         cal.validate(model)
         cal.validate(copy.deepcopy(model).to(torch.bfloat16))  # a cast moves each value by under 0.4%
+        stored = copy.deepcopy(model)  # weights stored in FP8, as diffusers' layerwise casting keeps them
+        for p in stored.parameters():
+            p.data = p.data.to(torch.float8_e4m3fn).float()
+        cal.validate(stored)
     with pytest.warns(RuntimeWarning, match=r"made with other weights than this DiTTransformer2DModel's \(\d+ of 64 "
-                                            r"values of transformer_blocks.0.attn1.to_q.weight differ by over 1%\)"):
+                                            r"values of transformer_blocks.0.attn1.to_q.weight differ by over 5% of the largest\)"):
         cal.validate(other)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -691,7 +695,8 @@ def test_checksum_covers_metadata_and_tensors_and_is_required_from_schema_3(save
     (lambda m, t: m.update(model_class=7), "metadata field model_class must be a non-empty string"),
     (lambda m, t: m.update(num_train_timesteps=1, timestep_scale=m.get("timestep_scale")),
      "tensor 'noise' does not follow from tensor 'timesteps' and metadata fields num_train_timesteps (1)"),
-    (lambda m, t: t.update(noise=t["noise"] * 0 + 5.0), "tensor 'noise' holds 5.0; noise levels are in [0, 1]"),
+    (lambda m, t: (t.update(noise=t["noise"] * 0 + 5.0), m.update(timestep_scale=m.get("timestep_scale"))),
+     "tensor 'noise' does not follow from tensor 'timesteps'"),
     (lambda m, t: m.update(weights_sample={"param": "x", "values": [1.0]}),
      "metadata field weights_sample must be an object with param (a string) and values (64 finite numbers)"),
     (lambda m, t: t.update({k: -t[k] - 0.1 for k in t if k.endswith("err.int8.rel_l1")}),

@@ -247,14 +247,16 @@ NAMES = ("report.json", "report.md", "images")
 def test_a_killed_runs_temporary_directory_goes_at_the_next_run(tmp_path):
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(done.stdout)  # a process that has ended, as one killed outright
-    killed, live, replaced = (tmp_path / f".out.{k}-{p}" for k, p in (("tmp", dead), ("tmp", os.getppid()),
-                                                                      ("old", dead)))
-    for folder in (killed, live, replaced):
+    killed, live, replaced, recent = (tmp_path / f".out.{k}-{p}" for k, p in (
+        ("tmp", dead), ("tmp", os.getppid()), ("old", dead), ("tmp", dead + 1_000_000)))  # no such pid here
+    for folder in (killed, live, replaced, recent):
         fill(folder, NAMES[:1], "a run's")
+    for folder in (killed, live, replaced):  # an hour untouched; recent: maybe a run in another container
+        os.utime(folder, (time.time() - 2 * outputs.KILLED_AFTER_S,) * 2)
     with pytest.warns(RuntimeWarning, match=r"\.out\.old-\d+ holds outputs a killed run was replacing"):
         with outputs.output_set(tmp_path / "out", NAMES, overwrite=False) as tmp:
             fill(tmp, NAMES, "new")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name, replaced.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name, replaced.name, recent.name])
 
 
 def test_output_set_failing_writer_leaves_nothing_or_the_previous_set(tmp_path):
@@ -314,6 +316,10 @@ def test_overwrite_refuses_to_delete_files_of_the_users_in_an_output_folder(tmp_
     with outputs.output_set(out, NAMES, overwrite=True) as tmp:  # the commands' own files alone: replaced
         fill(tmp, NAMES, "new")
     assert snapshot(out)["files"]["images/a/00000.png"] == b"new"
+    # a report of eval --score names the folders it was given, wherever they are: then any numbered image counts
+    (out / "report.json").write_text(json.dumps({"image_dirs": {"fp16": str(out / "images" / "a")}}))
+    with outputs.output_set(out, NAMES, overwrite=True) as tmp:
+        fill(tmp, NAMES, "new")
     # a folder of numbered images the report beside it does not list is the user's
     (out / "report.json").write_text(json.dumps({"image_dirs": {"fp16": "images/a"}}))
     (out / "images" / "mine").mkdir()

@@ -305,6 +305,10 @@ def test_a_pipeline_routes_each_of_its_denoising_models_sharing_one_state():
         assert generation(other_run) == [None] * 6  # the timesteps a generation ago: not set anew for this one
         scheduler.timesteps = torch.tensor([1000.0, 500.0])  # the pipeline's own run
         assert generation((1000, 500)) == [2, 2] and handle.state.generation == 3
+        # a timestep that rises within a run (Lumina's and Z-Image's 1 - t/1000) ends no whole generation: no
+        # warning (each step still starts a generation of its own there, the carry's refresh every step)
+        scheduler.timesteps = torch.tensor([1000.0, 750.0, 500.0, 250.0])
+        generation((0.0, 0.25, 0.5, 0.75))
     import copy
 
     twin = copy.deepcopy(pipe)  # a copied pipeline: its model reads the copy's scheduler

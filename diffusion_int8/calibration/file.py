@@ -273,7 +273,7 @@ class Calibration:
             told.append(id(model))  # once, though eval and enable both validate
             warnings.warn(f"diffusion_int8: the calibration of {self.meta.get('model', '?')} was made with other "
                           f"weights than this {cls_name}'s ({differ} of {len(sample['values'])} values of "
-                          f"{sample['param']} differ by over 1%): a model of the same layers, such as another "
+                          f"{sample['param']} differ by over 5% of the largest): a model of the same layers, such as another "
                           f"checkpoint or a fine-tune, whose ranges and errors may not be these. Calibrate this "
                           f"model, or compare the images (diffusion-int8 eval)", RuntimeWarning, stacklevel=3)
 
@@ -526,8 +526,9 @@ def _sampled(p: torch.Tensor) -> list[float] | None:
 
 
 def _sample_differs(model: torch.nn.Module, sample: dict) -> int:
-    """How many of ``sample``'s values ``model``'s weights miss by more than 1% of the largest (a cast between 16-bit
-    formats moves each by under 0.4%); 0 where they cannot be read or most agree."""
+    """How many of ``sample``'s values ``model``'s weights miss by more than 5% of the largest (a cast to a 16-bit
+    format moves each by under 0.4% of itself, to FP8 e4m3, as layerwise casting stores weights, by under 3.2%); 0
+    where they cannot be read or most agree."""
     try:
         now = _sampled(model.get_parameter(sample["param"]))
     except AttributeError:
@@ -535,7 +536,7 @@ def _sample_differs(model: torch.nn.Module, sample: dict) -> int:
     if now is None or len(now) != len(sample["values"]):
         return 0
     scale = max(abs(v) for v in sample["values"]) or 1.0
-    differ = sum(abs(a - b) > 0.01 * scale for a, b in zip(now, sample["values"]))
+    differ = sum(abs(a - b) > 0.05 * scale for a, b in zip(now, sample["values"]))
     return differ if differ > len(now) // 4 else 0
 
 
@@ -664,9 +665,6 @@ def _check_structure(path: Path, meta: dict, tensors: dict[str, torch.Tensor], l
                          f"steps: {tensors['timesteps'].numel()}, {T}, {meta.get('steps')}")
     _check_meta_fields(path, meta)
     noise = tensors["noise"].double()
-    if ((noise < 0) | (noise > 1 + 1e-6)).any():
-        raise ValueError(f"{path}: tensor 'noise' holds {float(noise[(noise < 0) | (noise > 1 + 1e-6)][0])}; "
-                         f"noise levels are in [0, 1]")
     if "timestep_scale" in meta:  # the fields noise_level read when the file was written (since timestep_scale)
         ntt, scale = meta.get("num_train_timesteps"), meta["timestep_scale"]
         derived = torch.tensor([noise_level(t, ntt, scale) for t in tensors["timesteps"].tolist()], dtype=torch.float64)

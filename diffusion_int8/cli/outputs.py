@@ -6,7 +6,7 @@ same parent, so the same file system, where renames are atomic) and moved into `
 With ``--overwrite`` the previous outputs move aside to ``.<name>.old-<pid>`` until the new ones are in
 place, and move back if anything fails on the way. An interrupted run therefore leaves the previous
 outputs or none, never a mix, and no temporary directory (one killed outright leaves its temporary directory,
-which the next run into the same ``--out`` removes). Files in ``--out`` that are not the command's
+which a run into the same ``--out`` an hour later removes). Files in ``--out`` that are not the command's
 outputs are left where they are. ``command`` makes SIGTERM interrupt a command as Ctrl-C does, so that the
 same clean-up runs, and ends an interrupted command with one line. ``check_out_file`` checks a single output
 file (``check --json``, ``tune --out``) before any work.
@@ -23,6 +23,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -90,10 +91,13 @@ def _not_made(path: Path, name: str) -> list[str]:
 def _report_folders(out: Path) -> set[str] | None:
     """The image folders ``out/report.json`` lists (``images/<variant>``), or None where it cannot be read."""
     try:
-        dirs = json.loads((out / "report.json").read_text(encoding="utf-8"))["image_dirs"].values()
+        dirs = [str(d) for d in json.loads((out / "report.json").read_text(encoding="utf-8"))["image_dirs"].values()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return {str(d).removeprefix("images/") for d in dirs}
+    names = [d.removeprefix("images/") for d in dirs]
+    if not all(d.startswith("images/") and n and "/" not in n for d, n in zip(dirs, names)):
+        return None  # eval --score's report names the folders it was given, wherever they are
+    return set(names)
 
 
 def check_out_file(path: Path, flag: str, overwrite: bool, make_parents: bool = False) -> None:
@@ -185,13 +189,22 @@ def output_set(out: Path, names: Sequence[str], overwrite: bool) -> Iterator[Pat
                     break
 
 
+KILLED_AFTER_S = 3600
+
+
 def _remove_killed_runs(out: Path) -> None:
     """Remove the temporary directories beside ``out`` of runs killed outright (SIGKILL, a power cut: no clean-up
-    ran), told by their process being gone from this machine; a live one's is left alone. A killed run's
+    ran), told by their process being gone from this machine and ``KILLED_AFTER_S`` untouched; a live one's is left
+    alone. A killed run's
     ``.old-<pid>`` holds the outputs it was replacing: kept, and named in a warning."""
     for path in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
         kind, _, pid = path.name[len(out.name) + 2:].rpartition("-")
         if kind not in ("tmp", "old") or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:  # an hour untouched too: a run on another machine or in another container sharing the folder has
+            if time.time() - path.stat().st_mtime < KILLED_AFTER_S:  # a pid this machine does not see
+                continue
+        except OSError:
             continue
         if kind == "tmp":
             shutil.rmtree(path, ignore_errors=True)

@@ -34,7 +34,8 @@ class Int8Handle:
 
     ``originals`` maps each routed module's name to the processor it had; ``skipped`` maps each attention module left
     on its stock processor to the reason. ``others``: the handles of the pipeline's other denoising models (Wan 2.2's
-    ``transformer_2``, ControlNets), by component name; they share ``state``, and ``disable()`` disables them too."""
+    ``transformer_2``, ControlNets), by component name; they share ``state``, and ``disable()`` disables them too.
+    A copy or pickle of an enabled model holds a handle of that model alone (``diffusion_int8.disable``)."""
 
     model: torch.nn.Module
     state: Int8State
@@ -46,8 +47,9 @@ class Int8Handle:
     _told_replaced: bool = field(default=False, repr=False)
 
     def __getstate__(self):
-        # what a copy or pickle of one model carries: its own handle, not the pipeline's other models (a Wan 2.2
-        # expert copied alone would copy the other; diffusion_int8.disable() reaches each model's own)
+        # what a copy or pickle of a model carries: its own handle, not the pipeline's other models (a Wan 2.2
+        # expert copied alone would copy the other); in a copied pipeline, diffusion_int8.disable() reaches each
+        # model's own
         return dict(self.__dict__, others={})
 
     def disable(self, *, _stacklevel: int = 2) -> None:
@@ -437,11 +439,13 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], steps: St
     seen = None if timesteps is None else state._timesteps.get(steps.scheduler)
     new = state.timestep is None or t > state.timestep or (seen is not None and seen is not timesteps)
     if new:
-        # a new generation: denoising starts at its highest noise level, which also tells the scale
+        # a new generation: denoising starts at its highest noise level, which also tells the scale. Its timesteps
+        # the ones a whole generation before it ran through: not set anew, so another pipeline runs this one (a
+        # timestep rising within a run, as Lumina's 1 - t or KDPM2's Karras levels give, ends no whole generation)
+        stale = seen is not None and seen is timesteps and state.step + 1 >= steps.level_count()
         state.step, state.timestep_scale = -1, 1000.0 if t > 1.0 else 1.0
         state.generation += 1
         state._timesteps = {}
-        stale = seen is not None and seen is timesteps  # the last generation's: another pipeline runs this one
         if stale:
             steps.stale()
         state.steps = None if steps is None or stale else steps(noise_level(t, None, state.timestep_scale))
@@ -518,6 +522,11 @@ class StepCount:
             levels = levels / (1000.0 if float(levels[0]) > 1.0 else 1.0)  # as noise_level scales the timestep
             self._levels = (timesteps, levels)
         return levels
+
+    def level_count(self) -> int:
+        """How many distinct levels the scheduler's timesteps hold (0 where it holds none)."""
+        levels = self._read_levels()
+        return 0 if levels is None else len(levels)
 
     def holds(self, noise: float) -> bool:
         """Whether the scheduler's timesteps hold the level ``noise`` (within 0.005)."""
