@@ -7,8 +7,9 @@ from .calibration.run import calibrate
 
 __version__ = "0.1.0"
 
-__all__ = ["int8_attention", "kernel_info", "Mode", "AttentionCall", "Int8Config", "Int8DiffusionProcessor", "Int8Handle", "Int8State", "enable", "disable", "PrecisionSchedule", "Rule", "PRESETS",
-           "calibrate", "evaluate", "write_report", "__version__"]
+__all__ = ["int8_attention", "kernel_info", "Mode", "AttentionCall", "Int8Config", "Int8DiffusionProcessor",
+           "Int8Handle", "Int8State", "enable", "disable", "PrecisionSchedule", "Rule", "PRESETS", "calibrate",
+           "evaluate", "write_report", "__version__"]
 
 
 def __getattr__(name: str):

@@ -273,8 +273,8 @@ class Calibration:
             told.append(id(model))  # once, though eval and enable both validate
             warnings.warn(f"diffusion_int8: the calibration of {self.meta.get('model', '?')} was made with other "
                           f"weights than this {cls_name}'s ({differ} of {len(sample['values'])} values of "
-                          f"{sample['param']} differ by over 5% of the largest): a model of the same layers, such as another "
-                          f"checkpoint or a fine-tune, whose ranges and errors may not be these. Calibrate this "
+                          f"{sample['param']} differ by over 5% of the largest): a model of the same layers, such "
+                          f"as another checkpoint or a fine-tune, whose ranges and errors may not be these. Calibrate this "
                           f"model, or compare the images (diffusion-int8 eval)", RuntimeWarning, stacklevel=3)
 
     def has_channel_ranges(self) -> bool:
@@ -506,13 +506,11 @@ def weights_sample(model: torch.nn.Module) -> dict | None:
     """``{"param": name, "values": [...]}``: ``SAMPLED_WEIGHTS`` values spread over the first matrix of ``model``'s
     first attention module, which tell its weights from another checkpoint's of the same layers (``validate``);
     None where they cannot be read (weights on the meta device under offloading, quantized tensor types)."""
-    for name, module in attention_modules(model).items():
-        for pname, p in module.named_parameters():
-            if p.dim() == 2:
-                values = _sampled(p)
-                return None if values is None else {"param": f"{name}.{pname}", "values": values}
-        return None
-    return None
+    name, module = next(iter(attention_modules(model).items()), (None, None))
+    pname, p = next(((n, p) for n, p in (module.named_parameters() if module is not None else ()) if p.dim() == 2),
+                    (None, None))
+    values = None if p is None else _sampled(p)
+    return None if values is None else {"param": f"{name}.{pname}", "values": values}
 
 
 def _sampled(p: torch.Tensor) -> list[float] | None:

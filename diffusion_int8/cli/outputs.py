@@ -195,8 +195,7 @@ KILLED_AFTER_S = 3600
 def _remove_killed_runs(out: Path) -> None:
     """Remove the temporary directories beside ``out`` of runs killed outright (SIGKILL, a power cut: no clean-up
     ran), told by their process being gone from this machine and ``KILLED_AFTER_S`` untouched; a live one's is left
-    alone. A killed run's
-    ``.old-<pid>`` holds the outputs it was replacing: kept, and named in a warning."""
+    alone. A killed run's ``.old-<pid>`` holds the outputs it was replacing: kept, and named in a warning."""
     for path in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
         kind, _, pid = path.name[len(out.name) + 2:].rpartition("-")
         if kind not in ("tmp", "old") or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):

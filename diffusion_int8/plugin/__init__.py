@@ -6,4 +6,5 @@ from .observer import AttentionCall, Observer
 from .processor import Int8DiffusionProcessor
 from .state import Int8State
 
-__all__ = ["AttentionCall", "Int8Config", "Int8DiffusionProcessor", "Int8Handle", "Int8State", "Observer", "disable", "enable"]
+__all__ = ["AttentionCall", "Int8Config", "Int8DiffusionProcessor", "Int8Handle", "Int8State", "Observer", "disable",
+           "enable"]

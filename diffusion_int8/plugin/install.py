@@ -289,13 +289,12 @@ def _warn_unmatched_rules(model: torch.nn.Module, schedule, modules: dict) -> No
 
 
 def _check_enableable(model: torch.nn.Module, what: str) -> None:
-    if "_diffusion_int8_handle" in model.__dict__:
-        raise RuntimeError(f"diffusion_int8 is already enabled on {what} ({type(model).__name__}); call "
-                           f"handle.disable(), or diffusion_int8.disable() on it, first (enable(pipe) routes every "
-                           f"denoising model of a pipeline)")
-    if "_diffusion_int8_handle" in getattr(model, "_orig_mod", model).__dict__:
-        raise RuntimeError(f"diffusion_int8 is already enabled on {what} ({type(model._orig_mod).__name__}), "
-                           f"compiled since; call handle.disable(), or diffusion_int8.disable() on it, first")
+    core = getattr(model, "_orig_mod", model)  # a model compiled after enable holds its handle in the wrapped one
+    if "_diffusion_int8_handle" in core.__dict__:
+        raise RuntimeError(f"diffusion_int8 is already enabled on {what} ({type(core).__name__})"
+                           f"{', compiled since' if core is not model else ''}; call handle.disable(), or "
+                           f"diffusion_int8.disable() on it, first (enable(pipe) routes every denoising model of a "
+                           f"pipeline)")
     if _compiled(model):
         raise RuntimeError(f"{what} ({type(model).__name__}) is already compiled: call diffusion_int8.enable() "
                            f"before torch.compile")
@@ -462,6 +461,9 @@ def _read_timestep(state: Int8State, argument: tuple[str, int | None], steps: St
     return None
 
 
+LEVEL_TOLERANCE = 0.005  # how near a noise level the denoiser receives must be to one of its scheduler's
+
+
 def _hold(pipe):
     """A weak reference to ``pipe`` where it takes one, else a strong one (an object standing for a pipeline)."""
     try:
@@ -529,9 +531,9 @@ class StepCount:
         return 0 if levels is None else len(levels)
 
     def holds(self, noise: float) -> bool:
-        """Whether the scheduler's timesteps hold the level ``noise`` (within 0.005)."""
+        """Whether the scheduler's timesteps hold the level ``noise`` (within ``LEVEL_TOLERANCE``)."""
         levels = self._read_levels()
-        return levels is not None and float((levels - noise).abs().min()) <= 0.005
+        return levels is not None and float((levels - noise).abs().min()) <= LEVEL_TOLERANCE
 
     def stale(self) -> None:
         """Called where a generation's timesteps are not the scheduler's (not set anew at its start, or without the
@@ -556,7 +558,7 @@ class StepCount:
             return None
         distance = (levels - noise).abs()
         first = int(distance.argmin())
-        if float(distance[first]) > 0.005:
+        if float(distance[first]) > LEVEL_TOLERANCE:
             return None
         calibrated, n = self._calibrated, len(levels)  # the whole schedule's steps (an img2img run starts partway)
         if calibrated is not None and n != calibrated.calibrated_steps:
