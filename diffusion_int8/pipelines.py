@@ -54,7 +54,7 @@ def read_items(prompts: str | Path | None, class_labels: Sequence[str] | None) -
         labels = [int(c) if str(c).isdigit() else str(c) for c in class_labels]
         return Items(labels, "class_labels")
     path = Path(prompts)
-    if not path.is_file():
+    if path.is_dir() or not path.exists():  # a pipe (/dev/stdin, <(...)) is not a regular file but reads as one
         what = "is a directory" if path.is_dir() else "does not exist"
         raise FileNotFoundError(f"prompt file {path} {what}; give a UTF-8 text file, one prompt per line")
     try:

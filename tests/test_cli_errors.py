@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from diffusion_int8 import pipelines
 from diffusion_int8.__main__ import main
 from diffusion_int8.calibration import Calibration
 from diffusion_int8.cli import outputs
+from diffusion_int8.cli.common import read_items
 from diffusion_int8.cli.usage import UsageError
 from processes import cli_env
 
@@ -158,6 +160,22 @@ def test_prompt_files_missing_empty_or_not_text(tmp_path, capsys, no_model):
     code, err = cli(["eval", "--prompts", long, "--out", tmp_path / "out"], capsys)
     assert_usage_error(code, err, "eval", "... (1,000,000 characters) names no class")
     assert len(err) < 1000
+
+
+def test_prompts_from_a_pipe_are_read(tmp_path):
+    """``--prompts /dev/stdin`` or ``<(...)``: a pipe is not a regular file, but it holds prompts all the same."""
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+
+    def write():  # opening blocks until the reader opens its end
+        with open(fifo, "w") as f:
+            f.write("# a comment\na red circle\n\na blue square\n")
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    items = read_items(fifo, None, pipelines.EMBEDDED)  # the CLI's reading, its permission check included
+    writer.join()
+    assert (items.kind, items.values) == ("prompt", ["a red circle", "a blue square"])
 
 
 def test_schedule_and_calibration_load_before_the_model(tmp_path, capsys, no_model):

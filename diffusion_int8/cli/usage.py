@@ -44,8 +44,11 @@ def check_readable(path: str | Path) -> None:
     """``UsageError`` for a file that exists but cannot be read (some loaders report it as missing); a missing
     file is left to the loader, which says what it wanted."""
     try:
-        with open(path, "rb"):
-            pass
+        if Path(path).is_file():
+            with open(path, "rb"):
+                pass
+        elif Path(path).exists() and not os.access(path, os.R_OK):  # a pipe: opening it would wait for a writer
+            raise PermissionError
     except PermissionError:
         raise UsageError(f"cannot read {path} (permission denied)") from None
     except OSError:
