@@ -124,6 +124,14 @@ def test_file_round_trip_and_no_overwrite(tmp_path):
     for layer in cal.layers:
         for key, t in cal.layers[layer].items():
             assert torch.equal(back.layers[layer][key], t), (layer, key)
+    # where it came from, for reports: the file and the checksum stored in it; nothing for one made in memory
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        stored = f.metadata()["diffusion_int8.sha256"]
+    assert back.provenance()["path"] == str(path.resolve()) and back.provenance()["sha256"] == stored
+    assert cal.provenance()["path"] is None and cal.provenance()["sha256"] is None
+    assert back.provenance()["steps"] == cal.meta["steps"]
     # not a calibration: a plain safetensors file, and a file of another schema
     from safetensors.torch import save_file
 

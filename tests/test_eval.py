@@ -594,6 +594,12 @@ def test_demo_end_to_end(tmp_path):
     static = next(v for n, v in report["variants"].items() if "static-ranges" in n)["speed"]["qk_balance"]
     assert set(static) <= {"on (calibration)", "off (calibration: no outlier channels)"}
     assert "Q·Kᵀ balance (against outlier channels" in md and "- `int8`: undecided" in md
+    # which calibration the static variant used: the file where the demo left it, by its checksum
+    assert report["calibration"] == {**{k: cal.meta[k] for k in ("model", "steps", "items_kind", "num_items",
+                                                                   "prompts_sha256", "seed", "schema_version")},
+                                     **cal.origin}
+    assert report["calibration"]["path"] == str((out / "calibration" / "calibration.safetensors").resolve())
+    assert f"Static ranges: calibration from {report['calibration']['path']} (sha256 " in md
 
 
 from diffusion_int8.embedded.shapes import CLASSES  # noqa: E402

@@ -147,6 +147,8 @@ class Calibration:
     timesteps: torch.Tensor
     noise: torch.Tensor
     layers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # where ``load`` read it: {"path": ..., "sha256": the checksum stored in the file}; empty for one made in memory
+    origin: dict = field(default_factory=dict, repr=False, compare=False)
     # ranges_at's results and the stacked fits it evaluates
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -205,7 +207,7 @@ class Calibration:
             path = path / FILE_NAME
         if not path.is_file():
             raise FileNotFoundError(f"no calibration file at {path}; make one with `diffusion-int8 calibrate`")
-        meta, tensors = _read(path)
+        meta, tensors, checksum = _read(path)
         layers: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
             if "::" in key:
@@ -215,7 +217,8 @@ class Calibration:
                 raise ValueError(f"{path}: tensor {key!r} is not part of a calibration (layers' tensors are "
                                  f"named 'layer::statistic')")
         _check_structure(path, meta, tensors, layers)
-        cal = cls(meta, tensors["timesteps"], tensors["noise"], layers)
+        origin = {"path": str(path.resolve()), "sha256": checksum}
+        cal = cls(meta, tensors["timesteps"], tensors["noise"], layers, origin)
         cal.check_ranges(source=str(path))
         if meta["schema_version"] == 1:
             warnings.warn(f"{path} is a schema 1 calibration: it has no Q/K maxima and no K mean, so static ranges "
@@ -223,6 +226,13 @@ class Calibration:
                           f"the maxima in quality) and K's mean is measured per call. Run `diffusion-int8 "
                           f"calibrate` again to record them.", UserWarning, stacklevel=2)
         return cal
+
+    def provenance(self) -> dict:
+        """What a report records of this calibration: the file it was loaded from and its stored checksum (None for
+        one made in memory), and the model, steps, items and seed it was measured with."""
+        keys = ("model", "steps", "items_kind", "num_items", "prompts_sha256", "seed", "schema_version")
+        return {"path": self.origin.get("path"), "sha256": self.origin.get("sha256"),
+                **{k: self.meta.get(k) for k in keys}}
 
     def check_ranges(self, source: str = "calibration", points: int = _NOISE_GRID) -> None:
         """Raise ``ValueError`` unless, at ``points`` noise levels spanning [0, 1], every layer's static ranges
@@ -546,8 +556,9 @@ def _holds_nonfinite(value) -> bool:
     return isinstance(value, jsonfile.NonFinite)
 
 
-def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The metadata and tensors of a calibration file, its checksum verified; ``ValueError`` for anything else."""
+def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor], str | None]:
+    """The metadata, tensors and stored checksum (None in schemas 1 and 2) of a calibration file, the checksum
+    verified; ``ValueError`` for anything else."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -584,7 +595,7 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ValueError(f"{path}: its {covered} do not match the checksum stored with them (metadata {_SHA_KEY!r}): "
                          f"the file was changed or damaged after `diffusion-int8 calibrate` wrote it; calibrate again "
                          f"or restore a copy")
-    return meta, tensors
+    return meta, tensors, want
 
 
 def _positive_int(x) -> bool:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from .. import pipelines
-from ..calibration import Calibration, calibrate, write_outputs
+from ..calibration import FILE_NAME, Calibration, calibrate, write_outputs
 from ..embedded import PROMPTS
 from ..embedded.shapes import CLASSES
 from ..embedded.variants import NAMES, describe
@@ -101,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"[2/2] eval → {args.out}: INT8 kernel {backend}"
               + ("" if shards.device.type == "cuda" else " (no GPU: the INT8 modes run the kernel's PyTorch emulation)"))
         # eval reads the files just written, as the eval command would
+        written = Calibration.load(tmp / "calibration")
+        written.origin["path"] = str((args.out / "calibration" / FILE_NAME).resolve())  # where it is moved to
         report = evaluate(pipe, **items, **run_args, modes=["int8", "int8_fp16v"],
                           schedule=PrecisionSchedule.load(tmp / "calibration" / "schedule.json"),
-                          calibration=Calibration.load(tmp / "calibration"), lpips_weights=args.lpips_weights,
+                          calibration=written, lpips_weights=args.lpips_weights,
                           fid_weights=args.fid_weights,
                           # the demo shows INT8's quality: at the shipped models' 256 and 4,096 tokens of head
                           # dim 64 a GPU's speed gate would send every call to SDPA

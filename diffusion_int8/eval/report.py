@@ -257,6 +257,18 @@ def run_parts(report: dict) -> list[str]:
     return parts
 
 
+def calibration_line(c: dict) -> str:
+    """Where the static-ranges variant's calibration came from (``Calibration.provenance``)."""
+    made = ", ".join(p for p in (f"of {c['model']}" if c.get("model") else "",
+                                 counted(c["steps"], "step") if isinstance(c.get("steps"), int) else "",
+                                 counted(c["num_items"], {"class_labels": "class label"}.get(c.get("items_kind"),
+                                                                                            "prompt"))
+                                 if isinstance(c.get("num_items"), int) else "") if p)
+    where = f"from {c['path']}" if c.get("path") else "made in memory"
+    return (f"Static ranges: calibration {where}" + (f" (sha256 {c['sha256'][:16]}…)" if c.get("sha256") else "")
+            + (f", measured {made}" if made else "") + ".")
+
+
 def write_markdown(report: dict, out: Path) -> Path:
     lines = [f"# INT8 attention evaluation: {report['model']}", "",
              f"{', '.join(run_parts(report))}, on {report['device']} (INT8 kernel: {report['kernel']}).", ""]
@@ -277,6 +289,8 @@ def write_markdown(report: dict, out: Path) -> Path:
     if report.get("schedule"):
         s = report["schedule"]
         lines += ["", f"Schedule `{s['name']}` per step: {' '.join(s['per_step'])}"]
+    if report.get("calibration"):
+        lines += ["", calibration_line(report["calibration"])]
     balance = balance_lines(report)
     if balance:
         lines += ["", BALANCE_NOTE, ""] + [f"- `{name}`: {text}" for name, text in balance]
@@ -426,6 +440,7 @@ device {e(report['device'])} · INT8 kernel: {e(report['kernel'])} · {e(report[
 {'<ul class="note">' + ''.join(na) + '</ul>' if na else ''}
 {balance_html}
 {note_html}
+{f'<p class="note">{e(calibration_line(report["calibration"]))}</p>' if report.get("calibration") else ''}
 {f'<h2>Schedule</h2><img src="{plot}" alt="schedule" style="max-width:100%">' if plot else ''}
 {sparsity_html}
 <h2>Images</h2>

@@ -307,6 +307,8 @@ def evaluate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Sequen
     # the stock baseline's precision: fp16 on a GPU by default, float32 on a CPU (INT8 attention computes in fp16)
     report["dtype"] = str(next(pipelines.denoiser(pipe).parameters()).dtype).removeprefix("torch.")
     report["speed_gate"] = speed_gate
+    if calibration is not None:  # the static-ranges variant's source
+        report["calibration"] = calibration.provenance()
     report["baseline"] = {"name": BASELINE, "speed": speed[BASELINE], "non_finite_images": bad[BASELINE]}
     report["variants"] = {n: {"speed": speed[n], "non_finite_images": bad[n]} for n in images if n != BASELINE}
     for n, v in report["variants"].items():
