@@ -639,6 +639,88 @@ def test_a_stock_processor_with_weights_stays_registered_and_settable():
     assert attn.processor is stock_proc and attn._modules["processor"] is stock_proc
 
 
+def _user_processors():
+    """A user's processor with weights that reads ``self.training`` (dropout on an adapter), and the same with a
+    property, which keeps the wrapper from being a subclass of it."""
+    import torch.nn.functional as F
+
+    class AdapterProcessor(torch.nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.adapter = torch.nn.Linear(dim, dim)
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
+            b = hidden_states.shape[0]
+            q, k, v = (f(hidden_states).view(b, -1, attn.heads, 32).transpose(1, 2) for f in (attn.to_q, attn.to_k, attn.to_v))
+            o = attn.to_out[0](F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, attn.heads * 32))
+            return o + F.dropout(self.adapter(o), 0.5, training=self.training)
+
+    class WithProperty(AdapterProcessor):
+        @property
+        def strength(self):
+            return 0.5
+
+    return AdapterProcessor, WithProperty
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_users_processor_with_weights_keeps_them_and_follows_train_and_eval(which):
+    from diffusers.models.attention_processor import Attention
+
+    cls = _user_processors()[which]
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"attn": Attention(64, heads=2, dim_head=32)})
+    model["attn"].set_processor(cls(64))
+    x = torch.randn(2, 40, 64)
+    keys, params = list(model.state_dict()), sum(p.numel() for p in model.parameters())
+    model.eval()
+    with torch.no_grad():
+        stock = model["attn"](x)
+    model.train()
+    handle = enable(model, "fp16")
+    model.eval()  # reaches the stock processor through the wrapper: no dropout
+    with torch.no_grad():
+        assert torch.equal(model["attn"](x), stock)
+    assert list(model.state_dict()) == keys and sum(p.numel() for p in model.parameters()) == params
+    assert isinstance(model["attn"].processor, cls) == (which == 0)  # a property keeps it from being a subclass
+    model.to(torch.float64)  # the weights follow .to()
+    assert model["attn"].processor.adapter.weight.dtype == torch.float64
+    model.train()
+    handle.disable()
+    assert type(model["attn"].processor) is cls and model["attn"].processor.training
+
+
+def test_a_processor_that_delegates_to_a_stock_one_runs_int8():
+    # a subclass calling super().__call__, or a processor calling a stock one through its class, reaches SDPA there
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+    class Subclass(AttnProcessor2_0):
+        def __call__(self, attn, hidden_states, *args, **kwargs):
+            return super().__call__(attn, hidden_states, *args, **kwargs)
+
+    class Through:
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
+            return AttnProcessor2_0.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, temb)
+
+    for cls in (Subclass, Through):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"attn": Attention(64, heads=2, dim_head=32)}).eval()
+        model["attn"].set_processor(cls())
+        x = torch.randn(2, 300, 64)
+        with torch.no_grad():
+            stock = model["attn"](x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle = enable(model, "int8")
+            with torch.no_grad():
+                out = model["attn"](x)
+        assert not [w for w in caught if "stock processor" in str(w.message)], cls
+        assert set(handle.originals) == {"attn"}
+        err = (out - stock).abs().max().item()
+        assert 0 < err < 0.05, (cls, err)  # INT8 ran: close to stock, not equal
+        handle.disable()
+
+
 def test_unsupported_head_dims_are_left_alone_with_one_warning():
     from diffusers.models.attention_processor import Attention
 

@@ -159,15 +159,21 @@ def attention_outside_processors(model: torch.nn.Module) -> list[str]:
 
 def _reaches(fn: types.FunctionType, owner: type, depth: int, calls: frozenset[str] = _ATTENTION_CALLS) -> bool:
     """Whether ``fn`` (a method of ``owner`` or a function) names one of ``calls``, or calls a function or method of
-    its own package that does, ``depth`` levels down."""
+    its own package that does, ``depth`` levels down. Methods of ``owner``'s bases (``super().__call__(...)``) and of
+    processor classes it names (``AttnProcessor2_0.__call__(self, ...)``) count from any package."""
     names = _code_names(fn.__code__)
     if names & calls:
         return True
     if depth == 0:
         return False
     package = fn.__module__.partition(".")[0] if fn.__module__ else ""
-    for name in names:
-        target = fn.__globals__.get(name)
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    for name in names | cells.keys():
+        target = fn.__globals__.get(name) if name not in cells else _cell_contents(cells[name])
+        if isinstance(target, type) and _is_processor_type(target):
+            if any(_reaches(m, target, depth - 1, calls) for m in _methods(target, names, fn)):
+                return True
+            continue
         if not isinstance(target, types.FunctionType):
             target = inspect.getattr_static(owner, name, None)
             target = getattr(target, "__func__", target)
@@ -175,7 +181,20 @@ def _reaches(fn: types.FunctionType, owner: type, depth: int, calls: frozenset[s
                 and (target.__module__ or "").partition(".")[0] == package
                 and _reaches(target, owner, depth - 1, calls)):
             return True
-    return False
+    return any(_reaches(m, owner, depth - 1, calls) for base in owner.__mro__[1:] for m in _methods(base, names, fn))
+
+
+def _cell_contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return None
+
+
+def _methods(cls: type, names: frozenset[str], fn: types.FunctionType) -> list[types.FunctionType]:
+    """The functions ``cls`` itself defines under ``names``, ``fn`` left out."""
+    found = (getattr(cls.__dict__.get(n), "__func__", cls.__dict__.get(n)) for n in names)
+    return [m for m in found if isinstance(m, types.FunctionType) and m is not fn]
 
 
 def _code_names(code: types.CodeType) -> frozenset[str]:

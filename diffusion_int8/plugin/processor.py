@@ -590,6 +590,19 @@ class _StockWeights:
     weights keep their ``state_dict`` keys and follow ``.to()`` and offloading. Attributes it does not have are the
     stock processor's, read and written there (``set_ip_adapter_scale`` sets ``scale``)."""
 
+    @property
+    def training(self) -> bool:  # the stock processor's: ``model.train()``/``eval()`` reach this wrapper, not it
+        inner = self.__dict__.get("inner")
+        return inner.training if isinstance(inner, torch.nn.Module) else self.__dict__.get("_training", True)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        inner = self.__dict__.get("inner")
+        if isinstance(inner, torch.nn.Module):
+            inner.training = mode
+        else:  # before ``__init__`` holds the stock processor, or wrapping none
+            self.__dict__["_training"] = mode
+
     def __getattr__(self, name):  # only for attributes not found otherwise
         inner = self.__dict__.get("inner")
         if inner is None:
@@ -610,8 +623,10 @@ _WRAPPER_NAMES = frozenset(n for c in (Int8DiffusionProcessor, DispatcherCalls, 
 
 
 @functools.lru_cache(maxsize=None)
-def _with_stock_weights(stock: type) -> type:
-    return type(stock.__name__, (_StockWeights, stock), {"__module__": stock.__module__})
+def _with_stock_weights(stock: type, subclass: bool = True) -> type:
+    """``_StockWeights`` and ``stock``; with ``subclass=False`` an ``nn.Module`` in place of ``stock``: its weights
+    kept, though ``isinstance`` no longer answers as for it."""
+    return type(stock.__name__, (_StockWeights, stock if subclass else torch.nn.Module), {"__module__": stock.__module__})
 
 
 def _subclass_for(inner) -> type:
@@ -637,11 +652,13 @@ _SKIP_REGISTERED: set[type] = set()  # classes of processors made without inner=
 
 @functools.lru_cache(maxsize=None)
 def _subclass_of(stock: type) -> type:
-    if any(isinstance(v, property) for c in stock.__mro__[:-1] if c.__module__ != "torch.nn.modules.module"
-           for v in vars(c).values()):
-        also = None  # a property of the stock type could take an attribute the wrapper sets (none in diffusers)
+    # a property of the stock type could take an attribute the wrapper sets (none in diffusers): not a base then
+    subclass = not any(isinstance(v, property) for c in stock.__mro__[:-1] if c.__module__ != "torch.nn.modules.module"
+                       for v in vars(c).values())
+    if issubclass(stock, torch.nn.Module):
+        also = _with_stock_weights(stock, subclass)
     else:
-        also = _with_stock_weights(stock) if issubclass(stock, torch.nn.Module) else stock
+        also = stock if subclass else None
     cls = declaring_subclass(Int8DiffusionProcessor, stock_signature(stock), also)
     _STOCK_OF[cls] = stock
     skip_metadata_as(cls, stock)
