@@ -221,6 +221,35 @@ def conformance(model, x, name: str, cos_bound: float) -> None:
         assert same(run(model, x), stock), f"not stock after disable() (cycle {cycle + 1})"
 
 
+# Models whose code gives their legacy ``Attention`` modules a processor of their own that nothing in the module or
+# its call tells apart from the one inferred from its class: through ``set_attn_processor`` they compute something
+# else (the warning and the GUIDE name them). Every other model there runs stock's bits or is refused.
+INFERRED_DIFFERS = {"AuraFlowTransformer2DModel": "AuraFlowAttnProcessor2_0 (text first, not JointAttnProcessor2_0's last)",
+                    "SanaTransformer2DModel": "SanaLinearAttnProcessor2_0 (linear attention)",
+                    "SanaControlNetModel": "SanaLinearAttnProcessor2_0 (linear attention)"}
+ADVICE = "diffusion_int8.enable(model) wraps the processors the model has"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if n not in UNROUTABLE))
+def test_set_attn_processor_runs_stock_or_refuses(name):
+    """The diffusers way, ``model.set_attn_processor(Int8DiffusionProcessor("fp16"))``: each module runs the stock
+    processor inferred from its class. Where the model passes it something it does not take, or it fails, the error
+    says to call ``enable``; otherwise the output is stock's bit for bit."""
+    model, x = build(name)
+    if not hasattr(model, "set_attn_processor"):
+        pytest.skip(f"{name} has no set_attn_processor")
+    stock = run(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.set_attn_processor(diffusion_int8.Int8DiffusionProcessor("fp16"))
+        try:
+            out = run(model, x)
+        except Exception as e:  # noqa: BLE001 - whatever the inferred processor raised, with the note added
+            assert ADVICE in str(e) + "".join(getattr(e, "__notes__", [])), repr(e)
+            return
+    assert same(out, stock) != (name in INFERRED_DIFFERS), name
+
+
 def test_a_processor_the_model_finds_by_isinstance_keeps_its_path():
     # Qwen-Image 2.1 builds its block-causal flex BlockMask (and keeps the text padding) only where
     # isinstance(processor, QwenImage21FlexAttnProcessor): a wrapped one must still answer so

@@ -199,7 +199,7 @@ class Int8DiffusionProcessor(DispatcherCalls):
         if inner is None:
             inner = self._inferred.get(attn)
             if inner is None:
-                inner = self._infer_stock(attn, args, kwargs)
+                return self._first_inferred_call(attn, hidden_states, *args, **kwargs)
         params, var_kw = call_params(type(inner))
         if not var_kw:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
@@ -309,10 +309,35 @@ class Int8DiffusionProcessor(DispatcherCalls):
             self._warned_infer = True
             warn_user(f"diffusion_int8: an Int8DiffusionProcessor made without inner= runs the stock processor "
                       f"inferred from each module's class ({type(inner).__name__} for {type(attn).__name__}); "
-                      f"models that give their attention modules processors of their own (Qwen-Image, "
-                      f"HunyuanVideo, Sana, ...) then compute something else. diffusion_int8.enable(pipe) wraps "
-                      f"the processors the model has.")
+                      f"models whose code gives their attention modules processors of their own then compute "
+                      f"something else (AuraFlow, Sana) or raise an error saying so (Qwen-Image, HunyuanVideo, ...). "
+                      f"diffusion_int8.enable(pipe) wraps the processors the model has.")
         return inner
+
+    def _first_inferred_call(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
+        """A module's first call to a processor made without ``inner``: the stock processor inferred for it must take
+        what the model passes, and run; otherwise the model's code gives the module a processor of its own, which
+        this one cannot know, and a ``ValueError`` says so rather than compute something else."""
+        inner = self._infer_stock(attn, args, kwargs)
+        params, _ = call_params(type(inner))
+        # a stock processor's **kwargs only take deprecated arguments (``scale``), which it ignores
+        dropped = sorted(k for k, v in kwargs.items() if k not in params and k != "scale" and v is not None)
+        advice = (f"this model's code gives its attention modules a processor of their own, which a processor "
+                  f"set by set_attn_processor cannot know; diffusion_int8.enable(model) wraps the processors the "
+                  f"model has")
+        if dropped:
+            del self._inferred[attn]
+            raise ValueError(f"diffusion_int8: {type(attn).__name__} was called with {', '.join(dropped)}, which "
+                             f"{type(inner).__name__} (the stock processor inferred from its class) does not take: "
+                             f"{advice}")
+        try:
+            return self._call(attn, hidden_states, *args, **kwargs)
+        except Exception as e:
+            self._inferred.pop(attn, None)
+            if hasattr(e, "add_note"):  # Python 3.11+
+                e.add_note(f"diffusion_int8: raised by {type(inner).__name__}, the stock processor inferred for "
+                           f"{type(attn).__name__} from its class; {advice}")
+            raise
 
     def _mode_call(self, inner, attn, hidden_states, *args, **kwargs):
         with RouteToInt8(self._attention):
