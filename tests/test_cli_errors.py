@@ -95,6 +95,13 @@ def no_images(monkeypatch):
     (["eval", "--modes", "int8", "int8", "--out", "x"], "modes lists a mode twice: ['int8', 'int8']"),
     (["eval", "--modes", "--out", "x"], "nothing to compare with fp16: give --modes (int8, int8_fp16v), --schedule"),
     (["calibrate"], "the following arguments are required: --out"),
+    # an unset shell variable: not the current directory, nor no file
+    (["calibrate", "--out", ""], "argument --out: is empty (an unset shell variable?); give a path"),
+    (["demo", "--out", " "], "argument --out: is empty"),
+    (["eval", "--calibration", "", "--out", "x"], "argument --calibration: is empty"),
+    (["eval", "--schedule", "", "--out", "x"], "argument --schedule: is empty"),
+    (["eval", "--prompts", "", "--out", "x"], "argument --prompts: is empty"),
+    (["eval", "--model", "", "--out", "x"], "argument --model: is empty"),
 ])
 def test_arguments_are_range_checked_in_one_line(argv, fragment, capsys, no_model):
     code, err = cli(argv, capsys)

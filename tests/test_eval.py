@@ -550,6 +550,9 @@ def test_sparse_schedule_reports_skipped_blocks_per_step(tmp_path, monkeypatch, 
     assert {d.name: sorted(f.name for f in d.iterdir()) for d in (tmp_path / "images").iterdir()} == {
         d: ["00000.png"] for d in ("fp16", "int8", "schedule_half")}
     assert (tmp_path / "notes.txt").read_text() == "the user's"
+    with pytest.raises(NotADirectoryError, match="notes.txt is a file; write_report writes into a directory"):
+        write_report(smaller, tmp_path / "notes.txt", overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "the user's"
 
 
 def test_demo_end_to_end(tmp_path):

@@ -7,23 +7,23 @@ from pathlib import Path
 
 from .. import pipelines
 from ..embedded.variants import describe, shipped
-from .usage import (UsageError, check_input_file, check_readable, device_arg, int_at_least, nonnegative_float,
-                    user_errors)
+from .usage import (UsageError, check_input_file, check_readable, device_arg, int_at_least, nonnegative_float, path_arg,
+                    text_path, user_errors)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Arguments shared by ``calibrate`` and ``eval``."""
-    p.add_argument("--model", default=pipelines.EMBEDDED,
+    p.add_argument("--model", type=text_path, default=pipelines.EMBEDDED,
                    help=f"local diffusers pipeline directory, or a shipped shapes model: {describe()} "
                         f"(default: {pipelines.EMBEDDED})")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompts", type=Path, help="text file, one prompt per line")
+    src.add_argument("--prompts", type=path_arg, help="text file, one prompt per line")
     src.add_argument("--class-labels", nargs="+", help="class names or ids, for class-conditional pipelines")
     add_run_args(p, batch_size=8)
     p.add_argument("--guidance-scale", type=nonnegative_float, default=None, help="default: the pipeline's")
     p.add_argument("--device", type=device_arg, default=None,
                    help="cuda, cuda:N or cpu (default: the process's GPU, else cpu)")
-    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--out", type=path_arg, required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs in --out")
 
 

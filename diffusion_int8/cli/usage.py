@@ -97,6 +97,19 @@ def check_fits(nbytes: int, device, what: str, remedy: str) -> None:
 
 
 # ----------------------------------------------------------------------------- argument types
+def path_arg(text: str) -> Path:
+    """argparse ``type=``: a path, not empty (``--out "$DIR"`` with ``DIR`` unset would mean the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset shell variable?); give a path")
+    return Path(text)
+
+
+def text_path(text: str) -> str:
+    """``path_arg`` for options kept as text (a preset name or a path)."""
+    path_arg(text)
+    return text
+
+
 def int_at_least(low: int, high: int | None = None):
     """argparse ``type=``: an integer >= ``low`` (and <= ``high``)."""
 

@@ -338,6 +338,9 @@ def write_report(report: dict, dest: str | Path, *, overwrite: bool = False) -> 
     (``OUTPUTS``), unless ``overwrite``: then the images the previous report lists go too, so that no image of it
     stays beside the new ones."""
     dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise NotADirectoryError(f"{dest} is a file; write_report writes into a directory (new, or one holding a "
+                                 f"report to replace with overwrite=True)")
     existing = [n for n in OUTPUTS if (dest / n).exists()]
     if existing and not overwrite:
         raise FileExistsError(f"{dest} already holds {', '.join(existing)}; pass overwrite=True to replace that "
