@@ -834,8 +834,13 @@ def test_library_calibrate_gives_the_cli_file(tmp_path, monkeypatch):
 
     args = ["--class-labels", "red circle", "--steps", "2", "--seed", "3"]
     assert main(["calibrate", *args, "--out", str(tmp_path / "cli")]) == 0
-    cal = calibrate(load_pipeline(device="cpu"), class_labels=["red circle"], steps=2, seed=3, progress=False)
+    pipe = load_pipeline(device="cpu")
+    with pytest.warns(RuntimeWarning, match="a calibration over 2 denoising steps: its static ranges are quadratics"):
+        cal = calibrate(pipe, class_labels=["red circle"], steps=2, seed=3, progress=False)
     cli = Calibration.load(tmp_path / "cli")
+    with pytest.warns(RuntimeWarning, match="this calibration of embedded measured 2 denoising steps"):
+        cli.validate(pipe.transformer)
+    assert "| n/a (3 steps or fewer) |" in (tmp_path / "cli" / "summary.md").read_text()  # a quadratic through 2
     assert cal.meta == cli.meta and cal.meta["model"] == "embedded"
     assert cal.meta["weights_sample"]["param"] == "transformer_blocks.0.attn1.to_q.weight"
     assert torch.equal(cal.timesteps, cli.timesteps) and cal.layers.keys() == cli.layers.keys()

@@ -113,7 +113,7 @@ def test_offline_weights_are_reported_not_invented(tmp_path, monkeypatch):
     assert isinstance(un, M.Unavailable) and "--fid-weights" in un.reason and M.INCEPTION_FILE in un.reason
     # without the packages the reason says what to install
     monkeypatch.setitem(sys.modules, "lpips", None)
-    assert "diffusion-int8[metrics]" in M.lpips_model().reason
+    assert "pip install --no-deps lpips torch-fidelity" in M.lpips_model().reason
     # the scorer reports them unavailable and still computes PSNR and SSIM
     scorer = Scorer()
     x = torch.rand(4, 3, 16, 16)

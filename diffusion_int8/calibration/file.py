@@ -58,6 +58,9 @@ _META_KEY = "diffusion_int8"
 _SHA_KEY = "diffusion_int8.sha256"
 _RANGE_FITS = ("q", "k", "v", "qmax", "kmax", "qc", "kc")  # must stay finite and > 0; "m" (K's mean) finite
 _NOISE_GRID = 65  # points of [0, 1], both ends included, at which load checks the fits
+# fewer calibrated steps than this: the quadratic fits pass through (nearly) every measured level, so static ranges
+# between and beyond them are guesses
+MIN_FIT_STEPS = 6
 _FIT_OF = {"q": "q_p99", "k": "k_p99", "v": "v_amax"}  # what the summary reports
 # every fit: qmax, kmax and m since schema 2, qc and kc since schema 4
 _FITS = {**_FIT_OF, "qmax": "q_max", "kmax": "k_max", "m": "k_mean", "qc": "q_cmax", "kc": "k_cmax"}
@@ -279,6 +282,9 @@ class Calibration:
             raise ValueError(f"calibration of {self.meta.get('model', '?')} does not match this model: " + "; ".join(problems))
         sample, told = self.meta.get("weights_sample"), self._memo.setdefault("told_weights", [])
         differ = _sample_differs(model, sample) if sample is not None and id(model) not in told else None
+        if len(self.noise) < MIN_FIT_STEPS and not self._memo.get("told_steps"):
+            self._memo["told_steps"] = True
+            warn_few_steps(len(self.noise), f"this calibration of {self.meta.get('model', '?')} measured", 3)
         if differ:
             told.append(id(model))  # once, though eval and enable both validate
             warnings.warn(f"diffusion_int8: the calibration of {self.meta.get('model', '?')} was made with other "
@@ -502,10 +508,20 @@ class Calibration:
             coefs = torch.cat([st[f"fit.{short}"].double().reshape(-1, 3) for st in self.layers.values()])
             report[stat] = {
                 "r2_proportional": float(r_squared(vals, c * n).median()),
-                "r2_quadratic": float(r_squared(vals, evaluate_fit(coefs, n)).median()),
+                # through three points or fewer a quadratic fits exactly: no measure of anything
+                "r2_quadratic": float(r_squared(vals, evaluate_fit(coefs, n)).median()) if n.numel() > 3 else None,
                 "max_over_min": float((vals.amax(-1) / vals.amin(-1).clamp_min(1e-30)).median()),
             }
         return report
+
+
+def warn_few_steps(steps: int, what: str, stacklevel: int = 2) -> None:
+    """The warning for a calibration of fewer than ``MIN_FIT_STEPS`` steps (``what``: "... measured")."""
+    s = "s" if steps != 1 else ""
+    warnings.warn(f"diffusion_int8: {what} {steps} denoising step{s}: its static ranges are quadratics in the noise "
+                  f"level fitted through {steps} point{s}, right there and a guess between and beyond them. Calibrate "
+                  f"over {MIN_FIT_STEPS} steps or more (the demo's 10) for static ranges you can trust",
+                  RuntimeWarning, stacklevel=stacklevel)
 
 
 # ------------------------------------------------------------------------------------ reading

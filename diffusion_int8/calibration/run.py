@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .. import pipelines
 from ..plugin.install import enable
 from .collect import Collector, merge
-from .file import FILE_NAME, Calibration, weights_sample
+from .file import FILE_NAME, MIN_FIT_STEPS, Calibration, warn_few_steps, weights_sample
 from .summary import write_all
 
 OUTPUTS = (FILE_NAME, "schedule.json", "summary.md", "summary.json", "ranges.png", "errors.png")
@@ -72,6 +72,8 @@ def calibrate(pipe, prompts: Sequence[str] | None = None, *, class_labels: Seque
     collector = Collector(percentile=percentile, sparsity_levels=sparsity_levels, refresh_every=refresh_every)
     items = pipelines.resolve_items(pipe, prompts, class_labels)
     shards = shards or pipelines.Shards(str(pipelines.denoiser(pipe).device))
+    if steps < MIN_FIT_STEPS and shards.is_main:
+        warn_few_steps(steps, "a calibration over", 3)
     denoiser = pipelines.denoiser(pipe)
     records = []
     batches = shards.mine(items.batches(batch_size))

@@ -104,7 +104,8 @@ def write_markdown(summary: dict, path: Path) -> None:
               "median over (layer, head); `max/min` is the median ratio of a head's largest to smallest range over the schedule.",
               "", "| range | R² proportional | R² quadratic | max/min |", "|---|---|---|---|"]
     for stat, r in summary["ranges_vs_sigma"].items():
-        lines.append(f"| {stat} | {r['r2_proportional']:.3f} | {r['r2_quadratic']:.3f} | {r['max_over_min']:.2f} |")
+        quadratic = "n/a (3 steps or fewer)" if r["r2_quadratic"] is None else f"{r['r2_quadratic']:.3f}"
+        lines.append(f"| {stat} | {r['r2_proportional']:.3f} | {quadratic} | {r['max_over_min']:.2f} |")
     balanced = summary.get("qk_balance_layers")
     if balanced is not None:
         lines += ["", "## Outlier channels", "",

@@ -8,6 +8,10 @@ from ..calibration import FILE_NAME
 from ..eval import report as R
 
 
+def _r2(value: float | None) -> str:
+    return "n/a (3 steps or fewer)" if value is None else f"{value:.2f}"
+
+
 def print_calibration(summary: dict, schedule, out: Path, calibrating: float, writing: float,
                       carry_budget: float | None = None) -> None:
     """A calibration's outputs (``write_outputs``' summary and the derived ``schedule``, made with
@@ -19,7 +23,7 @@ def print_calibration(summary: dict, schedule, out: Path, calibrating: float, wr
               f"({e['most_sensitive'][0]['layer']} at step {e['most_sensitive'][0]['step']})")
     fit = summary["ranges_vs_sigma"]
     print("  ranges vs sigma, median R² proportional/quadratic: "
-          + ", ".join(f"{k} {v['r2_proportional']:.2f}/{v['r2_quadratic']:.2f}" for k, v in fit.items()))
+          + ", ".join(f"{k} {v['r2_proportional']:.2f}/{_r2(v['r2_quadratic'])}" for k, v in fit.items()))
     for tau, e in summary["sparsity"].items():
         print(f"  tau {tau:9s} skips {e['skipped']:.1%} of the blocks, rel L1 mean {e['mean_rel_l1']:.4f}, "
               f"worst {e['max_rel_l1']:.4f}")

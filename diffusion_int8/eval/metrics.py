@@ -121,7 +121,8 @@ def missing_package(metric: str) -> Unavailable | None:
     except Exception as e:  # noqa: BLE001 - any import failure means unavailable
         needs = "LPIPS needs the `lpips` package" if metric == "lpips" else "FID/KID need torch-fidelity"
         return Unavailable(f"{needs} and a torchvision matching your torch ({type(e).__name__}: {e}); install a "
-                           f"torchvision built for your torch, then pip install 'diffusion-int8[metrics]'")
+                           f"torchvision built for your torch from the index your torch came from, then pip install "
+                           f"--no-deps lpips torch-fidelity (docs/GUIDE.md, Evaluation)")
     return None
 
 
