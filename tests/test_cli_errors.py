@@ -123,6 +123,15 @@ def test_score_refuses_folders_of_other_image_sizes_in_one_line(tmp_path, capsys
     code, err = cli(["eval", "--score", tmp_path / "ref", tmp_path / "few", "--out", tmp_path / "out"], capsys)
     assert_usage_error(code, err, "eval", f"{tmp_path / 'few'} (1 image) and {tmp_path / 'ref'} (2) hold different "
                        f"file names (only in {tmp_path / 'ref'}: 00001.png)", alone=False)
+    # a folder of other pictures, of mixed sizes (a calibration's plots): told by its names, not by their sizes
+    from PIL import Image
+
+    (tmp_path / "plots").mkdir()
+    Image.new("RGB", (70, 38)).save(tmp_path / "plots" / "errors.png")
+    Image.new("RGB", (174, 40)).save(tmp_path / "plots" / "ranges.png")
+    code, err = cli(["eval", "--score", tmp_path / "ref", tmp_path / "plots", "--out", tmp_path / "out"], capsys)
+    assert_usage_error(code, err, "eval", f"{tmp_path / 'plots'} (2 images) and {tmp_path / 'ref'} (2) hold different "
+                       f"file names (only in {tmp_path / 'plots'}: errors.png, ranges.png; only in", alone=False)
 
 
 # ------------------------------------------------------------------------------------ --out

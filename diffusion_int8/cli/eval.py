@@ -27,7 +27,7 @@ from .. import pipelines
 from ..calibration import FILE_NAME, Calibration
 from ..eval import report as R
 from ..eval.run import DEFAULT_MODES, OUTPUTS, check_modes, evaluate, write_report, write_report_files
-from ..eval.score import Scorer, load_folder
+from ..eval.score import Scorer, image_names, load_folder
 from ..kernels import Mode, kernel_info
 from ..schedule import PRESETS, PrecisionSchedule
 from .common import WEIGHTS, add_model_args, check_model, check_weights, item_kwargs, items_for, load_pipeline, read_items
@@ -109,6 +109,15 @@ def run(args: argparse.Namespace) -> int:
                         lpips_weights=args.lpips_weights, fid_weights=args.fid_weights)
 
 
+def _check_same_names(c: Path, cnames: list[str], ref_dir: Path, names: list[str]) -> None:
+    if cnames != names:
+        only_c, only_ref = sorted(set(cnames) - set(names)), sorted(set(names) - set(cnames))
+        differ = "; ".join(f"only in {where}: {', '.join(n[:3])}{f' and {len(n) - 3} more' if len(n) > 3 else ''}"
+                           for where, n in ((c, only_c), (ref_dir, only_ref)) if n)
+        raise UsageError(f"{c} ({R.counted(len(cnames), 'image')}) and {ref_dir} ({len(names)}) hold different "
+                         f"file names ({differ}); they are matched by name")
+
+
 def score_folders(args) -> int:
     """``--score REF CAND...``: metrics of image folders made elsewhere, matched by file name."""
     check_out(args.out, R.REPORT_FILES, args.overwrite)
@@ -116,7 +125,10 @@ def score_folders(args) -> int:
     if not cands:
         raise UsageError("--score needs a reference folder and at least one folder to score")
     check_weights(args.lpips_weights, args.fid_weights)
-    with user_errors():
+    with user_errors():  # names first: a folder of other files is told as such, not by its images' sizes
+        names = image_names(ref_dir)
+        for c in cands:
+            _check_same_names(c, image_names(c), ref_dir, names)
         names, ref = load_folder(ref_dir)
         folders = [(c, *load_folder(c)) for c in cands]
     for c, _, imgs in folders:
@@ -132,13 +144,7 @@ def score_folders(args) -> int:
               "num_images": len(names),
               "items": names, "baseline": {"name": ref_name, "speed": {}}, "variants": {},
               "metrics_available": scorer.availability(), "image_dirs": {ref_name: str(ref_dir)}}
-    for c, cnames, imgs in folders:
-        if cnames != names:
-            only_c, only_ref = sorted(set(cnames) - set(names)), sorted(set(names) - set(cnames))
-            differ = "; ".join(f"only in {where}: {', '.join(n[:3])}{f' and {len(n) - 3} more' if len(n) > 3 else ''}"
-                               for where, n in ((c, only_c), (ref_dir, only_ref)) if n)
-            raise UsageError(f"{c} ({R.counted(len(cnames), 'image')}) and {ref_dir} ({len(names)}) hold different "
-                             f"file names ({differ}); they are matched by name")
+    for c, _, imgs in folders:
         key = Path(os.path.abspath(c)).name or str(c)
         key = key if key not in images else str(c)
         images[key] = imgs

@@ -23,16 +23,23 @@ def save_images(images: torch.Tensor, folder: Path, indices: list[int]) -> None:
         Image.fromarray(a).save(folder / f"{i:05d}.png")
 
 
-def load_folder(folder: Path) -> tuple[list[str], torch.Tensor]:
-    """The PNG/JPEG images of a folder, sorted by name, as (N, 3, H, W) float32 in [0, 1]."""
-    files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
-    if not files:
+def image_names(folder: Path) -> list[str]:
+    """The names of the PNG/JPEG/WebP images of a folder, sorted; ``FileNotFoundError`` where it holds none."""
+    names = sorted(p.name for p in Path(folder).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
+    if not names:
         raise FileNotFoundError(f"no images (.png, .jpg, .webp) in {folder}")
+    return names
+
+
+def load_folder(folder: Path) -> tuple[list[str], torch.Tensor]:
+    """The images of a folder (``image_names``), sorted by name, as (N, 3, H, W) float32 in [0, 1]."""
+    names = image_names(folder)
+    files = [Path(folder) / n for n in names]
     arrs = [np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) / 255 for p in files]
     shapes = {a.shape for a in arrs}
     if len(shapes) > 1:
         raise ValueError(f"images in {folder} differ in size: {sorted(shapes)}")
-    return [p.name for p in files], torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2).contiguous()
+    return names, torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2).contiguous()
 
 
 class Scorer:
