@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import json
 import math
+import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +55,11 @@ def read_items(prompts: str | Path | None, class_labels: Sequence[str] | None) -
         labels = [int(c) if str(c).isdigit() else str(c) for c in class_labels]
         return Items(labels, "class_labels")
     path = Path(prompts)
-    if path.is_dir() or not path.exists():  # a pipe (/dev/stdin, <(...)) is not a regular file but reads as one
-        what = "is a directory" if path.is_dir() else "does not exist"
+    kind = path.stat().st_mode if path.exists() else None
+    # a pipe (/dev/stdin, <(...)) is not a regular file but reads as one; a device (/dev/zero) may never end
+    if kind is None or not (stat.S_ISREG(kind) or stat.S_ISFIFO(kind)):
+        what = ("does not exist" if kind is None else "is a directory" if stat.S_ISDIR(kind)
+                else "is neither a file nor a pipe")
         raise FileNotFoundError(f"prompt file {path} {what}; give a UTF-8 text file, one prompt per line")
     try:
         text = path.read_text(encoding="utf-8")

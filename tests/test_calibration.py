@@ -838,7 +838,7 @@ def test_library_calibrate_gives_the_cli_file(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="a calibration over 2 denoising steps: its static ranges are quadratics"):
         cal = calibrate(pipe, class_labels=["red circle"], steps=2, seed=3, progress=False)
     cli = Calibration.load(tmp_path / "cli")
-    with pytest.warns(RuntimeWarning, match="this calibration of embedded measured 2 denoising steps"):
+    with pytest.warns(RuntimeWarning, match="this calibration of embedded measured 2 noise levels"):
         cli.validate(pipe.transformer)
     assert "| n/a (3 steps or fewer) |" in (tmp_path / "cli" / "summary.md").read_text()  # a quadratic through 2
     assert cal.meta == cli.meta and cal.meta["model"] == "embedded"

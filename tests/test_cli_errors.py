@@ -102,6 +102,9 @@ def no_images(monkeypatch):
     (["eval", "--schedule", "", "--out", "x"], "argument --schedule: is empty"),
     (["eval", "--prompts", "", "--out", "x"], "argument --prompts: is empty"),
     (["eval", "--model", "", "--out", "x"], "argument --model: is empty"),
+    (["eval", "--score", "", "b", "--out", "x"], "argument --score: is empty"),
+    (["check", "--json", ""], "argument --json: is empty"),
+    (["tune", "--out", ""], "argument --out: is empty"),
 ])
 def test_arguments_are_range_checked_in_one_line(argv, fragment, capsys, no_model):
     code, err = cli(argv, capsys)
@@ -165,6 +168,7 @@ def test_prompt_files_missing_empty_or_not_text(tmp_path, capsys, no_model):
     binary = tmp_path / "binary.txt"
     binary.write_bytes(b"PK\x03\x04\x00\x00")
     cases = [(tmp_path / "missing.txt", "does not exist"), (tmp_path, "is a directory"),
+             ("/dev/zero", "is neither a file nor a pipe"),  # a device would be read without end
              (empty, "holds no prompts"), (latin1, "is not UTF-8 text (byte 3: invalid continuation byte)"),
              (binary, "holds NUL bytes")]
     for path, fragment in cases:

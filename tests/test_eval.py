@@ -602,7 +602,8 @@ def test_demo_end_to_end(tmp_path):
                                                                    "prompts_sha256", "seed", "schema_version")},
                                      **cal.origin}
     assert report["calibration"]["path"] == str((out / "calibration" / "calibration.safetensors").resolve())
-    assert f"Static ranges: calibration from {report['calibration']['path']} (sha256 " in md
+    assert (f"Static ranges: calibration from {report['calibration']['path']} (checksum stored in it "
+            f"{cal.origin['sha256'][:16]}…), of embedded, measured over 3 denoiser calls and 2 class labels.") in md
 
 
 from diffusion_int8.embedded.shapes import CLASSES  # noqa: E402

@@ -694,6 +694,8 @@ def test_a_processor_that_delegates_to_a_stock_one_runs_int8():
     # a subclass calling super().__call__, or a processor calling a stock one through its class, reaches SDPA there
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
+    from diffusion_int8.plugin.models import reaches_attention
+
     class Subclass(AttnProcessor2_0):
         def __call__(self, attn, hidden_states, *args, **kwargs):
             return super().__call__(attn, hidden_states, *args, **kwargs)
@@ -702,6 +704,18 @@ def test_a_processor_that_delegates_to_a_stock_one_runs_int8():
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
             return AttnProcessor2_0.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, temb)
 
+    class Base:  # attention in a helper method, which a subclass overrides with linear attention
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
+            return self.core(hidden_states)
+
+        def core(self, x):
+            return torch.nn.functional.scaled_dot_product_attention(x, x, x)
+
+    class Linear(Base):
+        def core(self, x):
+            return x @ (x.transpose(-1, -2) @ x)
+
+    assert reaches_attention(Base()) and not reaches_attention(Linear())  # the method an instance calls
     for cls in (Subclass, Through):
         torch.manual_seed(0)
         model = torch.nn.ModuleDict({"attn": Attention(64, heads=2, dim_head=32)}).eval()

@@ -282,9 +282,10 @@ class Calibration:
             raise ValueError(f"calibration of {self.meta.get('model', '?')} does not match this model: " + "; ".join(problems))
         sample, told = self.meta.get("weights_sample"), self._memo.setdefault("told_weights", [])
         differ = _sample_differs(model, sample) if sample is not None and id(model) not in told else None
-        if len(self.noise) < MIN_FIT_STEPS and not self._memo.get("told_steps"):
+        levels = len(set(self.noise.tolist()))  # a second-order scheduler calls the denoiser twice at some levels
+        if levels < MIN_FIT_STEPS and not self._memo.get("told_steps"):
             self._memo["told_steps"] = True
-            warn_few_steps(len(self.noise), f"this calibration of {self.meta.get('model', '?')} measured", 3)
+            warn_few_steps(levels, f"this calibration of {self.meta.get('model', '?')} measured", 3, "noise level")
         if differ:
             told.append(id(model))  # once, though eval and enable both validate
             warnings.warn(f"diffusion_int8: the calibration of {self.meta.get('model', '?')} was made with other "
@@ -515,12 +516,12 @@ class Calibration:
         return report
 
 
-def warn_few_steps(steps: int, what: str, stacklevel: int = 2) -> None:
-    """The warning for a calibration of fewer than ``MIN_FIT_STEPS`` steps (``what``: "... measured")."""
-    s = "s" if steps != 1 else ""
-    warnings.warn(f"diffusion_int8: {what} {steps} denoising step{s}: its static ranges are quadratics in the noise "
-                  f"level fitted through {steps} point{s}, right there and a guess between and beyond them. Calibrate "
-                  f"over {MIN_FIT_STEPS} steps or more (the demo's 10) for static ranges you can trust",
+def warn_few_steps(n: int, what: str, stacklevel: int = 2, unit: str = "denoising step") -> None:
+    """The warning for a calibration of fewer than ``MIN_FIT_STEPS`` steps or noise levels (``what``: "... over")."""
+    s = "s" if n != 1 else ""
+    warnings.warn(f"diffusion_int8: {what} {n} {unit}{s}: its static ranges are quadratics in the noise level fitted "
+                  f"through {n} point{s}, right there and a guess between and beyond them. Calibrate over "
+                  f"{MIN_FIT_STEPS} steps or more (the demo's 10) for static ranges you can trust",
                   RuntimeWarning, stacklevel=stacklevel)
 
 

@@ -15,7 +15,7 @@ from ..kernels.config import MAX_HEAD_DIM
 from ..compare import cos_l1
 from ..inputs import realistic_qkv
 from .outputs import check_out_file, command
-from .usage import UsageError, check_fits, device_arg, positive_int, user_errors
+from .usage import UsageError, check_fits, device_arg, positive_int, text_path, user_errors
 
 
 def check_shape(shape: list[int], device: torch.device) -> None:
@@ -81,6 +81,6 @@ def add_parser(sub) -> None:
     p.add_argument("--shape", type=positive_int, nargs=4, default=[1, 4, 1024, 64], metavar=("B", "H", "S", "D"),
                    help="batch, heads, sequence length, head dim (default: 1 4 1024 64)")
     p.add_argument("--device", type=device_arg, default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file (its directory must exist)")
+    p.add_argument("--json", type=text_path, default=None, help="also write the results to this JSON file (its directory must exist)")
     p.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     p.set_defaults(func=command(run))

@@ -174,7 +174,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-speed-gate", action="store_true",
                    help="run INT8 for every attention call the variant's mode covers, also where the speed gate would "
                         "send it to SDPA (on a GPU, by default INT8 runs only for shapes where it is faster)")
-    p.add_argument("--score", nargs="+", metavar="FOLDER", help="score image folders instead: REFERENCE then candidates")
+    p.add_argument("--score", nargs="+", type=text_path, metavar="FOLDER", help="score image folders instead: REFERENCE then candidates")
     p.add_argument("--lpips-weights", type=text_path, help=f"{WEIGHTS['--lpips-weights']} for LPIPS")
     p.add_argument("--fid-weights", type=text_path, help=f"{WEIGHTS['--fid-weights']} for FID/KID")
     p.set_defaults(func=command(run))

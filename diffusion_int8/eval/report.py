@@ -259,14 +259,14 @@ def run_parts(report: dict) -> list[str]:
 
 def calibration_line(c: dict) -> str:
     """Where the static-ranges variant's calibration came from (``Calibration.provenance``)."""
-    made = ", ".join(p for p in (f"of {c['model']}" if c.get("model") else "",
-                                 counted(c["steps"], "step") if isinstance(c.get("steps"), int) else "",
-                                 counted(c["num_items"], {"class_labels": "class label"}.get(c.get("items_kind"),
-                                                                                            "prompt"))
-                                 if isinstance(c.get("num_items"), int) else "") if p)
     where = f"from {c['path']}" if c.get("path") else "made in memory"
-    return (f"Static ranges: calibration {where}" + (f" (sha256 {c['sha256'][:16]}…)" if c.get("sha256") else "")
-            + (f", measured {made}" if made else "") + ".")
+    checksum = f" (checksum stored in it {c['sha256'][:16]}…)" if c.get("sha256") else ""
+    over = [counted(c["steps"], "denoiser call") if isinstance(c.get("steps"), int) else "",
+            counted(c["num_items"], {"class_labels": "class label"}.get(c.get("items_kind"), "prompt"))
+            if isinstance(c.get("num_items"), int) else ""]
+    over = " and ".join(p for p in over if p)
+    of = f", of {c['model']}" if c.get("model") else ""
+    return f"Static ranges: calibration {where}{checksum}{of}" + (f", measured over {over}" if over else "") + "."
 
 
 def write_markdown(report: dict, out: Path) -> Path:

@@ -158,9 +158,10 @@ def attention_outside_processors(model: torch.nn.Module) -> list[str]:
 
 
 def _reaches(fn: types.FunctionType, owner: type, depth: int, calls: frozenset[str] = _ATTENTION_CALLS) -> bool:
-    """Whether ``fn`` (a method of ``owner`` or a function) names one of ``calls``, or calls a function or method of
-    its own package that does, ``depth`` levels down. Methods of ``owner``'s bases (``super().__call__(...)``) and of
-    processor classes it names (``AttnProcessor2_0.__call__(self, ...)``) count from any package."""
+    """Whether ``fn`` (a method of ``owner`` or a function) names one of ``calls``, or calls a function of its own
+    package or a method that does, ``depth`` levels down. A method is the one an instance of ``owner`` calls by that
+    name (``_resolve``: ``super().<fn's name>(...)`` included), or a method of a processor class ``fn`` names
+    (``AttnProcessor2_0.__call__(self, ...)``)."""
     names = _code_names(fn.__code__)
     if names & calls:
         return True
@@ -171,17 +172,34 @@ def _reaches(fn: types.FunctionType, owner: type, depth: int, calls: frozenset[s
     for name in names | cells.keys():
         target = fn.__globals__.get(name) if name not in cells else _cell_contents(cells[name])
         if isinstance(target, type) and _is_processor_type(target):
-            if any(_reaches(m, target, depth - 1, calls) for m in _methods(target, names, fn)):
+            methods = (_resolve(target, n, fn) for n in names)
+            if any(_reaches(m, target, depth - 1, calls) for m in methods if m is not None):
                 return True
-            continue
-        if not isinstance(target, types.FunctionType):
-            target = inspect.getattr_static(owner, name, None)
-            target = getattr(target, "__func__", target)
-        if (isinstance(target, types.FunctionType) and target is not fn and package
-                and (target.__module__ or "").partition(".")[0] == package
-                and _reaches(target, owner, depth - 1, calls)):
-            return True
-    return any(_reaches(m, owner, depth - 1, calls) for base in owner.__mro__[1:] for m in _methods(base, names, fn))
+        elif isinstance(target, types.FunctionType):
+            if (target is not fn and package and (target.__module__ or "").partition(".")[0] == package
+                    and _reaches(target, owner, depth - 1, calls)):
+                return True
+        else:
+            method = _resolve(owner, name, fn)
+            if method is not None and _reaches(method, owner, depth - 1, calls):
+                return True
+    return False
+
+
+def _resolve(cls: type, name: str, fn: types.FunctionType) -> types.FunctionType | None:
+    """The function an instance of ``cls`` calls as ``name`` from ``fn``: for ``fn``'s own name, the one after the
+    class defining ``fn`` (``super()``); None where that is no function."""
+    mro = cls.__mro__
+    if name == fn.__name__:
+        defining = [i for i, c in enumerate(mro) if _function(c.__dict__.get(name)) is fn]
+        mro = mro[defining[0] + 1:] if defining else mro
+    found = next((c.__dict__[name] for c in mro if name in c.__dict__), None)
+    found = _function(found)
+    return found if isinstance(found, types.FunctionType) and found is not fn else None
+
+
+def _function(attr):
+    return getattr(attr, "__func__", attr)  # a staticmethod's or classmethod's function
 
 
 def _cell_contents(cell):
@@ -189,12 +207,6 @@ def _cell_contents(cell):
         return cell.cell_contents
     except ValueError:  # a cell not filled yet
         return None
-
-
-def _methods(cls: type, names: frozenset[str], fn: types.FunctionType) -> list[types.FunctionType]:
-    """The functions ``cls`` itself defines under ``names``, ``fn`` left out."""
-    found = (getattr(cls.__dict__.get(n), "__func__", cls.__dict__.get(n)) for n in names)
-    return [m for m in found if isinstance(m, types.FunctionType) and m is not fn]
 
 
 def _code_names(code: types.CodeType) -> frozenset[str]:

@@ -316,27 +316,29 @@ class Int8DiffusionProcessor(DispatcherCalls):
 
     def _first_inferred_call(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
         """A module's first call to a processor made without ``inner``: the stock processor inferred for it must take
-        what the model passes, and run; otherwise the model's code gives the module a processor of its own, which
-        this one cannot know, and a ``ValueError`` says so rather than compute something else."""
+        what the model passes: a ``ValueError`` where it does not, rather than compute something else (the model's
+        code gives the module a processor of its own, which this one cannot know); an error it raises gets a note
+        saying so."""
         inner = self._infer_stock(attn, args, kwargs)
         params, _ = call_params(type(inner))
         # a stock processor's **kwargs only take deprecated arguments (``scale``), which it ignores
         dropped = sorted(k for k, v in kwargs.items() if k not in params and k != "scale" and v is not None)
-        advice = (f"this model's code gives its attention modules a processor of their own, which a processor "
-                  f"set by set_attn_processor cannot know; diffusion_int8.enable(model) wraps the processors the "
-                  f"model has")
+        enable = "diffusion_int8.enable(model) wraps the processors the model has"
         if dropped:
             del self._inferred[attn]
             raise ValueError(f"diffusion_int8: {type(attn).__name__} was called with {', '.join(dropped)}, which "
                              f"{type(inner).__name__} (the stock processor inferred from its class) does not take: "
-                             f"{advice}")
+                             f"the model's code gives this module a processor of its own, which a processor set by "
+                             f"set_attn_processor cannot know (or one that ignores it, which this processor cannot "
+                             f"tell apart); {enable}")
         try:
             return self._call(attn, hidden_states, *args, **kwargs)
         except Exception as e:
             self._inferred.pop(attn, None)
             if hasattr(e, "add_note"):  # Python 3.11+
                 e.add_note(f"diffusion_int8: raised by {type(inner).__name__}, the stock processor inferred for "
-                           f"{type(attn).__name__} from its class; {advice}")
+                           f"{type(attn).__name__} from its class; if the model's code gives it a processor of its "
+                           f"own, {enable}")
             raise
 
     def _mode_call(self, inner, attn, hidden_states, *args, **kwargs):
