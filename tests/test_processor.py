@@ -651,7 +651,8 @@ def _user_processors():
 
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
             b = hidden_states.shape[0]
-            q, k, v = (f(hidden_states).view(b, -1, attn.heads, 32).transpose(1, 2) for f in (attn.to_q, attn.to_k, attn.to_v))
+            q, k, v = (f(hidden_states).view(b, -1, attn.heads, 32).transpose(1, 2)
+                       for f in (attn.to_q, attn.to_k, attn.to_v))
             o = attn.to_out[0](F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, attn.heads * 32))
             return o + F.dropout(self.adapter(o), 0.5, training=self.training)
 

@@ -224,9 +224,11 @@ def conformance(model, x, name: str, cos_bound: float) -> None:
 # Models whose code gives their legacy ``Attention`` modules a processor of their own that nothing in the module or
 # its call tells apart from the one inferred from its class: through ``set_attn_processor`` they compute something
 # else (the warning and the GUIDE name them). Every other model there runs stock's bits or is refused.
-INFERRED_DIFFERS = {"AuraFlowTransformer2DModel": "AuraFlowAttnProcessor2_0 (text first, not JointAttnProcessor2_0's last)",
-                    "SanaTransformer2DModel": "SanaLinearAttnProcessor2_0 (linear attention)",
-                    "SanaControlNetModel": "SanaLinearAttnProcessor2_0 (linear attention)"}
+INFERRED_DIFFERS = {
+    "AuraFlowTransformer2DModel": "AuraFlowAttnProcessor2_0 (text first, not JointAttnProcessor2_0's last)",
+    "SanaTransformer2DModel": "SanaLinearAttnProcessor2_0 (linear attention)",
+    "SanaControlNetModel": "SanaLinearAttnProcessor2_0 (linear attention)",
+}
 ADVICE = "diffusion_int8.enable(model) wraps the processors the model has"
 
 

@@ -81,6 +81,7 @@ def add_parser(sub) -> None:
     p.add_argument("--shape", type=positive_int, nargs=4, default=[1, 4, 1024, 64], metavar=("B", "H", "S", "D"),
                    help="batch, heads, sequence length, head dim (default: 1 4 1024 64)")
     p.add_argument("--device", type=device_arg, default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--json", type=text_path, default=None, help="also write the results to this JSON file (its directory must exist)")
+    p.add_argument("--json", type=text_path, default=None,
+                   help="also write the results to this JSON file (its directory must exist)")
     p.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     p.set_defaults(func=command(run))

@@ -131,15 +131,19 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=NAMES, default=pipelines.EMBEDDED,
                    help=f"the shipped model: {describe()} (default: %(default)s)")
-    p.add_argument("--out", type=path_arg, default=Path("diffusion-int8-demo"), help="output directory (default ./diffusion-int8-demo)")
+    p.add_argument("--out", type=path_arg, default=Path("diffusion-int8-demo"),
+                   help="output directory (default ./diffusion-int8-demo)")
     p.add_argument("--class-labels", nargs="+", default=None,
                    help=f"default: one image of each of the 16 classes (on a CPU, of the first {CPU_LABELS})")
     add_run_args(p, batch_size=16, steps=None, steps_default=f"{GPU_STEPS}; on a CPU, {CPU_STEPS}")
     p.add_argument("--budget", type=error_budget, default=DEMO_BUDGET,
                    help=f"error budget of the derived schedule (default: %(default)s). {BUDGET_WHY}")
-    p.add_argument("--device", type=device_arg, default=None, help="cuda, cuda:N or cpu (default: the GPU if there is one, else cpu)")
-    p.add_argument("--lpips-weights", type=text_path, default=None, help="torchvision AlexNet weights for LPIPS (see eval --help)")
-    p.add_argument("--fid-weights", type=text_path, default=None, help="torch-fidelity Inception weights for FID/KID (see eval --help)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cuda, cuda:N or cpu (default: the GPU if there is one, else cpu)")
+    p.add_argument("--lpips-weights", type=text_path, default=None,
+                   help="torchvision AlexNet weights for LPIPS (see eval --help)")
+    p.add_argument("--fid-weights", type=text_path, default=None,
+                   help="torch-fidelity Inception weights for FID/KID (see eval --help)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs in --out")
     p.add_argument("--skip-speed", action="store_true",
                    help="on a GPU, leave out the report's speed section (attention calls at real models' shapes and "

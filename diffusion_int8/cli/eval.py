@@ -162,8 +162,10 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--modes", nargs="*", default=list(DEFAULT_MODES), choices=[m.value for m in Mode if m is not Mode.FP16],
                    help="constant-precision variants to compare with fp16 (default: int8 int8_fp16v)")
-    p.add_argument("--schedule", type=text_path, help="also a scheduled variant: a preset (balanced, …) or a schedule.json")
-    p.add_argument("--calibration", type=text_path, help="also a variant with static ranges from this calibration (file or directory)")
+    p.add_argument("--schedule", type=text_path,
+                   help="also a scheduled variant: a preset (balanced, …) or a schedule.json")
+    p.add_argument("--calibration", type=text_path,
+                   help="also a variant with static ranges from this calibration (file or directory)")
     p.add_argument("--sparsity", type=sparsity_level, metavar="TAU",
                    help="also an int8 variant at this block-sparsity level in (0, 1): the attention mass kept per "
                         "query block (docs/GUIDE.md, 'Block-sparse attention')")
@@ -174,7 +176,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-speed-gate", action="store_true",
                    help="run INT8 for every attention call the variant's mode covers, also where the speed gate would "
                         "send it to SDPA (on a GPU, by default INT8 runs only for shapes where it is faster)")
-    p.add_argument("--score", nargs="+", type=text_path, metavar="FOLDER", help="score image folders instead: REFERENCE then candidates")
+    p.add_argument("--score", nargs="+", type=text_path, metavar="FOLDER",
+                   help="score image folders instead: REFERENCE then candidates")
     p.add_argument("--lpips-weights", type=text_path, help=f"{WEIGHTS['--lpips-weights']} for LPIPS")
     p.add_argument("--fid-weights", type=text_path, help=f"{WEIGHTS['--fid-weights']} for FID/KID")
     p.set_defaults(func=command(run))

@@ -30,7 +30,8 @@ own.
 def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="measure where INT8 attention beats SDPA on this GPU (the speed gate's table)",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=text_path, default=None, help="table file to write (default: this GPU's cache file, see cache_path)")
+    p.add_argument("--out", type=text_path, default=None,
+                   help="table file to write (default: this GPU's cache file, see cache_path)")
     p.add_argument("--head-dims", default="64,128", help="comma-separated head dims to measure (default 64,128)")
     p.add_argument("--dtypes", default="float16,bfloat16", help="float16 and/or bfloat16")
     p.add_argument("--kinds", default="plain,tail,key",

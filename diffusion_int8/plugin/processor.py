@@ -653,7 +653,8 @@ _WRAPPER_NAMES = frozenset(n for c in (Int8DiffusionProcessor, DispatcherCalls, 
 def _with_stock_weights(stock: type, subclass: bool = True) -> type:
     """``_StockWeights`` and ``stock``; with ``subclass=False`` an ``nn.Module`` in place of ``stock``: its weights
     kept, though ``isinstance`` no longer answers as for it."""
-    return type(stock.__name__, (_StockWeights, stock if subclass else torch.nn.Module), {"__module__": stock.__module__})
+    base = stock if subclass else torch.nn.Module
+    return type(stock.__name__, (_StockWeights, base), {"__module__": stock.__module__})
 
 
 def _subclass_for(inner) -> type:
