@@ -7,7 +7,7 @@ calibrate (exact attention, recording ranges and per-precision errors) → a sch
 measured errors → eval (FP16 against each INT8 mode, the schedule and calibrated static ranges, same
 seeds). On a machine without a GPU the INT8 modes run the kernel's PyTorch emulation.
 
-On a CPU, unless told otherwise, it generates 8 of the 16 classes in 10 steps (45 s on two idle cores); on a
+On a CPU, unless told otherwise, it generates 8 of the 16 classes in 10 steps (about a minute on two idle cores); on a
 GPU all 16 in 20 steps, and the report opens with where INT8 pays on that GPU: attention calls at real models'
 shapes (SDXL, SD3.5, Flux, CogVideoX, Wan, HunyuanVideo) and whole denoiser steps (the shipped models, Wan2.1 with
 random weights), stock against INT8, each with the speed gate's decision. The shipped models' own attention is too
