@@ -230,6 +230,11 @@ class Calibration:
                           f"calibrate` again to record them.", UserWarning, stacklevel=2)
         return cal
 
+    def noise_levels(self) -> int:
+        """How many distinct noise levels were measured (a second-order scheduler calls the denoiser twice at some),
+        the points the range fits pass through."""
+        return len(set(self.noise.tolist()))
+
     def provenance(self) -> dict:
         """What a report records of this calibration: the file it was loaded from and its stored checksum (None for
         one made in memory), and the model, steps, items and seed it was measured with."""
@@ -282,7 +287,7 @@ class Calibration:
             raise ValueError(f"calibration of {self.meta.get('model', '?')} does not match this model: " + "; ".join(problems))
         sample, told = self.meta.get("weights_sample"), self._memo.setdefault("told_weights", [])
         differ = _sample_differs(model, sample) if sample is not None and id(model) not in told else None
-        levels = len(set(self.noise.tolist()))  # a second-order scheduler calls the denoiser twice at some levels
+        levels = self.noise_levels()
         if levels < MIN_FIT_STEPS and not self._memo.get("told_steps"):
             self._memo["told_steps"] = True
             warn_few_steps(levels, f"this calibration of {self.meta.get('model', '?')} measured", 3, "noise level")
@@ -510,7 +515,8 @@ class Calibration:
             report[stat] = {
                 "r2_proportional": float(r_squared(vals, c * n).median()),
                 # through three points or fewer a quadratic fits exactly: no measure of anything
-                "r2_quadratic": float(r_squared(vals, evaluate_fit(coefs, n)).median()) if n.numel() > 3 else None,
+                "r2_quadratic": (float(r_squared(vals, evaluate_fit(coefs, n)).median()) if self.noise_levels() > 3
+                                 else None),
                 "max_over_min": float((vals.amax(-1) / vals.amin(-1).clamp_min(1e-30)).median()),
             }
         return report
