@@ -1483,3 +1483,28 @@ def test_calls_the_kernel_does_not_cover_are_stocks_own():
     out = int8_sdpa("int8", q, kg, vg, enable_gqa=True)
     assert not torch.equal(out, exact)  # INT8 ran
     assert F.cosine_similarity(out.double().flatten(), exact.double().flatten(), 0) > 0.999
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8_fp16v"])
+def test_a_float32_model_past_fp16s_range_stays_finite(mode):
+    """float32 calls compute in fp16, scaled by powers of two where an element would pass ±65504 (Q here, and V;
+    K small, as the logits of a working model require): stock's result to INT8's accuracy, not inf or NaN; and a
+    call within range converts unscaled, bit for bit as the plain cast."""
+    from diffusion_int8.plugin.routing import int8_sdpa
+    from diffusion_int8.inputs import realistic_qkv
+    from diffusion_int8.kernels import StaticRanges, int8_attention
+
+    q, k, v = realistic_qkv(1, 2, 200, 200, 64, dtype=torch.float32, seed=3)
+    out = int8_sdpa(mode, q, k, v)
+    assert torch.equal(out, int8_attention(q.half(), k.half(), v.half(), mode=mode, layout="BHSD").float())
+    q, k, v = q * 2e4, k / 2e4, v * 3e4
+    assert float(q.abs().max()) > 65504 and float(v.abs().max()) > 65504
+    exact = F.scaled_dot_product_attention(q, k, v)
+    out = int8_sdpa(mode, q, k, v)
+    assert out.dtype == torch.float32 and bool(out.isfinite().all())
+    assert F.cosine_similarity(out.double().flatten(), exact.double().flatten(), 0) > 0.999
+    # static ranges, as a calibration measured them in the model's units, scaled with the inputs
+    ranges = StaticRanges(q.abs().amax((2, 3)), k.abs().amax((2, 3)), v.abs().amax(2), k.mean(2))
+    out = int8_sdpa(mode, q, k, v, ranges=ranges)
+    assert bool(out.isfinite().all())
+    assert F.cosine_similarity(out.double().flatten(), exact.double().flatten(), 0) > 0.999

@@ -140,11 +140,12 @@ def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_
     ``qk_rotate``, ``sparsity``, ``keep_kv_blocks``: as ``int8_attention``'s (``ranges`` without Q's and K's with the
     rotation)."""
     dtype = query.dtype
+    r = ranges if ranges is not None else _NO_RANGES
+    v_scale = None
     if dtype not in (torch.float16, torch.bfloat16):  # fp32 models: the kernel computes in fp16
-        query, key, value = (t.to(torch.float16) for t in (query, key, value))
+        query, key, value, r, v_scale = fp16_in_range(query, key, value, r)
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(torch.float32)
-    r = ranges if ranges is not None else _NO_RANGES
     if r.qk_balance is not None:  # a calibrated balance, which the static ranges are of
         qk_balance = r.qk_balance
     out = int8_attention(query, key, value, mode=mode, layout="BHSD", attn_mask=attn_mask, scale=scale,
@@ -152,11 +153,42 @@ def int8_core(mode: Mode, query, key, value, attn_mask, scale, ranges, *, block_
                          block_mask=block_mask, sparsity=sparsity, keep_kv_blocks=keep_kv_blocks, return_lse=return_lse,
                          return_skipped=return_skipped, return_block_mask=return_block_mask)
     if not isinstance(out, tuple):
-        return out.to(dtype)
+        return _restore(out, dtype, v_scale)
     out = list(out)
     for i in (0, 1 + return_lse) if return_skipped else (0,):  # the outputs, in the caller's dtype
-        out[i] = out[i].to(dtype)
+        out[i] = _restore(out[i], dtype, v_scale)
     return tuple(out)
+
+
+_FP16_SAFE = 2.0 ** 15  # inputs whose largest element is below this are converted as they are
+
+
+def fp16_in_range(query, key, value, ranges: StaticRanges):
+    """float32 (or float64) Q, K, V (B, H, S, D) as fp16 for the kernel, scaled by powers of two where an element
+    would pass fp16's ±65504: Q times 2^e and K times 2^-e, which leaves every logit as it is and meets their
+    ranges halfway, and V times 2^-f, undone on the output. Powers of two scale exactly, so a call whose inputs all lie
+    within ±2^15 is converted unscaled, bit for bit as a plain cast. The factors stay on the device (no host
+    synchronization; CUDA graphs and torch.compile take them). Returns the three fp16 tensors, ``ranges`` in the
+    scaled units, and V's factor 2^-f (a 0-d float32 tensor)."""
+    aq, ak, av = (torch.linalg.vector_norm(t.detach(), float("inf")).float() for t in (query, key, value))
+    e = torch.round(0.5 * torch.log2(ak / aq))  # Q's and K's largest elements made alike
+    e = torch.where((torch.maximum(aq, ak) < _FP16_SAFE) | ~e.isfinite(), 0.0, e)
+    f = torch.clamp(torch.ceil(torch.log2(av / _FP16_SAFE)), min=0.0)
+    f = torch.where(f.isfinite(), f, 0.0)
+    sq, sv = torch.exp2(e), torch.exp2(-f)
+    query, key, value = (query * sq).half(), (key / sq).half(), (value * sv).half()
+
+    def scaled(t, by):
+        return None if t is None else t * by
+
+    ranges = StaticRanges(scaled(ranges.q_amax, sq), scaled(ranges.k_amax, 1 / sq), scaled(ranges.v_amax, sv),
+                          scaled(ranges.k_mean, 1 / sq), ranges.qk_balance)
+    return query, key, value, ranges, sv
+
+
+def _restore(out: torch.Tensor, dtype: torch.dtype, v_scale: torch.Tensor | None) -> torch.Tensor:
+    """An INT8 output (fp16 or bf16) in the caller's dtype, V's scaling undone."""
+    return out.to(dtype) if v_scale is None else out.to(dtype) / v_scale.to(dtype)
 
 
 def kernel_takes(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False) -> bool:
