@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from . import jsonfile
+from .caller import warn_user
 from .kernels import Mode
 from .kernels.sparsity import check_tau
 
@@ -47,6 +48,10 @@ SPARSITY_BUDGET = 0.05
 # from_calibration's carry_budget: about the 30 dB line against FP16 on the long shipped model at 20 and 50 steps
 # (BENCHMARKS.md "The setting calibration chooses")
 CARRY_BUDGET = 0.12
+# from_calibration carries only where the calibration ran at least this many steps: with fewer, each step moves the
+# latents further, and settings within CARRY_BUDGET lost more on the long shipped model (the calibrated choice at 4, 12,
+# 20, 30 steps: 21.6, 26.4, 29.9, 30.6 dB against FP16; BENCHMARKS.md "The setting calibration chooses")
+MIN_CARRY_STEPS = 20
 # 1: no sparsity levels (no default_tau, no rule tau); 2: no balance_layers; 3: no refresh_every; 4: no calibrated_steps
 READABLE_SCHEMAS = (1, 2, 3, 4, 5)
 _FIELDS = ("schema_version", "kind", "name", "default", "default_tau", "num_train_timesteps", "rules",
@@ -223,6 +228,8 @@ class PrecisionSchedule:
                 than at the worst step: the forecast's error peaks at the noisiest steps and at the last, nearly
                 noiseless ones, and on the long shipped model the trajectory's mean ranks the settings' PSNR where
                 the worst step does not (BENCHMARKS.md, "The setting calibration chooses"). None: never carry.
+                Only where the calibration ran ``MIN_CARRY_STEPS`` (20) steps or more; at fewer the budget does not
+                hold image quality, and the schedule drops the levels with a warning.
 
         Each calibrated step, decided by the worst of the denoiser's calls at its noise level (CFG's two, a
         second-order scheduler's), covers the noise levels half-way to its neighbours, so the schedule applies
@@ -285,9 +292,17 @@ class PrecisionSchedule:
         int8_steps = [t for t in range(len(noise))
                       if any(choose({m: worst(e, [i], noise[t]) for m, e in errs.items()}) is not Mode.FP16
                              for i in range(len(names)))]
+        steps = denoising_steps(calibration.timesteps)
+        may_carry = bool(levels) and carry_budget is not None and bool(calibration.carry_settings())
+        if may_carry and (steps or 0) < MIN_CARRY_STEPS:
+            warn_user(f"diffusion_int8: the calibration ran {steps} denoising steps; a schedule carries skipped "
+                      f"blocks only from {MIN_CARRY_STEPS} (on the long shipped model the setting chosen within the "
+                      f"carry budget gave 21.6 dB against FP16 at 4 steps, 26.4 at 12, 29.9 at 20), so this one drops "
+                      f"them. Calibrate at the step count you run, {MIN_CARRY_STEPS} or more, to carry.")
+            may_carry = False
         carried = (_carried_choice(calibration, sparsity_budget, carry_budget, metric, int8_steps, sparse_errs,
                                    [calls[n] for n in noise])
-                   if levels and carry_budget is not None else None)
+                   if may_carry else None)
         for pattern, idx in groups:
             modes = {n: choose({m: worst(e, idx, n) for m, e in errs.items()}) for n in order}
             if carried is None:
@@ -310,7 +325,7 @@ class PrecisionSchedule:
         balance = tuple(calibration.balanced_layers()) if calibration.has_channel_ranges() else None
         return cls(rules=tuple(rules), default=Mode.FP16, balance_layers=balance,
                    refresh_every=None if carried is None else carried[1],
-                   calibrated_steps=denoising_steps(calibration.timesteps),
+                   calibrated_steps=steps,
                    num_train_timesteps=calibration.meta.get("num_train_timesteps") or calibration.meta.get("timestep_scale"),
                    name=name or f"calibrated({metric}<={budget}{sparse}{', per layer' if per_layer else ''})")
 

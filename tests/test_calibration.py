@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 from diffusion_int8 import Int8Config, Mode, PrecisionSchedule, Rule, enable
+from diffusion_int8 import schedule as schedule_module
 from diffusion_int8.calibration import Calibration, Collector, merge
 from diffusion_int8.calibration.file import evaluate_fit, fit_quadratic
 from diffusion_int8.calibration.stats import input_stats, quantile_lastdim
@@ -428,7 +430,7 @@ def test_schedule_from_crafted_calibration():
     assert back == per_layer
 
 
-def test_schedule_from_calibration_decides_a_step_by_its_worst_call():
+def test_schedule_from_calibration_decides_a_step_by_its_worst_call(carry_at_any_step_count):
     # CFG as two calls a step (Wan, Qwen-Image): calibrated calls 2k and 2k+1 share a noise level, and at run time
     # both take that level's rule, so the worse call decides it, whichever of the two it is
     noise = [1.0, 1.0, 0.5, 0.5, 0.0, 0.0]
@@ -1098,12 +1100,21 @@ def test_calibrate_says_whether_a_carried_setting_was_chosen(capsys, tmp_path):
                "max_rel_l1": 0.3}
     summary = {"errors": {}, "ranges_vs_sigma": {}, "sparsity": {}, "carried": {"0.1/4": carried},
                "schedule": {"per_step": ["int8"], "tau_per_step": [0.1], "refresh_every": None}}
-    print_calibration(summary, SimpleNamespace(name="s"), tmp_path, 1.0, 1.0, carry_budget=0.12)
+    print_calibration(summary, SimpleNamespace(name="s", calibrated_steps=20), tmp_path, 1.0, 1.0, carry_budget=0.12)
     assert "no carried setting: none above is within --carry-budget 0.12" in capsys.readouterr().out
+    print_calibration(summary, SimpleNamespace(name="s", calibrated_steps=8), tmp_path, 1.0, 1.0, carry_budget=0.12)
+    assert "no carried setting: calibrated over 8 steps, and a schedule carries only from 20" in capsys.readouterr().out
     summary["schedule"]["refresh_every"] = 4
-    print_calibration(summary, SimpleNamespace(name="s"), tmp_path, 1.0, 1.0, carry_budget=0.12)
+    print_calibration(summary, SimpleNamespace(name="s", calibrated_steps=20), tmp_path, 1.0, 1.0, carry_budget=0.12)
     out = capsys.readouterr().out
     assert "refresh every 4 steps" in out and f"diffusion-int8 eval --schedule {tmp_path / 'schedule.json'}" in out
+
+
+@pytest.fixture
+def carry_at_any_step_count(monkeypatch):
+    """Crafted calibrations of a few steps, whose choice between carrying and dropping is what a test checks: the
+    step minimum for carrying (``test_carrying_needs_a_calibration_of_enough_steps``) lifted."""
+    monkeypatch.setattr(schedule_module, "MIN_CARRY_STEPS", 1)
 
 
 def crafted_carried(carried: dict, noise):
@@ -1118,7 +1129,7 @@ def crafted_carried(carried: dict, noise):
     return cal
 
 
-def test_a_carried_level_is_chosen_where_it_computes_fewer_blocks():
+def test_a_carried_level_is_chosen_where_it_computes_fewer_blocks(carry_at_any_step_count):
     noise = [1.0, 0.75, 0.5, 0.25, 0.0]
     # dropped (the crafted levels): 0.95, 0.8, 0.8 and dense over the four INT8 steps, computing 0.6, 0.3, 0.3 and
     # 1 of the blocks (mean 0.55). Carried 0.8 every 2 computes 1, 0.3, 1, 0.3 (mean 0.65: dropping wins), every 4
@@ -1177,7 +1188,7 @@ def test_step_weights_are_the_noise_each_step_removes():
     torch.testing.assert_close(cal.step_weights(), torch.tensor([1.0]))
 
 
-def test_carried_errors_are_weighed_by_the_noise_each_step_removes():
+def test_carried_errors_are_weighed_by_the_noise_each_step_removes(carry_at_any_step_count):
     """A forecast error at a step that removes little noise costs little: every 4 errs 0.30 at the third step, which
     removes 5% of the noise (0.032 along the trajectory), every 8 errs 0.05 at the steps that remove 85% of it
     (0.0435): at a carry budget of 0.04 every 4 passes and every 8 does not, though every 4's worst step is worse."""
@@ -1189,7 +1200,7 @@ def test_carried_errors_are_weighed_by_the_noise_each_step_removes():
     assert PrecisionSchedule.from_calibration(cal, budget=0.02, sparsity_budget=0.05, carry_budget=0.045).refresh_every == 8
 
 
-def test_carried_errors_are_averaged_over_the_int8_steps_alone():
+def test_carried_errors_are_averaged_over_the_int8_steps_alone(carry_at_any_step_count):
     """The last step runs FP16 (crafted_sparse) and removes a fifth of the noise: its forecast error (1.0) does not
     count, and the four INT8 steps' weights are renormalized (0.3125, 0.3125, 0.25, 0.125), so 0.04 at steps 1-3
     averages 0.0275, not the 0.022 of the weights over all five steps."""
@@ -1208,6 +1219,9 @@ def test_calibrate_cli_with_carried_levels(tmp_path):
     cal = Calibration.load(tmp_path / "cal")
     assert cal.carry_settings() == [(0.5, 2), (0.5, 3)]
     assert "carried, refresh every 2" in res.stdout and "carried, refresh every 3" in res.stdout
+    # said once, before the work: 4 steps are too few for the schedule to carry
+    assert "at 4 steps the schedule will not carry them" in res.stdout.split("\n")[1]
+    assert "no carried setting: calibrated over 4 steps" in res.stdout and "only from 20" not in res.stderr
     summary = (tmp_path / "cal" / "summary.md").read_text()
     assert "## Error of each level with its skipped blocks carried" in summary and "| 0.5 | 3 |" in summary
     assert "along the trajectory" in summary and "along the trajectory" in res.stdout
@@ -1239,7 +1253,7 @@ def test_split_attention_in_blocks_of_rows_equals_one_pass(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-def test_carrying_is_chosen_only_from_the_first_step_on():
+def test_carrying_is_chosen_only_from_the_first_step_on(carry_at_any_step_count):
     """The calibration carries from step 0; a schedule whose first steps run fp16 would carry from a later step at
     run time, refreshing on other steps than measured: no carrying then."""
     noise = [1.0, 0.75, 0.5, 0.25, 0.0]
@@ -1255,3 +1269,29 @@ def test_carrying_is_chosen_only_from_the_first_step_on():
     config = Int8Config("int8", schedule=carrying)
     assert config.refresh_every == 4 and config.replace(schedule=None).refresh_every is None
     assert config.replace(schedule=s).refresh_every is None
+
+
+def test_carrying_needs_a_calibration_of_enough_steps():
+    """The carry budget held image quality from 20 steps on (BENCHMARKS.md): a calibration of fewer steps drops the
+    levels, saying so once, where the same errors over 20 steps carry."""
+    def calibration(steps):
+        noise = torch.linspace(1, 0, steps).tolist()
+        cal = crafted_sparse({0.8: [[0.2] * steps]}, {0.8: [[0.5] * steps]}, noise)  # over the sparsity budget
+        refresh = [1.0 if t % 2 == 0 else 0.1 for t in range(steps)]
+        for st in cal.layers.values():
+            st["carry.rel_l1@0.8/2"] = torch.tensor([0.01] * steps).repeat(2, 1).float()
+            st["carry.kept@0.8/2"] = torch.tensor(refresh).repeat(2, 1).float()
+        cal.meta["carry"] = [[0.8, 2]]
+        return cal
+
+    assert schedule_module.MIN_CARRY_STEPS == 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = PrecisionSchedule.from_calibration(calibration(20), budget=0.02, sparsity_budget=0.05)
+    assert s.refresh_every == 2 and s.calibrated_steps == 20
+    with pytest.warns(RuntimeWarning, match=r"ran 12 denoising steps; a schedule carries skipped blocks only from 20"):
+        s = PrecisionSchedule.from_calibration(calibration(12), budget=0.02, sparsity_budget=0.05)
+    assert s.refresh_every is None and "carried" not in s.name and s.tau_for(1000.0) is None
+    with warnings.catch_warnings():  # nothing to say where carrying was not asked for
+        warnings.simplefilter("error")
+        PrecisionSchedule.from_calibration(calibration(12), budget=0.02, sparsity_budget=0.05, carry_budget=None)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from pathlib import Path
 
 from .. import pipelines
 from ..calibration import calibrate, write_outputs
 from ..calibration.run import OUTPUTS
-from ..schedule import (BUDGET as DEFAULT_BUDGET, CARRY_BUDGET, SPARSITY_BUDGET as DEFAULT_SPARSITY_BUDGET,
-                        PrecisionSchedule)
+from ..schedule import (BUDGET as DEFAULT_BUDGET, CARRY_BUDGET, MIN_CARRY_STEPS,
+                        SPARSITY_BUDGET as DEFAULT_SPARSITY_BUDGET, PrecisionSchedule)
 from .common import add_model_args, check_model, item_kwargs, items_for, load_pipeline, read_items
 from .outputs import check_out, command, output_set
 from .summaries import print_calibration
@@ -56,6 +57,9 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
     if shards.is_main:
         print(f"calibrating {type(pipelines.denoiser(pipe)).__name__} from {model} on {shards.device}: {len(items.values)} "
               f"{'prompts' if items.kind == 'prompt' else 'labels'}, {steps} steps, {shards.world} process(es)")
+        if refresh_every and steps < MIN_CARRY_STEPS:
+            print(f"note: the carried settings are measured, but at {steps} steps the schedule will not carry them "
+                  f"(it does from {MIN_CARRY_STEPS} steps: at fewer the carry budget does not hold image quality)")
     t0 = time.time()
     cal = calibrate(pipe, **item_kwargs(items), steps=steps, batch_size=batch_size, seed=seed,
                     guidance_scale=guidance_scale, percentile=percentile, sparsity_levels=sparsity_levels or (),
@@ -64,8 +68,10 @@ def calibrate_command(out: Path, *, model: str = pipelines.EMBEDDED, prompts: Pa
     calibrating = time.time() - t0
     if shards.is_main:
         carry_budget = CARRY_BUDGET if carry_budget is None else carry_budget
-        schedule = PrecisionSchedule.from_calibration(cal, budget, per_layer=per_layer, sparsity_budget=sparsity_budget,
-                                                      carry_budget=carry_budget)
+        with warnings.catch_warnings():  # the note above said it
+            warnings.filterwarnings("ignore", message=".*a schedule carries skipped blocks only from")
+            schedule = PrecisionSchedule.from_calibration(cal, budget, per_layer=per_layer,
+                                                          sparsity_budget=sparsity_budget, carry_budget=carry_budget)
         with output_set(out, OUTPUTS, overwrite) as tmp:
             summary = write_outputs(cal, schedule, tmp, budget)
         print_calibration(summary, schedule, out, calibrating, time.time() - t0 - calibrating, carry_budget)
@@ -104,7 +110,7 @@ def add_parser(sub) -> None:
                    help="largest relative L1 attention error of a carried setting, averaged along the trajectory "
                         f"over the layers and the steps, each step weighted by the noise it removes; with "
                         f"--refresh-every (default: {CARRY_BUDGET}, about the 30 dB line against FP16 on the long "
-                        "shipped model at 20 and 50 steps)")
+                        f"shipped model at 20 and 50 steps; below {MIN_CARRY_STEPS} steps nothing is carried)")
     p.add_argument("--sparsity-budget", type=error_budget, default=None,
                    help="largest relative L1 attention error block sparsity may add, on top of --budget's "
                         f"(default with --sparsity-levels: {DEFAULT_SPARSITY_BUDGET})")

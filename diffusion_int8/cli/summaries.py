@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..calibration import FILE_NAME
 from ..eval import report as R
+from ..schedule import MIN_CARRY_STEPS
 
 
 def _r2(value: float | None) -> str:
@@ -41,6 +42,9 @@ def print_calibration(summary: dict, schedule, out: Path, calibrating: float, wr
             if every:
                 print(f"  what this costs in images depends on the model (the carry budget's 30 dB line is the long "
                       f"shipped model's): compare with `diffusion-int8 eval --schedule {out / 'schedule.json'}`")
+            elif (schedule.calibrated_steps or 0) < MIN_CARRY_STEPS:
+                print(f"  no carried setting: calibrated over {schedule.calibrated_steps} steps, and a schedule "
+                      f"carries only from {MIN_CARRY_STEPS}")
             else:
                 print(f"  no carried setting: none above is within --carry-budget {carry_budget:g} along the INT8 "
                       f"steps while computing fewer blocks than dropping the levels; a larger budget or a shorter "
