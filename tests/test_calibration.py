@@ -1274,12 +1274,13 @@ def test_carrying_is_chosen_only_from_the_first_step_on(carry_at_any_step_count)
 def test_carrying_needs_a_calibration_of_enough_steps():
     """The carry budget held image quality from 20 steps on (BENCHMARKS.md): a calibration of fewer steps drops the
     levels, saying so once, where the same errors over 20 steps carry."""
-    def calibration(steps):
-        noise = torch.linspace(1, 0, steps).tolist()
-        cal = crafted_sparse({0.8: [[0.2] * steps]}, {0.8: [[0.5] * steps]}, noise)  # over the sparsity budget
-        refresh = [1.0 if t % 2 == 0 else 0.1 for t in range(steps)]
+    def calibration(steps, calls_a_step=1):  # CFG: two calls a step, at one noise level
+        noise = [n for n in torch.linspace(1, 0, steps).tolist() for _ in range(calls_a_step)]
+        T = len(noise)
+        cal = crafted_sparse({0.8: [[0.2] * T]}, {0.8: [[0.5] * T]}, noise)  # over the sparsity budget
+        refresh = [1.0 if t // calls_a_step % 2 == 0 else 0.1 for t in range(T)]
         for st in cal.layers.values():
-            st["carry.rel_l1@0.8/2"] = torch.tensor([0.01] * steps).repeat(2, 1).float()
+            st["carry.rel_l1@0.8/2"] = torch.tensor([0.01] * T).repeat(2, 1).float()
             st["carry.kept@0.8/2"] = torch.tensor(refresh).repeat(2, 1).float()
         cal.meta["carry"] = [[0.8, 2]]
         return cal
@@ -1292,6 +1293,13 @@ def test_carrying_needs_a_calibration_of_enough_steps():
     with pytest.warns(RuntimeWarning, match=r"ran 12 denoising steps; a schedule carries skipped blocks only from 20"):
         s = PrecisionSchedule.from_calibration(calibration(12), budget=0.02, sparsity_budget=0.05)
     assert s.refresh_every is None and "carried" not in s.name and s.tau_for(1000.0) is None
+    with pytest.warns(RuntimeWarning, match=r"ran 12 denoising steps"):  # steps, not calls
+        assert PrecisionSchedule.from_calibration(calibration(12, 2), budget=0.02,
+                                                  sparsity_budget=0.05).refresh_every is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert PrecisionSchedule.from_calibration(calibration(20, 2), budget=0.02,
+                                                  sparsity_budget=0.05).refresh_every == 2
     with warnings.catch_warnings():  # nothing to say where carrying was not asked for
         warnings.simplefilter("error")
         PrecisionSchedule.from_calibration(calibration(12), budget=0.02, sparsity_budget=0.05, carry_budget=None)

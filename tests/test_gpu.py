@@ -41,6 +41,35 @@ def test_cuda_graph_capture_and_replay(mode):
         torch.testing.assert_close(out, int8_attention(*fresh, mode=mode), atol=0, rtol=0)
 
 
+def test_float32_calls_past_fp16s_range_capture_in_a_graph_and_compile(dynamo_warnings):
+    """The float32 route's powers of two stay on the device: a CUDA graph captures the call (a host synchronization
+    would fail the capture) and replays it on new inputs, some past ±65504 and some not, as eager computes them;
+    torch.compile takes it whole."""
+    from diffusion_int8.plugin.routing import int8_sdpa
+
+    def draw(big):
+        q, k, v = realistic_qkv(1, 4, 700, 700, 64, dtype=torch.float32, device="cuda")
+        return (q * 2e4, k / 2e4, v * 3e4) if big else (q, k, v)
+
+    static = [t.clone() for t in draw(True)]
+    int8_sdpa("int8", *static)  # compile kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int8_sdpa("int8", *static)
+    for big in (True, False):
+        fresh = draw(big)
+        for s, f in zip(static, fresh):
+            s.copy_(f)
+        graph.replay()
+        eager = int8_sdpa("int8", *fresh)
+        assert bool(eager.isfinite().all())
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    compiled = torch.compile(lambda q, k, v: int8_sdpa("int8", q, k, v), fullgraph=True)
+    fresh = draw(True)
+    torch.testing.assert_close(compiled(*fresh), int8_sdpa("int8", *fresh), atol=0, rtol=0)
+
+
 def test_memory_is_linear_in_sequence():
     B, H, S, D = 1, 8, 16384, 128
     q, k, v = realistic_qkv(B, H, S, S, D, device="cuda")

@@ -1492,7 +1492,8 @@ def test_a_float32_model_past_fp16s_range_stays_finite(mode):
     call within range converts unscaled, bit for bit as the plain cast."""
     from diffusion_int8.plugin.routing import int8_sdpa
     from diffusion_int8.inputs import realistic_qkv
-    from diffusion_int8.kernels import StaticRanges, int8_attention
+    from diffusion_int8.kernels import Mode, StaticRanges, int8_attention
+    from diffusion_int8.plugin.routing import int8_core
 
     q, k, v = realistic_qkv(1, 2, 200, 200, 64, dtype=torch.float32, seed=3)
     out = int8_sdpa(mode, q, k, v)
@@ -1503,7 +1504,22 @@ def test_a_float32_model_past_fp16s_range_stays_finite(mode):
     out = int8_sdpa(mode, q, k, v)
     assert out.dtype == torch.float32 and bool(out.isfinite().all())
     assert F.cosine_similarity(out.double().flatten(), exact.double().flatten(), 0) > 0.999
-    # static ranges, as a calibration measured them in the model's units, scaled with the inputs
+    # powers of two scale exactly: inputs moved past fp16's range give the in-range call's every output, the
+    # carried blocks' output and the log-sum-exps included (what the carry and the ring path read), V's undone;
+    # up to the fp16 rounding of outputs near zero, which V's scale moves
+    q0, k0, v0 = ((t / t.abs().amax() * 4).half().float()  # fp16's values: each scaling below converts exactly
+                  for t in realistic_qkv(1, 2, 300, 300, 64, dtype=torch.float32, seed=4))
+    mask = torch.rand(1, 2, 3, 3, generator=torch.Generator().manual_seed(0)) > 0.5
+    mask[..., 0] = True
+    in_range = int8_core(Mode.parse(mode), q0, k0, v0, None, None, None, block_mask=mask, return_lse=True,
+                         return_skipped=True)
+    past = int8_core(Mode.parse(mode), q0 * 2 ** 14, k0 / 2 ** 14, v0 * 2 ** 16, None, None, None, block_mask=mask,
+                     return_lse=True, return_skipped=True)
+    assert len(past) == 4 and all(bool(t.isfinite().any()) for t in past)
+    for a, b, by in zip(past, in_range, (2 ** 16, 1, 2 ** 16, 1)):  # output, its lse, the skipped blocks', their lse
+        torch.testing.assert_close(a, b * by, rtol=1e-3, atol=1e-4 * by)
+    # static ranges, as a calibration measured them in the model's units, scaled with the inputs (Q's and K's
+    # decide; V's range and K's mean only move scales by powers of two, which the 8-bit values do not see)
     ranges = StaticRanges(q.abs().amax((2, 3)), k.abs().amax((2, 3)), v.abs().amax(2), k.mean(2))
     out = int8_sdpa(mode, q, k, v, ranges=ranges)
     assert bool(out.isfinite().all())

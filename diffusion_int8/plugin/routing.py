@@ -165,8 +165,9 @@ _FP16_SAFE = 2.0 ** 15  # inputs whose largest element is below this are convert
 
 def fp16_in_range(query, key, value, ranges: StaticRanges):
     """float32 (or float64) Q, K, V (B, H, S, D) as fp16 for the kernel, scaled by powers of two where an element
-    would pass fp16's ±65504: Q times 2^e and K times 2^-e, which leaves every logit as it is and meets their
-    ranges halfway, and V times 2^-f, undone on the output. Powers of two scale exactly, so a call whose inputs all lie
+    reaches 2^15 (fp16 ends at 65504): Q times 2^e and K times 2^-e, which leaves every logit as it is and meets their
+    ranges halfway (so Q and K overflow only where the product of their largest elements passes about 2^31), and V
+    times 2^-f, undone on the output. Powers of two scale exactly, so a call whose inputs all lie
     within ±2^15 is converted unscaled, bit for bit as a plain cast. The factors stay on the device (no host
     synchronization; CUDA graphs and torch.compile take them). Returns the three fp16 tensors, ``ranges`` in the
     scaled units, and V's factor 2^-f (a 0-d float32 tensor)."""
